@@ -1,7 +1,32 @@
-"""vescale_jax: RaggedShard FSDP for JAX."""
+"""vescale_jax: RaggedShard FSDP for JAX.
 
+Public names (DESIGN.md §3): ``plan_bucket``, ``plan``, ``element``/``rows``/``whole``, ``RaggedShard``,
+``shard``/``unshard``, ``ShardedParams``.
+"""
+
+from vescale_jax.buffer import ShardedParams, init_sharded, pack, shard, unpack, unshard
+from vescale_jax.granularity import Granularity, element, rows, whole
 from vescale_jax.layout import RaggedShard
+from vescale_jax.plan import Bucket, LeafSpec, Plan, plan
 from vescale_jax.planner import BucketLayout, plan_bucket
 
-__all__ = ["BucketLayout", "RaggedShard", "plan_bucket"]
+__all__ = [
+    "Bucket",
+    "BucketLayout",
+    "Granularity",
+    "LeafSpec",
+    "Plan",
+    "RaggedShard",
+    "ShardedParams",
+    "element",
+    "init_sharded",
+    "pack",
+    "plan",
+    "plan_bucket",
+    "rows",
+    "shard",
+    "unpack",
+    "unshard",
+    "whole",
+]
 __version__ = "0.1.0"

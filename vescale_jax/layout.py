@@ -77,13 +77,9 @@ class RaggedShard:
                     f"RaggedShard.from_ranges: range {k} = [{start}, {end}) does not continue at {cursor}."
                 )
             if start % block and start != end:
-                raise ValueError(
-                    f"RaggedShard.from_ranges: range {k} starts at {start}, inside a block of {block}."
-                )
+                raise ValueError(f"RaggedShard.from_ranges: range {k} starts at {start}, inside a block of {block}.")
             if end % block and end != size:
-                raise ValueError(
-                    f"RaggedShard.from_ranges: range {k} ends at {end}, cutting a block of {block}."
-                )
+                raise ValueError(f"RaggedShard.from_ranges: range {k} ends at {end}, cutting a block of {block}.")
             units.append(-(-(end - start) // block) if end > start else 0)
             cursor = end
         if cursor != size:

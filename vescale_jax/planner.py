@@ -28,6 +28,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -103,8 +104,7 @@ class BucketLayout:
         """Offset of tensor ``i``'s piece inside each device's local shard (0 where it has none)."""
         n, o, s = self.sizes[i], self.offsets[i], self.shard_size
         return tuple(
-            max(o, k * s) - k * s if min(o + n, (k + 1) * s) > max(o, k * s) else 0
-            for k in range(self.num_devices)
+            max(o, k * s) - k * s if min(o + n, (k + 1) * s) > max(o, k * s) else 0 for k in range(self.num_devices)
         )
 
     def device_loads(self) -> tuple[int, ...]:
@@ -131,7 +131,7 @@ class BucketLayout:
             if n:
                 spans.append((o, o + n, i))
         spans.sort()
-        for (_, e0, i0), (s1, _, i1) in zip(spans, spans[1:], strict=False):
+        for (_, e0, i0), (s1, _, i1) in itertools.pairwise(spans):
             assert e0 <= s1, f"tensors {i0} and {i1} overlap"
 
 

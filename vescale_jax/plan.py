@@ -1,0 +1,349 @@
+"""Tree-level planning: a pytree of parameters -> a :class:`Plan` of flat buckets.
+
+Leaves are grouped into *units* (by default one per top-level module; Linen's ``"params"`` collection key is
+skipped), each unit split by dtype into *buckets*, and every bucket laid out by :func:`plan_bucket`. A unit
+named in ``stacked`` is a scanned layer group: its leaves share a leading layer dim ``L``, the planner lays
+out one layer, and the bucket's buffer has shape ``(L, m*S)``.
+
+This module reads shapes and dtypes only; it never touches device memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from vescale_jax.granularity import Granularity, element
+from vescale_jax.layout import RaggedShard
+from vescale_jax.planner import BucketLayout, plan_bucket
+
+__all__ = ["Bucket", "LeafSpec", "Plan", "plan"]
+
+KeyPath = tuple[Any, ...]
+GranularityArg = Granularity | Callable[[KeyPath, Any], Granularity]
+UnitsArg = Callable[[KeyPath, Any], str] | None
+
+
+def _key_name(key: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def path_str(path: KeyPath) -> str:
+    """``"layers/attn/kernel"`` style name of a key path (NNX's trailing ``value`` dropped)."""
+    names = [_key_name(k) for k in path]
+    if len(names) > 1 and names[-1] == "value" and isinstance(path[-1], jax.tree_util.GetAttrKey):
+        names = names[:-1]
+    return "/".join(names)
+
+
+def default_unit(path: KeyPath, leaf: Any) -> str:
+    """One unit per top-level module; a leading Linen ``"params"`` collection key is skipped."""
+    names = path_str(path).split("/")
+    if names[0] == "params" and len(names) > 2:
+        return names[1]
+    return names[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafSpec:
+    """Where one leaf of the logical tree lives.
+
+    Attributes:
+      path: the leaf's key path as ``"a/b/c"``.
+      shape: logical shape (stacked leaves include the leading layer dim).
+      dtype: dtype name.
+      bucket: index of its bucket in ``Plan.buckets``.
+      slot: its index inside that bucket's layout.
+      granularity: the block policy it was planned with.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    bucket: int
+    slot: int
+    granularity: Granularity
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """One flat buffer: the leaves of one unit and one dtype.
+
+    Attributes:
+      name: ``"<unit>:<dtype>"``.
+      unit: the unit the leaves belong to.
+      dtype: dtype name of every leaf in it.
+      layout: the per-layer :class:`BucketLayout`.
+      leaves: indices of its leaves in the flattened logical tree, in layout slot order.
+      layers: ``L`` for a stacked layer group, else ``None``.
+
+    Sharding:
+      The buffer has shape ``(m*S,)`` (or ``(L, m*S)``) and ``PartitionSpec(axis)`` (or ``(None, axis)``):
+      device ``k`` holds ``[k*S, (k+1)*S)`` of every layer.
+    """
+
+    name: str
+    unit: str
+    dtype: str
+    layout: BucketLayout
+    leaves: tuple[int, ...]
+    layers: int | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        flat = (self.layout.total_size,)
+        return flat if self.layers is None else (self.layers, *flat)
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        flat = (self.layout.shard_size,)
+        return flat if self.layers is None else (self.layers, *flat)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How a parameter tree is packed into sharded flat buckets. Hashable and deterministic.
+
+    Attributes:
+      treedef: the logical tree's structure.
+      leaves: one :class:`LeafSpec` per leaf, in flattening order.
+      buckets: the buckets, in order of first appearance in the tree.
+      mesh: the device mesh.
+      axis: the mesh axis (or axes) the buckets are sharded over.
+    """
+
+    treedef: Any
+    leaves: tuple[LeafSpec, ...]
+    buckets: tuple[Bucket, ...]
+    mesh: jax.sharding.Mesh
+    axis: str | tuple[str, ...]
+
+    @property
+    def num_devices(self) -> int:
+        axes = (self.axis,) if isinstance(self.axis, str) else self.axis
+        return math.prod(self.mesh.shape[a] for a in axes)
+
+    @property
+    def padding_fraction(self) -> float:
+        """Padding elements over all buffer elements, across every bucket (layers counted)."""
+        total = sum(math.prod(b.shape) for b in self.buckets)
+        used = sum(s.size for s in self.leaves)
+        return (total - used) / total if total else 0.0
+
+    def partition_spec(self, bucket: Bucket) -> jax.sharding.PartitionSpec:
+        P = jax.sharding.PartitionSpec
+        return P(self.axis) if bucket.layers is None else P(None, self.axis)
+
+    def shardings(self) -> tuple[jax.sharding.NamedSharding, ...]:
+        """The ``NamedSharding`` of each bucket's buffer."""
+        return tuple(jax.sharding.NamedSharding(self.mesh, self.partition_spec(b)) for b in self.buckets)
+
+    def leaf(self, path: str) -> LeafSpec:
+        for spec in self.leaves:
+            if spec.path == path:
+                return spec
+        raise KeyError(f"no leaf {path!r} in the plan; leaves are: {[s.path for s in self.leaves][:8]}...")
+
+    def shard_of(self, path: str) -> RaggedShard:
+        """The :class:`RaggedShard` of one leaf (per layer for a stacked leaf)."""
+        spec = self.leaf(path)
+        bucket = self.buckets[spec.bucket]
+        shape = spec.shape if bucket.layers is None else spec.shape[1:]
+        return bucket.layout.ragged_shard(spec.slot, shape)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable description of the layout (mesh and tree structure by name only)."""
+        return {
+            "axis": self.axis,
+            "num_devices": self.num_devices,
+            "leaves": [
+                {
+                    "path": s.path,
+                    "shape": list(s.shape),
+                    "dtype": s.dtype,
+                    "bucket": s.bucket,
+                    "slot": s.slot,
+                    "granularity": repr(s.granularity),
+                }
+                for s in self.leaves
+            ],
+            "buckets": [
+                {
+                    "name": b.name,
+                    "dtype": b.dtype,
+                    "layers": b.layers,
+                    "shard_size": b.layout.shard_size,
+                    "align": b.layout.align,
+                    "offsets": list(b.layout.offsets),
+                    "sizes": list(b.layout.sizes),
+                    "blocks": list(b.layout.blocks),
+                    "leaves": list(b.leaves),
+                }
+                for b in self.buckets
+            ],
+        }
+
+    def fingerprint(self) -> str:
+        """SHA-256 of :meth:`to_dict`: equal on every process that planned the same tree the same way."""
+        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def summary(self) -> str:
+        """A human-readable table of buckets, S, padding and per-device load."""
+        m = self.num_devices
+        rows = [("bucket", "dtype", "leaves", "layers", "S", "m*S", "padding", "load min/max", "MiB/dev")]
+        for b in self.buckets:
+            loads = b.layout.device_loads()
+            per_dev = b.nbytes / m / 2**20
+            rows.append(
+                (
+                    b.name,
+                    b.dtype,
+                    str(len(b.leaves)),
+                    str(b.layers or "-"),
+                    f"{b.layout.shard_size:,}",
+                    f"{b.layout.total_size:,}",
+                    f"{b.layout.padding_fraction:.2%}",
+                    f"{min(loads):,}/{max(loads):,}",
+                    f"{per_dev:.2f}",
+                )
+            )
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+        lines = ["  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)) for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        total = sum(b.nbytes for b in self.buckets)
+        lines.append(
+            f"{len(self.buckets)} buckets, {len(self.leaves)} leaves over {m} devices on axis {self.axis!r}: "
+            f"{total / m / 2**20:.2f} MiB per device, padding {self.padding_fraction:.3%}"
+        )
+        return "\n".join(lines)
+
+
+def _mesh_size(mesh: jax.sharding.Mesh, axis: str | Sequence[str]) -> int:
+    axes = (axis,) if isinstance(axis, str) else tuple(axis)
+    missing = [a for a in axes if a not in mesh.shape]
+    if missing:
+        raise ValueError(
+            f"vj.plan: mesh has axes {tuple(mesh.shape)} but no axis {missing[0]!r}; build the mesh with "
+            f"that axis (e.g. jax.make_mesh(({mesh.size},), ({missing[0]!r},))) or pass axis=... naming one "
+            "of its axes."
+        )
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def _leaf_shape_dtype(path: KeyPath, leaf: Any) -> tuple[tuple[int, ...], np.dtype]:
+    shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
+    if shape is None or dtype is None:
+        raise TypeError(
+            f"vj.plan: leaf {jax.tree_util.keystr(path)} is a {type(leaf).__name__}, not an array; the params "
+            "tree must hold arrays or jax.ShapeDtypeStruct only (wrap scalars with jnp.asarray, or move "
+            "non-parameter state out of the tree, e.g. nnx.state(model, nnx.Param))."
+        )
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        raise TypeError(
+            f"vj.plan: leaf {jax.tree_util.keystr(path)} holds PRNG keys ({dtype}); keep RNG state out of the "
+            "params tree (e.g. nnx.state(model, nnx.Param))."
+        )
+    return tuple(int(d) for d in shape), np.dtype(dtype)
+
+
+def _resolve_granularity(granularity: GranularityArg, path: KeyPath, leaf: Any) -> Granularity:
+    g = granularity(path, leaf) if callable(granularity) and not isinstance(granularity, Granularity) else granularity
+    if not isinstance(g, Granularity):
+        raise TypeError(
+            f"vj.plan: granularity for leaf {jax.tree_util.keystr(path)} is {g!r}; it must be vj.element(), "
+            "vj.rows(k) or vj.whole() (or a callable of (path, leaf) returning one)."
+        )
+    return g
+
+
+def plan(
+    params: Any,
+    mesh: jax.sharding.Mesh,
+    *,
+    axis: str | tuple[str, ...] = "fsdp",
+    granularity: GranularityArg | None = None,
+    units: UnitsArg = None,
+    stacked: Collection[str] | Callable[[str], bool] = (),
+    align_bytes: int = 16,
+) -> Plan:
+    """Plans the flat, sharded buckets for a parameter tree.
+
+    Args:
+      params: a pytree of arrays or ``jax.ShapeDtypeStruct`` (Flax NNX ``State``, Linen params, ...).
+      mesh: the device mesh.
+      axis: mesh axis (or tuple of axes) to shard the buckets over.
+      granularity: ``vj.element()`` (default), ``vj.rows(k)``, ``vj.whole()`` or a callable
+        ``(key_path, leaf) -> Granularity`` choosing per leaf.
+      units: callable ``(key_path, leaf) -> unit name`` grouping leaves into buckets; default one unit per
+        top-level module (see :func:`default_unit`). Dtypes are never mixed in a bucket.
+      stacked: unit names (or a predicate on the unit name) that are scanned layer groups; their leaves share
+        a leading layer dim and get a per-layer layout and a buffer of shape ``(L, m*S)``.
+      align_bytes: offsets and ``S`` are multiples of ``align_bytes // itemsize`` elements.
+
+    Returns:
+      A hashable, deterministic :class:`Plan`.
+
+    Sharding:
+      Each bucket is sharded evenly over ``axis``; every leaf's placement is a :class:`RaggedShard`.
+    """
+    m = _mesh_size(mesh, axis)
+    axis = axis if isinstance(axis, str) else tuple(axis)
+    granularity = element() if granularity is None else granularity
+    unit_of = default_unit if units is None else units
+    is_stacked = stacked if callable(stacked) else (lambda name, names=frozenset(stacked): name in names)
+    if isinstance(align_bytes, bool) or not isinstance(align_bytes, int) or align_bytes < 1:
+        raise ValueError(f"vj.plan: align_bytes must be a positive integer, got {align_bytes!r}")
+
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    groups: dict[tuple[str, str], list[int]] = {}
+    infos = []
+    for index, (path, leaf) in enumerate(flat):
+        shape, dtype = _leaf_shape_dtype(path, leaf)
+        unit = str(unit_of(path, leaf))
+        g = _resolve_granularity(granularity, path, leaf)
+        infos.append((path, shape, dtype, unit, g))
+        groups.setdefault((unit, dtype.name), []).append(index)
+
+    specs: list[LeafSpec | None] = [None] * len(flat)
+    buckets = []
+    for (unit, dtype_name), indices in groups.items():
+        layers = None
+        if is_stacked(unit):
+            leads = {infos[i][1][:1] for i in indices}
+            if len(leads) != 1 or () in leads:
+                detail = ", ".join(f"{jax.tree_util.keystr(infos[i][0])}: {infos[i][1]}" for i in indices[:4])
+                raise ValueError(
+                    f"vj.plan: stacked unit {unit!r} needs every leaf to share a leading layer dim, got {detail}; "
+                    "stack the layers (nnx.vmap / nn.scan) or leave the unit out of stacked=."
+                )
+            layers = infos[indices[0]][1][0]
+        per_layer = [infos[i][1][1:] if layers is not None else infos[i][1] for i in indices]
+        sizes = [math.prod(s) for s in per_layer]
+        blocks = [infos[i][4].block(s) for i, s in zip(indices, per_layer, strict=True)]
+        align = max(1, align_bytes // np.dtype(dtype_name).itemsize)
+        layout = plan_bucket(sizes, blocks, m, align=align)
+        b = len(buckets)
+        buckets.append(Bucket(f"{unit}:{dtype_name}", unit, dtype_name, layout, tuple(indices), layers))
+        for slot, i in enumerate(indices):
+            path, shape, _, _, g = infos[i]
+            specs[i] = LeafSpec(path_str(path), shape, dtype_name, b, slot, g)
+    return Plan(treedef, tuple(specs), tuple(buckets), mesh, axis)
