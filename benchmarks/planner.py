@@ -11,9 +11,9 @@ parameters (offsets and ``S`` aligned to 16 bytes = 8 elements):
   ``S >= max(ceil(numel/m), largest block)`` that is a multiple of the alignment and of the block of every
   tensor longer than ``2S`` (``vescale_jax.planner._Candidates``). No planner can pad less than this.
 * **FSDP2 dim-0**: padding of even dim-0 sharding (each tensor's dim 0, or its only dim, padded up to a
-  multiple of ``m``), over the whole model.
-* **imbalance**: the largest, over buckets, of ``max(device load) / (numel/m) - 1``, where a device's load is
-  the real (non-padding) elements it owns.
+  multiple of ``m``; no alignment), over the whole model.
+* **max load / mean**: the largest, over buckets, of ``max(device load) / (numel/m)``, where a device's load
+  is the real (non-padding) elements it owns (1.000 is perfect balance).
 * **time**: wall time (``time.perf_counter``) to plan every bucket of the model with a cold planner cache
   (``_plan_bucket_cached.cache_clear()`` first), best of 3. Identical layers hit the planner's LRU cache
   inside one run; that deduplication is part of the measured time.
@@ -82,7 +82,7 @@ class Result:
     padding: float  # planner, over the whole model
     forced: float  # lower bound, over the whole model
     fsdp2: float  # even dim-0 sharding, over the whole model
-    imbalance: float  # max over buckets
+    imbalance: float  # max over buckets of max(device load) / mean load
     seconds: float  # best of REPEATS cold runs
     worst_bucket: str  # bucket whose planner S exceeds its S_lb by the largest fraction of m*S_lb
     worst_s: int
@@ -150,7 +150,7 @@ def plan_model(inputs: list[BucketInput], m: int) -> tuple[list[vj.BucketLayout]
 def measure(model: str, m: int, k: int, inputs: list[BucketInput], fsdp2: float) -> Result:
     layouts, seconds = plan_model(inputs, m)
     numel = planned = bound = 0
-    imbalance = 0.0
+    imbalance = 1.0
     worst = ("-", 0, 0, 0)
     for b, layout in zip(inputs, layouts, strict=True):
         layout.check()
@@ -160,7 +160,7 @@ def measure(model: str, m: int, k: int, inputs: list[BucketInput], fsdp2: float)
         numel += total
         planned += layout.total_size
         bound += m * s_lb
-        imbalance = max(imbalance, max(layout.device_loads()) * m / total - 1)
+        imbalance = max(imbalance, max(layout.device_loads()) * m / total)
         excess = m * (layout.shard_size - s_lb)
         if excess * max(worst[2], 1) > worst[3] * s_lb:  # compare excess / (m*S_lb) across buckets
             worst = (b.name, layout.shard_size, s_lb, excess)
@@ -206,7 +206,7 @@ def pct(x: float) -> str:
 
 def table(results: list[Result]) -> str:
     head = (
-        "| model | m | granularity | buckets | padding | forced bound | FSDP2 dim-0 | max imbalance "
+        "| model | m | granularity | buckets | padding | forced bound | FSDP2 dim-0 | max load / mean "
         "| plan time (ms) | check |"
     )
     lines = [head, "|---|--:|---|--:|--:|--:|--:|--:|--:|---|"]
@@ -220,76 +220,92 @@ def table(results: list[Result]) -> str:
             status.append("ok" if r.gated else "ok (time only)")
         lines.append(
             f"| {r.model} | {r.m} | rows({r.k}) | {r.num_buckets} | {pct(r.padding)} | {pct(r.forced)} "
-            f"| {pct(r.fsdp2)} | {pct(r.imbalance)} | {1e3 * r.seconds:.1f} | {'; '.join(status)} |"
+            f"| {pct(r.fsdp2)} | {r.imbalance:.3f} | {1e3 * r.seconds:.1f} | {'; '.join(status)} |"
         )
     return "\n".join(lines)
+
+
+def _are(count: int) -> str:
+    return "is" if count == 1 else "are"
+
+
+def _cfg(r: Result) -> str:
+    return f"{r.model} m={r.m} rows({r.k})"
 
 
 def reading(results: list[Result]) -> str:
     """A paragraph about the results, computed from them."""
     out: list[str] = []
+    n = len(results)
+
     over = [r for r in results if r.padding > PAD_LIMIT]
     if not over:
-        out.append(f"No configuration pads more than {pct(PAD_LIMIT)} of its buffer.")
+        out.append(f"No configuration pads more than {pct(PAD_LIMIT)} of its buffers.")
     else:
         at_bound = [r for r in over if r.padding - r.forced <= BOUND_SLACK]
-        desc = ", ".join(
-            f"{r.model} m={r.m} rows({r.k}) ({pct(r.padding)} vs forced {pct(r.forced)})" for r in over
-        )
-        out.append(f"{len(over)} of {len(results)} configurations pad more than {pct(PAD_LIMIT)}: {desc}.")
-        if len(at_bound) == len(over):
-            out.append(
-                "All of them are within 0.1 percentage point of the forced bound, so no planner could do "
-                "materially better with these blocks and this alignment: the padding comes from the "
-                "constraints (a block larger than numel/m, or S forced to a multiple of a large block)."
-            )
-        else:
-            far = [r for r in over if r.padding - r.forced > BOUND_SLACK]
-            out.append(
-                f"{len(at_bound)} of them are within 0.1 percentage point of the forced bound; "
-                + ", ".join(f"{r.model} m={r.m} rows({r.k})" for r in far)
-                + " exceed it by more."
-            )
-    gaps = sorted(results, key=lambda r: r.padding - r.forced, reverse=True)
-    g = gaps[0]
-    if g.padding - g.forced <= 1e-12:
-        out.append("In every configuration the planner's padding equals the forced lower bound exactly.")
-    else:
-        exact = sum(1 for r in results if r.padding - r.forced <= 1e-12)
+        far = [r for r in over if r.padding - r.forced > BOUND_SLACK]
         out.append(
-            f"The planner reaches the forced lower bound exactly in {exact} of {len(results)} "
-            f"configurations; the largest gap is {100 * (g.padding - g.forced):.3f} percentage points "
-            f"({g.model} m={g.m} rows({g.k}): {pct(g.padding)} vs {pct(g.forced)}), worst in bucket "
-            f"{g.worst_bucket!r} (S={g.worst_s} vs S_lb={g.worst_s_lb}, {g.worst_excess} extra elements "
-            f"over {g.m} devices)."
-        )
-    better = sum(1 for r in results if r.padding < r.fsdp2)
-    worse = [r for r in results if r.padding > r.fsdp2]
-    out.append(
-        f"Against even dim-0 sharding (FSDP2), the planner pads less in {better} of {len(results)} "
-        f"configurations"
-        + (
-            "."
-            if not worse
-            else " and more in "
-            + ", ".join(f"{r.model} m={r.m} rows({r.k}) ({pct(r.padding)} vs {pct(r.fsdp2)})" for r in worse)
+            f"{len(over)} of {n} configurations pad more than {pct(PAD_LIMIT)}: "
+            + ", ".join(f"{_cfg(r)} ({pct(r.padding)}, forced {pct(r.forced)})" for r in over)
             + "."
         )
-    )
-    worst_fsdp2 = max(results, key=lambda r: r.fsdp2)
-    out.append(
-        f"FSDP2's worst case is {worst_fsdp2.model} at m={worst_fsdp2.m} with {pct(worst_fsdp2.fsdp2)}."
-    )
+        gated = [r for r in over if r.gated]
+        out.append(
+            f"{len(at_bound)} of these {len(over)} {_are(len(at_bound))} within 0.1 percentage point of "
+            "the forced bound"
+            + (f" ({', '.join(_cfg(r) for r in far)} {_are(len(far))} not)" if far else "")
+            + (
+                "; at the bound the padding is imposed by the blocks and the alignment (a block larger "
+                "than numel/m, or S forced to a multiple of the blocks of tensors longer than 2S), not by "
+                "the planner. "
+                if at_bound
+                else ". "
+            )
+            + (
+                f"{len(gated)} of them {_are(len(gated))} gated (m <= {GATED_MAX_M}, rows(1)/rows(16)): "
+                + ", ".join(_cfg(r) for r in gated)
+                + "."
+                if gated
+                else f"None of them is gated (m <= {GATED_MAX_M}, rows(1)/rows(16))."
+            )
+        )
+
+    gaps = [r for r in results if r.padding > r.forced]
+    if not gaps:
+        out.append("In every configuration the planner's padding equals the forced lower bound exactly.")
+    else:
+        out.append(
+            f"The planner reaches the forced lower bound exactly in {n - len(gaps)} of {n} configurations. "
+            "Above it: "
+            + "; ".join(
+                f"{_cfg(r)} by {100 * (r.padding - r.forced):.3f} pp, worst bucket {r.worst_bucket!r} with "
+                f"S={r.worst_s} vs S_lb={r.worst_s_lb} (+{100 * (r.worst_s / r.worst_s_lb - 1):.3f}%)"
+                for r in sorted(gaps, key=lambda r: r.forced - r.padding)
+            )
+            + ". The bound is only a necessary condition, so a gap means that either the planner missed a "
+            "smaller S or S_lb is not achievable; this benchmark does not tell which."
+        )
+
+    less = [r for r in results if r.padding < r.fsdp2]
+    more = [r for r in results if r.padding > r.fsdp2]
+    parts = [f"Against even dim-0 sharding (FSDP2), the planner pads less in {len(less)} of {n} configurations"]
+    if less:
+        best = max(less, key=lambda r: r.fsdp2 - r.padding)
+        parts.append(f" (most: {_cfg(best)}, {pct(best.padding)} vs {pct(best.fsdp2)})")
+    parts.append(f" and more in {len(more)}")
+    if more:
+        worst = max(more, key=lambda r: r.padding - r.fsdp2)
+        parts.append(f" (most: {_cfg(worst)}, {pct(worst.padding)} vs {pct(worst.fsdp2)})")
+    parts.append(".")
+    out.append("".join(parts))
+
     slow = max(results, key=lambda r: r.seconds)
     out.append(
-        f"The slowest whole-model plan takes {1e3 * slow.seconds:.1f} ms ({slow.model} m={slow.m} "
-        f"rows({slow.k})), against a limit of {1e3 * TIME_LIMIT_S:.0f} ms."
+        f"The slowest whole-model plan takes {1e3 * slow.seconds:.1f} ms ({_cfg(slow)}), against a limit of "
+        f"{1e3 * TIME_LIMIT_S:.0f} ms; the fastest takes {1e3 * min(r.seconds for r in results):.1f} ms."
     )
     imb = max(results, key=lambda r: r.imbalance)
-    out.append(
-        f"The largest per-device load imbalance in any bucket is {pct(imb.imbalance)} "
-        f"({imb.model} m={imb.m} rows({imb.k}))."
-    )
+    out.append(f"The most loaded device of any bucket holds {imb.imbalance:.3f} times the mean load ({_cfg(imb)}).")
     return " ".join(out)
 
 
@@ -329,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="also write a markdown report to this path")
     parser.add_argument("--quick", action="store_true", help="only m in {8, 256} and rows(1), rows(16)")
+    parser.add_argument(
+        "--no-time-gate", action="store_true", help="report planning time but do not fail on it (used by tests)"
+    )
     args = parser.parse_args(argv)
     device_counts, ks = (QUICK_DEVICE_COUNTS, QUICK_ROWS) if args.quick else (DEVICE_COUNTS, ROWS)
 
@@ -350,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     ] + [
         f"{r.model} m={r.m} rows({r.k}): plan time {1e3 * r.seconds:.1f} ms >= {1e3 * TIME_LIMIT_S:.0f} ms"
         for r in results
-        if r.time_failed
+        if r.time_failed and not args.no_time_gate
     ]
     for f in failures:
         print(f"FAIL: {f}", file=sys.stderr)

@@ -4,10 +4,12 @@ Public names (DESIGN.md §3): ``plan_bucket``, ``plan``, ``element``/``rows``/``
 ``shard``/``unshard``, ``ShardedParams``.
 """
 
+from vescale_jax import redistribute
 from vescale_jax.buffer import ShardedParams, init_sharded, pack, shard, unpack, unshard
 from vescale_jax.granularity import Granularity, element, rows, whole
 from vescale_jax.layout import RaggedShard
 from vescale_jax.plan import Bucket, LeafSpec, Plan, plan
+from vescale_jax.plan import path_str as plan_path
 from vescale_jax.planner import BucketLayout, plan_bucket
 
 __all__ = [
@@ -23,6 +25,8 @@ __all__ = [
     "pack",
     "plan",
     "plan_bucket",
+    "plan_path",
+    "redistribute",
     "rows",
     "shard",
     "unpack",
