@@ -19,7 +19,9 @@ Algorithm:
 * **Search over S.** Candidates start at a lower bound (``ceil(total/m)``, the largest block) and skip values
   that break a necessary condition: a tensor of more than ``2S`` elements spans two boundaries, so ``S`` must
   be a multiple of its block. Candidates are scanned in increasing order; after ``LINEAR_PROBES`` failures the
-  search probes geometrically and bisects (feasibility is not monotone in S, so this phase is a heuristic).
+  search probes geometrically and bisects (feasibility is not monotone in S, so this phase is a heuristic),
+  then tries a few "hint" candidates below the result: multiples of the blocks of every tensor longer than
+  ``S``, where such tensors may cross boundaries anywhere on their block grid.
   ``S = sum(aligned sizes)`` (everything on device 0) is always feasible, so the search ends.
 """
 
@@ -38,6 +40,7 @@ __all__ = ["BucketLayout", "plan_bucket"]
 
 EXACT_MAX_TENSORS = 8
 LINEAR_PROBES = 256
+HINT_PROBES = 8
 
 
 def _ceil_to(x: int, a: int) -> int:
@@ -254,10 +257,14 @@ def _attempt(sizes, blocks, s: int, a: int, m: int, orders, exact: bool) -> tupl
 
 
 class _Candidates:
-    """Smallest S >= x that is a multiple of ``a`` and of every block of a tensor longer than ``2S``."""
+    """Smallest S >= x that is a multiple of ``a`` and of every block of a tensor longer than ``span * S``.
 
-    def __init__(self, sizes, blocks, a: int):
-        big = sorted(((n - 1) // 2, b) for n, b in zip(sizes, blocks, strict=True) if b < n)
+    With ``span=2`` this is a necessary condition (such a tensor crosses two boundaries). With ``span=1`` it
+    is a hint: S values that let every tensor longer than S cross boundaries anywhere on its block grid.
+    """
+
+    def __init__(self, sizes, blocks, a: int, span: int = 2):
+        big = sorted(((n - 1) // span, b) for n, b in zip(sizes, blocks, strict=True) if b < n)
         self._thresholds = [t for t, _ in big]  # tensor j constrains S while S <= thresholds[j]
         # suffix_lcm[j] = lcm(a, blocks of tensors j..end) (those with threshold >= thresholds[j])
         lcms = [a] * (len(big) + 1)
@@ -374,4 +381,17 @@ def _plan_bucket_cached(sizes: tuple[int, ...], blocks: tuple[int, ...], m: int,
             prev = mid
         else:
             s, offsets = mid, found
+    # Second chance: the "hint" candidates (multiples of the blocks of every tensor longer than S) are where
+    # sparse feasible values tend to sit when the jumps above skipped them.
+    hint = _Candidates(sizes, blocks, a, span=1)
+    x = lower
+    for _ in range(HINT_PROBES):
+        x = cands.next(hint.next(x))
+        if x >= s:
+            break
+        found, _ = attempt(x)
+        if found is not None:
+            s, offsets = x, found
+            break
+        x += 1
     return BucketLayout(sizes, blocks, tuple(offsets), s, m, a)
