@@ -196,19 +196,7 @@ def test_plan_from_shape_dtype_structs_and_init_sharded_never_holds_the_model():
     mem = jax.jit(lambda k: vj.pack(jax.tree.leaves(init(k)), plan)).lower(jax.random.key(0))
     naive = mem.compile().memory_analysis().temp_size_in_bytes
     # The compiled init behind init_sharded: its transient memory stays near one leaf, not the model.
-    from vescale_jax.buffer import _auto_mesh, _even_spec
-
-    auto = _auto_mesh(mesh)
-
-    def packed(k):
-        leaves = [
-            jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(auto, _even_spec(x.shape, "fsdp", 8)))
-            for x in jax.tree.leaves(init(k))
-        ]
-        return vj.pack(leaves, plan)
-
-    out = tuple(jax.sharding.NamedSharding(auto, plan.partition_spec(b)) for b in plan.buckets)
-    compiled = jax.jit(packed, out_shardings=out).lower(jax.random.key(0)).compile()
+    compiled = vj.buffer.init_sharded_fn(init, plan).lower(jax.random.key(0)).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
     assert temp < 0.75 * model_bytes, (temp, model_bytes, naive)
     assert temp <= 1.25 * largest, (temp, largest)

@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,6 +20,7 @@ __all__ = [
     "ShardedParams",
     "check_tree",
     "init_sharded",
+    "init_sharded_fn",
     "pack",
     "pack_bucket",
     "shard",
@@ -182,22 +182,8 @@ def _even_spec(shape: tuple[int, ...], axis: Any, m: int) -> jax.sharding.Partit
     return jax.sharding.PartitionSpec(*spec)
 
 
-def init_sharded(init_fn: Callable[..., Any], plan: Plan, *args: Any) -> ShardedParams:
-    """Runs ``init_fn(*args)`` straight into the plan's shards, under ``jit``.
-
-    Each leaf is created sharded on its largest dim divisible by the device count (XLA partitions the
-    initialisers, threefry included, so each device draws only its part), then moved into the bucket layout.
-    No device holds the whole model: the transient peak is about one leaf (``compiled.memory_analysis()``
-    of this function is checked in the tests).
-
-    Args:
-      init_fn: returns a tree matching ``plan`` (e.g. ``lambda key: model.init(key, x)["params"]``).
-      plan: the plan, typically made from ``jax.eval_shape(init_fn, *args)``.
-      *args: arguments of ``init_fn`` (PRNG keys, example inputs).
-
-    Returns:
-      :class:`ShardedParams` with the plan's shardings.
-    """
+def init_sharded_fn(init_fn: Callable[..., Any], plan: Plan) -> Callable[..., tuple[jax.Array, ...]]:
+    """The jitted function behind :func:`init_sharded`: ``(*args) -> bucket buffers`` (lower it to inspect)."""
     mesh = _auto_mesh(plan.mesh)
     m = plan.num_devices
 
@@ -210,11 +196,25 @@ def init_sharded(init_fn: Callable[..., Any], plan: Plan, *args: Any) -> Sharded
         return pack(leaves, plan)
 
     out = tuple(jax.sharding.NamedSharding(mesh, plan.partition_spec(b)) for b in plan.buckets)
-    buffers = jax.jit(packed, out_shardings=out)(*args)
+    return jax.jit(packed, out_shardings=out)
+
+
+def init_sharded(init_fn: Callable[..., Any], plan: Plan, *args: Any) -> ShardedParams:
+    """Runs ``init_fn(*args)`` straight into the plan's shards, under ``jit``.
+
+    Each leaf is created sharded on its largest dim divisible by the device count (XLA partitions the
+    initialisers, threefry included, so each device draws only its part), then moved into the bucket layout.
+    No device holds the whole model: the transient peak is about one leaf (``init_sharded_fn(...)`` lowers
+    to inspect it; the tests check its ``memory_analysis()``).
+
+    Args:
+      init_fn: returns a tree matching ``plan`` (e.g. ``lambda key: model.init(key, x)["params"]``).
+      plan: the plan, typically made from ``jax.eval_shape(init_fn, *args)``.
+      *args: arguments of ``init_fn`` (PRNG keys, example inputs).
+
+    Returns:
+      :class:`ShardedParams` with the plan's shardings. Values equal ``jax.jit(init_fn)(*args)`` bit for bit.
+    """
+    buffers = init_sharded_fn(init_fn, plan)(*args)
     # Same devices, same layout: relabelling onto the plan's own mesh moves no data.
     return ShardedParams([jax.device_put(x, s) for x, s in zip(buffers, plan.shardings(), strict=True)], plan)
-
-
-def nbytes(sp: ShardedParams) -> int:
-    """Global bytes of all buffers (padding included)."""
-    return sum(math.prod(x.shape) * x.dtype.itemsize for x in sp.buffers)
