@@ -138,8 +138,7 @@ class Plan:
 
     @property
     def num_devices(self) -> int:
-        axes = (self.axis,) if isinstance(self.axis, str) else self.axis
-        return math.prod(self.mesh.shape[a] for a in axes)
+        return _mesh_size(self.mesh, self.axis)
 
     @property
     def padding_fraction(self) -> float:
