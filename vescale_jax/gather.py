@@ -43,10 +43,7 @@ def gather_bucket(local: jax.Array, bucket: Bucket, plan: Plan) -> list[jax.Arra
             f"{plan.axis!r}."
         )
     full = jax.lax.all_gather(local, plan.axis, tiled=True)
-    shapes = [plan.leaves[i].shape for i in bucket.leaves]
-    if bucket.layers is not None:
-        shapes = [s[1:] for s in shapes]
-    return unpack_bucket(full, bucket, shapes)
+    return unpack_bucket(full, bucket, [plan.layer_shape(plan.leaves[i]) for i in bucket.leaves])
 
 
 def gather_params(local_buffers: Any, plan: Plan) -> Any:

@@ -161,12 +161,14 @@ class Plan:
                 return spec
         raise KeyError(f"no leaf {path!r} in the plan; leaves are: {[s.path for s in self.leaves][:8]}...")
 
+    def layer_shape(self, spec: LeafSpec) -> tuple[int, ...]:
+        """A leaf's shape as laid out in its bucket: without the layer dim for a stacked bucket."""
+        return spec.shape if self.buckets[spec.bucket].layers is None else spec.shape[1:]
+
     def shard_of(self, path: str) -> RaggedShard:
         """The :class:`RaggedShard` of one leaf (per layer for a stacked leaf)."""
         spec = self.leaf(path)
-        bucket = self.buckets[spec.bucket]
-        shape = spec.shape if bucket.layers is None else spec.shape[1:]
-        return bucket.layout.ragged_shard(spec.slot, shape)
+        return self.buckets[spec.bucket].layout.ragged_shard(spec.slot, self.layer_shape(spec))
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable description of the layout (mesh and tree structure by name only)."""
