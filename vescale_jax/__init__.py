@@ -1,12 +1,15 @@
 """vescale_jax: RaggedShard FSDP for JAX.
 
 Public names (DESIGN.md §3): ``plan_bucket``, ``plan``, ``element``/``rows``/``whole``, ``RaggedShard``,
-``shard``/``unshard``, ``ShardedParams``.
+``shard``/``unshard``, ``ShardedParams``; the runtime ``fsdp``, ``apply``, ``scan_layers``, ``init_opt_state``
+and the Flax adapters in ``vj.flax``.
 """
 
-from vescale_jax import redistribute
+from vescale_jax import flax, redistribute
 from vescale_jax.buffer import ShardedParams, init_sharded, pack, shard, unpack, unshard
+from vescale_jax.fsdp import apply, data_sharding, fsdp, init_opt_state
 from vescale_jax.granularity import Granularity, element, rows, whole
+from vescale_jax.layers import LayerShard, scan_layers
 from vescale_jax.layout import RaggedShard
 from vescale_jax.plan import Bucket, LeafSpec, Plan, plan
 from vescale_jax.plan import path_str as plan_path
@@ -16,11 +19,17 @@ __all__ = [
     "Bucket",
     "BucketLayout",
     "Granularity",
+    "LayerShard",
     "LeafSpec",
     "Plan",
     "RaggedShard",
     "ShardedParams",
+    "apply",
+    "data_sharding",
     "element",
+    "flax",
+    "fsdp",
+    "init_opt_state",
     "init_sharded",
     "pack",
     "plan",
@@ -28,6 +37,7 @@ __all__ = [
     "plan_path",
     "redistribute",
     "rows",
+    "scan_layers",
     "shard",
     "unpack",
     "unshard",

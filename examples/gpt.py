@@ -1,0 +1,93 @@
+"""A small GPT in Flax NNX whose layers are one stacked group, looped with ``vj.flax.nnx_scan_layers``.
+
+The same model runs unsharded (the loop is an ordinary ``lax.scan``) and under ``vj.fsdp`` (each layer is
+gathered inside the loop body, the next one prefetched). Shapes in names: B batch, T time, D model width,
+H heads, F MLP width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import vescale_jax as vj
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    vocab: int = 128
+    max_len: int = 128
+    d_model: int = 128
+    num_heads: int = 4
+    num_layers: int = 4
+    d_ff: int = 512
+    dtype: str = "float32"
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block: causal self-attention and a GELU MLP."""
+
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+        d, f = cfg.d_model, cfg.d_ff
+        self.num_heads = cfg.num_heads
+        self.ln1 = nnx.LayerNorm(d, rngs=rngs)
+        self.qkv = nnx.Linear(d, 3 * d, use_bias=False, rngs=rngs)  # a key bias has zero gradient
+        self.proj = nnx.Linear(d, d, rngs=rngs)
+        self.ln2 = nnx.LayerNorm(d, rngs=rngs)
+        self.up = nnx.Linear(d, f, rngs=rngs)
+        self.down = nnx.Linear(f, d, rngs=rngs)
+
+    def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+        b, t, d = x_BxTxD.shape
+        h = self.num_heads
+        q, k, v = jnp.split(self.qkv(self.ln1(x_BxTxD)), 3, axis=-1)
+        q, k, v = (a.reshape(b, t, h, d // h) for a in (q, k, v))
+        logits_BxHxTxT = jnp.einsum("bqhc,bkhc->bhqk", q, k) / jnp.sqrt(jnp.asarray(d // h, q.dtype))
+        mask = jnp.tril(jnp.ones((t, t), bool))
+        logits_BxHxTxT = jnp.where(mask, logits_BxHxTxT, jnp.asarray(-1e9, q.dtype))
+        att = jnp.einsum("bhqk,bkhc->bqhc", jax.nn.softmax(logits_BxHxTxT, axis=-1), v).reshape(b, t, d)
+        x_BxTxD = x_BxTxD + self.proj(att)
+        return x_BxTxD + self.down(jax.nn.gelu(self.up(self.ln2(x_BxTxD))))
+
+
+class GPT(nnx.Module):
+    """Token + position embeddings, a stacked group of blocks (``blocks``), final norm and an untied head."""
+
+    def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = nnx.Embed(cfg.vocab, cfg.d_model, rngs=rngs)
+        self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (cfg.max_len, cfg.d_model)))
+
+        @nnx.split_rngs(splits=cfg.num_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_blocks(rngs: nnx.Rngs) -> Block:
+            return Block(cfg, rngs=rngs)
+
+        self.blocks = make_blocks(rngs)
+        self.ln_f = nnx.LayerNorm(cfg.d_model, rngs=rngs)
+        self.head = nnx.Linear(cfg.d_model, cfg.vocab, use_bias=False, rngs=rngs)
+
+    def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
+        t = tokens_BxT.shape[1]
+        x_BxTxD = self.embed(tokens_BxT) + self.pos[:t]
+        x_BxTxD = vj.flax.nnx_scan_layers(self.blocks, x_BxTxD)
+        return self.head(self.ln_f(x_BxTxD))
+
+
+def abstract_model(cfg: GPTConfig) -> tuple[nnx.GraphDef, nnx.State]:
+    """``(graphdef, param shapes)`` without allocating: the input of ``vj.plan``."""
+    return nnx.split(nnx.eval_shape(lambda: GPT(cfg, rngs=nnx.Rngs(0))))
+
+
+def init_params(cfg: GPTConfig, key: jax.Array) -> nnx.State:
+    """The model's parameter state (a function of ``key``, so ``vj.init_sharded`` can run it sharded)."""
+    return nnx.split(GPT(cfg, rngs=nnx.Rngs(params=key)))[1]
+
+
+def loss_fn(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy."""
+    logp = jax.nn.log_softmax(logits_BxTxV.astype(jnp.float32), axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, targets_BxT[..., None], axis=-1))

@@ -1,0 +1,113 @@
+"""Thin adapters for Flax NNX and Linen models under ``vj.fsdp``.
+
+NNX: split the model into ``(graphdef, params_state)``, plan and shard the state, and call the model through
+:func:`nnx_apply`; a model with a stacked layer group loops over it with :func:`nnx_scan_layers`, which is an
+ordinary scan outside FSDP. Linen: plan the ``{"params": ...}`` dict and call :func:`linen_apply`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from vescale_jax.buffer import ShardedParams
+from vescale_jax.fsdp import apply
+from vescale_jax.layers import scan_layers
+
+__all__ = ["linen_apply", "nnx_apply", "nnx_scan_layers"]
+
+
+def nnx_apply(
+    graphdef: Any,
+    params: ShardedParams,
+    *args: Any,
+    method: str | Callable[..., Any] | None = None,
+    data_axes: str | Sequence[str] | None = None,
+    reshard_after_forward: bool | None = None,
+    out_specs: Any = None,
+) -> Any:
+    """Calls an NNX model rebuilt from ``graphdef`` and the gathered ``params`` on each device's batch shard.
+
+    Args:
+      graphdef: from ``graphdef, state = nnx.split(model)`` where ``state`` is what was planned (all of the
+        model's state: split off non-parameter variables first if the model has any).
+      params: the sharded state.
+      *args: batch-like inputs (dim 0 split over the data axes).
+      method: a method name or ``lambda model, *args: ...`` to call instead of ``__call__``.
+      data_axes, reshard_after_forward, out_specs: as in :func:`vj.apply`.
+
+    Returns:
+      The model's outputs as global arrays (dim 0 over the data axes).
+
+    Sharding:
+      As :func:`vj.apply`.
+    """
+    from flax import nnx
+
+    def fn(state, *a):
+        model = nnx.merge(graphdef, state)
+        if method is None:
+            return model(*a)
+        return getattr(model, method)(*a) if isinstance(method, str) else method(model, *a)
+
+    return apply(fn, params, *args, data_axes=data_axes, reshard_after_forward=reshard_after_forward,
+                 out_specs=out_specs)
+
+
+def nnx_scan_layers(
+    layers: Any, carry: Any, fn: Callable[..., Any] | None = None, xs: Any = None, *, unroll: int = 1
+) -> Any:
+    """Runs ``carry = fn(layer, carry[, x])`` over a stacked NNX layer group (e.g. built with ``nnx.vmap``).
+
+    Inside :func:`nnx_apply` each layer is gathered in the loop body with the next one prefetched; outside it is
+    an ordinary ``lax.scan`` over the stacked parameters.
+
+    Args:
+      layers: the stacked module (every parameter with a leading layer dim).
+      carry: the loop carry.
+      fn: ``(layer_module, carry[, x]) -> carry``; default calls the layer on the carry.
+      xs: optional per-layer inputs with leading layer dim.
+      unroll: ``lax.scan`` unroll on the plain path.
+
+    Returns:
+      The final carry.
+    """
+    from flax import nnx
+
+    graphdef, state = nnx.split(layers)
+    call = fn if fn is not None else (lambda layer, c, *x: layer(c, *x))
+
+    def body(layer_state, c, *x):
+        return call(nnx.merge(graphdef, layer_state), c, *x)
+
+    return scan_layers(body, state, carry, xs, unroll=unroll)
+
+
+def linen_apply(
+    model: Any,
+    params: ShardedParams,
+    *args: Any,
+    method: str | Callable[..., Any] | None = None,
+    data_axes: str | Sequence[str] | None = None,
+    reshard_after_forward: bool | None = None,
+    out_specs: Any = None,
+    **kwargs: Any,
+) -> Any:
+    """``model.apply(variables, *args)`` with the gathered variables, on each device's batch shard.
+
+    Args:
+      model: a Linen module.
+      params: the sharded variables (plan the whole ``{"params": ...}`` dict).
+      *args: batch-like inputs.
+      method, **kwargs: passed to ``model.apply``.
+      data_axes, reshard_after_forward, out_specs: as in :func:`vj.apply`.
+
+    Returns:
+      The outputs as global arrays.
+    """
+
+    def fn(variables, *a):
+        return model.apply(variables, *a, method=method, **kwargs)
+
+    return apply(fn, params, *args, data_axes=data_axes, reshard_after_forward=reshard_after_forward,
+                 out_specs=out_specs)

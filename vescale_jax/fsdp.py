@@ -1,0 +1,356 @@
+"""The FSDP train-step transform: ``vj.fsdp``, ``vj.apply`` and ``vj.init_opt_state``.
+
+A ``vj.fsdp`` step is traced at the global level: parameters (:class:`ShardedParams`) and optimizer state are
+flat buffers sharded over the plan's axis, so element-wise Optax transforms run on the shards unchanged and
+reductions such as a global norm are global (the partitioner adds a scalar all-reduce). The model itself runs
+through :func:`apply`, a ``shard_map`` over the mesh in which each device sees its batch shard and gathers the
+parameters it needs:
+
+* every non-stacked bucket is all-gathered once and unpacked by static slices; with reshard-after-forward (the
+  default) the gathered copy is tagged so ``jax.checkpoint`` drops it after the forward and the backward gathers
+  it again;
+* stacked layer groups stay as :class:`~vescale_jax.layers.LayerShard` stand-ins that
+  :func:`~vescale_jax.layers.scan_layers` gathers one layer per loop iteration, with the next layer prefetched;
+* the transpose of each gather is one reduce-scatter of the packed gradient into the local shard, so ``grads``
+  come back as a :class:`ShardedParams` in the same layout, with exactly zero gradient in the padding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from vescale_jax.buffer import ShardedParams, pack_bucket
+from vescale_jax.gather import gather_bucket
+from vescale_jax.layers import LayerShard
+from vescale_jax.plan import Plan
+
+__all__ = ["apply", "data_sharding", "fsdp", "init_opt_state"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    data_axes: tuple[str, ...]
+    reshard_after_forward: bool
+
+
+_OPTIONS: contextvars.ContextVar[_Options | None] = contextvars.ContextVar("vescale_jax_fsdp", default=None)
+
+
+@contextlib.contextmanager
+def _options(opts: _Options):
+    token = _OPTIONS.set(opts)
+    try:
+        yield
+    finally:
+        _OPTIONS.reset(token)
+
+
+def _axes(axis: str | Sequence[str]) -> tuple[str, ...]:
+    return (axis,) if isinstance(axis, str) else tuple(axis)
+
+
+def _data_size(mesh: jax.sharding.Mesh, data_axes: tuple[str, ...]) -> int:
+    return int(np.prod([mesh.shape[a] for a in data_axes]))
+
+
+def data_sharding(plan: Plan, data_axes: str | Sequence[str] | None = None) -> NamedSharding:
+    """The sharding of a batch: dim 0 split over the data axes (default: the plan's axis)."""
+    axes = _axes(plan.axis if data_axes is None else data_axes)
+    missing = [a for a in axes if a not in plan.mesh.axis_names]
+    if missing:
+        raise ValueError(
+            f"vj.fsdp: data axes {missing} are not axes of the mesh {dict(plan.mesh.shape)}; pass data_axes= naming "
+            "mesh axes."
+        )
+    return NamedSharding(plan.mesh, P(axes))
+
+
+def _check_params(params: Any, plan: Plan, what: str = "params") -> None:
+    if not isinstance(params, ShardedParams):
+        raise TypeError(
+            f"vj.fsdp: {what} must be a vj.ShardedParams for the plan, got {type(params).__name__}; build it with "
+            "vj.shard(params, plan) or vj.init_sharded(init_fn, plan, key)."
+        )
+    if params.plan != plan:
+        raise ValueError(
+            f"vj.fsdp: {what} were sharded with another plan (fingerprint {params.plan.fingerprint()[:12]}, expected "
+            f"{plan.fingerprint()[:12]}); re-shard them with this plan or pass plan=params.plan."
+        )
+    for bucket, buf in zip(plan.buckets, params.buffers, strict=True):
+        if tuple(getattr(buf, "shape", ())) != bucket.shape or np.dtype(buf.dtype) != np.dtype(bucket.dtype):
+            raise ValueError(
+                f"vj.fsdp: {what} buffer of bucket {bucket.name!r} has shape {tuple(buf.shape)} {buf.dtype}, the plan "
+                f"expects {bucket.shape} {bucket.dtype}."
+            )
+
+
+def _check_batch(batch: Any, size: int, data_axes: tuple[str, ...], what: str = "batch") -> None:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
+        shape = tuple(np.shape(leaf))
+        if not shape or shape[0] % size:
+            raise ValueError(
+                f"vj.fsdp: {what} leaf {jax.tree_util.keystr(path) or '<root>'} has shape {shape}; its leading "
+                f"(batch) dim must be divisible by the data-parallel size {size} (mesh axes {data_axes}). Use a "
+                f"batch size that is a multiple of {size}."
+            )
+
+
+# Outputs of these primitives are copies or views of their inputs: under reshard-after-forward they are
+# recomputed in backward rather than saved, so no gathered parameter (or a transposed / cast view of one) is kept.
+_DATA_MOVEMENT = frozenset({
+    "all_gather", "broadcast_in_dim", "concatenate", "convert_element_type", "copy", "dynamic_slice", "expand_dims",
+    "name", "pcast", "pvary", "reduce_precision", "reshape", "slice", "squeeze", "transpose",
+})
+
+
+def _save_policy(prim: Any, *_: Any, **__: Any) -> bool:
+    return prim.name not in _DATA_MOVEMENT
+
+
+def _tree(plan: Plan, buffers: Sequence[jax.Array], gathered: dict[int, jax.Array], reshard: bool) -> Any:
+    leaves: list[Any] = [None] * len(plan.leaves)
+    for bucket, local in zip(plan.buckets, buffers, strict=True):
+        for i in bucket.leaves:
+            leaves[i] = LayerShard(local, plan, i, reshard) if bucket.layers is not None else gathered[i]
+    return jax.tree_util.tree_unflatten(plan.treedef, leaves)
+
+
+def _gather_flat(plan: Plan, buffers: Sequence[jax.Array]) -> dict[int, jax.Array]:
+    out = {}
+    for bucket, local in zip(plan.buckets, buffers, strict=True):
+        if bucket.layers is None:
+            out.update(zip(bucket.leaves, gather_bucket(local, bucket, plan), strict=True))
+    return out
+
+
+def _dependency(ct: Any) -> jax.Array | None:
+    """A zero scalar that depends on the incoming cotangent: ties the backward re-gather to the backward pass
+    (XLA would otherwise merge it with the forward all-gather, keeping the gathered copy alive)."""
+    for x in jax.tree.leaves(ct):
+        if jnp.issubdtype(x.dtype, jnp.inexact) and x.size:
+            return jnp.ravel(x)[0] * jnp.zeros((), x.dtype)
+    return None
+
+
+def _resharded(fn: Callable[..., Any], plan: Plan) -> Callable[..., Any]:
+    """``(local_buffers, *args) -> fn(tree, *args)`` whose backward gathers the non-stacked buckets again.
+
+    The forward takes the VJP of ``fn`` under ``jax.checkpoint`` (data-movement outputs are not saved), then drops
+    the gathered leaves from the residuals; the backward all-gathers them again from the local shards, refills
+    the residuals, runs the VJP and reduce-scatters each bucket's packed gradient.
+    """
+    static: dict[str, Any] = {}
+
+    def body(flat, buffers, args):
+        return fn(_tree(plan, buffers, dict(zip(static["keys"], flat, strict=True)), True), *args)
+
+    @jax.custom_vjp
+    def run(buffers, args):
+        return fn(_tree(plan, buffers, _gather_flat(plan, buffers), True), *args)
+
+    def run_fwd(buffers, args):
+        gathered = _gather_flat(plan, buffers)
+        static["keys"] = list(gathered)
+        flat = list(gathered.values())
+        out, vjp_fn = jax.vjp(jax.checkpoint(body, policy=_save_policy), flat, buffers, args)
+        res, res_def = jax.tree_util.tree_flatten(vjp_fn)
+        where = {id(x): k for k, x in enumerate(flat)}
+        static["res_def"], static["slots"] = res_def, [where.get(id(r)) for r in res]
+        kept = [None if k is not None else r for r, k in zip(res, static["slots"], strict=True)]
+        return out, (buffers, kept)
+
+    def run_bwd(saved, ct):
+        buffers, kept = saved
+        dep = _dependency(ct)
+        again = [b if dep is None or bucket.layers is not None else b + dep.astype(b.dtype)
+                 for b, bucket in zip(buffers, plan.buckets, strict=True)]
+        flat = list(_gather_flat(plan, again).values())
+        res = [flat[k] if k is not None else r for r, k in zip(kept, static["slots"], strict=True)]
+        vjp_fn = jax.tree_util.tree_unflatten(static["res_def"], res)
+        d_flat, d_buffers, d_args = vjp_fn(ct)
+        grads = dict(zip(static["keys"], d_flat, strict=True))
+        d_buffers = list(d_buffers)
+        for b, bucket in enumerate(plan.buckets):
+            if bucket.layers is None:
+                packed = pack_bucket([grads[i] for i in bucket.leaves], bucket)
+                d_buffers[b] = d_buffers[b] + jax.lax.psum_scatter(packed, plan.axis, tiled=True)
+        return tuple(d_buffers), d_args
+
+    run.defvjp(run_fwd, run_bwd)
+    return lambda buffers, *args: run(tuple(buffers), args)
+
+
+def apply(
+    fn: Callable[..., Any],
+    params: ShardedParams,
+    *args: Any,
+    data_axes: str | Sequence[str] | None = None,
+    reshard_after_forward: bool | None = None,
+    in_specs: Any = None,
+    out_specs: Any = None,
+) -> Any:
+    """Runs ``fn(logical_params, *args)`` on every device's batch shard with gathered parameters.
+
+    Args:
+      fn: the model: ``(params_tree, *args) -> outputs``. It sees the plan's logical tree: non-stacked leaves as
+        full arrays, stacked layer groups as stand-ins to pass to :func:`vj.scan_layers`.
+      params: the sharded parameters (global buffers; under ``vj.fsdp`` these are the step's params).
+      *args: batch-like inputs whose dim 0 is split over the data axes.
+      data_axes: mesh axes the batch is split over (default: the enclosing ``vj.fsdp``'s, else the plan's axis).
+      reshard_after_forward: drop gathered parameters after the forward and gather them again in backward
+        (default: the enclosing ``vj.fsdp``'s, else True).
+      in_specs: ``PartitionSpec`` prefix for ``args`` (default: dim 0 over the data axes).
+      out_specs: ``PartitionSpec`` prefix for the outputs (default: dim 0 over the data axes, i.e. per-example
+        outputs; a scalar computed per device needs ``P()`` and a ``lax.pmean`` over the data axes in ``fn``).
+
+    Returns:
+      ``fn``'s outputs as global arrays.
+
+    Sharding:
+      A ``shard_map`` over the plan's mesh. Each non-stacked bucket is all-gathered once (again in backward with
+      reshard-after-forward); its gradient is reduce-scattered back into the bucket's layout.
+    """
+    if not isinstance(params, ShardedParams):
+        raise TypeError(f"vj.apply: params must be a vj.ShardedParams, got {type(params).__name__}.")
+    plan = params.plan
+    opts = _OPTIONS.get()
+    axes = _axes(data_axes) if data_axes is not None else (opts.data_axes if opts else _axes(plan.axis))
+    reshard = reshard_after_forward if reshard_after_forward is not None else (
+        opts.reshard_after_forward if opts else True
+    )
+    if in_specs is None:
+        _check_batch(args, _data_size(plan.mesh, axes), axes, what="vj.apply argument")
+        in_specs = tuple(P(axes) for _ in args)
+    out_specs = P(axes) if out_specs is None else out_specs
+
+    if reshard:
+        local = _resharded(fn, plan)
+    else:
+        def local(buffers, *local_args):
+            return fn(_tree(plan, buffers, _gather_flat(plan, buffers), False), *local_args)
+
+    specs = tuple(plan.partition_spec(b) for b in plan.buckets)
+    mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(specs, *in_specs), out_specs=out_specs)
+    return mapped(params.buffers, *args)
+
+
+def _sharding_by_shape(plan: Plan) -> dict[tuple[int, ...], NamedSharding]:
+    return {b.shape: NamedSharding(plan.mesh, plan.partition_spec(b)) for b in plan.buckets}
+
+
+def _state_shardings(tree: Any, plan: Plan) -> Any:
+    by_shape = _sharding_by_shape(plan)
+    replicated = NamedSharding(plan.mesh, P())
+    return jax.tree.map(lambda s: by_shape.get(tuple(s.shape), replicated), tree)
+
+
+def init_opt_state(tx: Any, params: ShardedParams) -> Any:
+    """``tx.init(params)`` jitted so every parameter-shaped leaf is sharded like its bucket (never replicated).
+
+    Args:
+      tx: an ``optax.GradientTransformation``.
+      params: the sharded parameters.
+
+    Returns:
+      The optimizer state; leaves shaped like a bucket carry that bucket's ``NamedSharding``, others (counts,
+      scalars) are replicated.
+    """
+    _check_params(params, params.plan)
+    plan = params.plan
+    shapes = jax.eval_shape(tx.init, params)
+    with jax.set_mesh(plan.mesh):
+        return jax.jit(tx.init, out_shardings=_state_shardings(shapes, plan))(params)
+
+
+def fsdp(
+    step: Callable[..., Any] | None = None,
+    *,
+    plan: Plan,
+    data_axes: str | Sequence[str] | None = None,
+    reshard_after_forward: bool = True,
+    donate: bool = True,
+) -> Callable[..., Any]:
+    """Compiles a train step ``step(params, opt_state, batch, *rest) -> (params, opt_state, ...)`` for FSDP.
+
+    Usable as ``@vj.fsdp(plan=plan)`` or ``vj.fsdp(step, plan=plan)``. Inside the step, ``params`` is a
+    :class:`ShardedParams` of global flat buffers: compute the loss with :func:`vj.apply` (or an adapter in
+    ``vj.flax``), then use ``jax.value_and_grad``, ``tx.update`` and ``optax.apply_updates`` as usual.
+
+    Args:
+      step: the train step.
+      plan: the plan the params were sharded with.
+      data_axes: mesh axes the batch's dim 0 is split over (default: the plan's axis).
+      reshard_after_forward: drop gathered parameters after the forward and gather again in backward (default)
+        or keep them for the backward (fewer all-gathers, more memory).
+      donate: donate ``params`` and ``opt_state`` buffers to the outputs.
+
+    Returns:
+      The compiled step. It checks its inputs (params against the plan, the batch against the data-parallel
+      size), places the batch with :func:`data_sharding` and keeps parameter-shaped outputs sharded like their
+      buckets. ``.lower(...)`` gives the lowered computation for inspection.
+
+    Sharding:
+      Params and optimizer state stay sharded over the plan's axis; the batch (argument 2 and any further
+      arguments) is split on dim 0 over ``data_axes``; other outputs (loss, metrics) are global values.
+    """
+    if step is None:
+        return functools.partial(
+            fsdp, plan=plan, data_axes=data_axes, reshard_after_forward=reshard_after_forward, donate=donate
+        )
+    axes = _axes(plan.axis if data_axes is None else data_axes)
+    batch_sharding = data_sharding(plan, axes)
+    size = _data_size(plan.mesh, axes)
+    opts = _Options(axes, reshard_after_forward)
+    auto = all(t == jax.sharding.AxisType.Auto for t in plan.mesh.axis_types)
+
+    def traced(params, opt_state, batch, *rest):
+        with _options(opts):
+            out = step(params, opt_state, batch, *rest)
+        if auto:  # Explicit axes carry shardings in the types; Auto ones need a hint on the outputs.
+            out = _constrain_outputs(out, plan)
+        return out
+
+    compiled = jax.jit(traced, donate_argnums=(0, 1) if donate else ())
+
+    def prepare(params, opt_state, batch, *rest):
+        _check_params(params, plan)
+        _check_batch(batch, size, axes)
+        batch = jax.tree.map(lambda x: jax.device_put(x, batch_sharding), batch)
+        return params, opt_state, batch, *rest
+
+    @functools.wraps(step)
+    def run(params, opt_state, batch, *rest):
+        args = prepare(params, opt_state, batch, *rest)
+        with jax.set_mesh(plan.mesh):
+            return compiled(*args)
+
+    def lower(params, opt_state, batch, *rest):
+        args = prepare(params, opt_state, batch, *rest)
+        with jax.set_mesh(plan.mesh):
+            return compiled.lower(*args)
+
+    run.lower = lower
+    run.plan = plan
+    return run
+
+
+def _constrain_outputs(out: Any, plan: Plan) -> Any:
+    by_shape = _sharding_by_shape(plan)
+    leaves, treedef = jax.tree.flatten(out)
+    leaves = [
+        jax.lax.with_sharding_constraint(x, by_shape[tuple(x.shape)]) if tuple(getattr(x, "shape", ())) in by_shape
+        else x
+        for x in leaves
+    ]
+    return jax.tree.unflatten(treedef, leaves)

@@ -1,0 +1,252 @@
+"""Scan over a stacked layer group, gathering one layer per iteration with the next one prefetched.
+
+Inside :func:`vescale_jax.apply` (and so inside a ``vj.fsdp`` step) the leaves of a stacked bucket are
+:class:`LayerShard` stand-ins for this device's ``(L, S)`` rows, not arrays. :func:`scan_layers` runs the layer
+loop over them with a custom VJP:
+
+* forward: layer 0 is all-gathered before the loop; iteration ``j`` issues the all-gather of layer ``j`` and
+  computes layer ``j - 1`` with the copy gathered one iteration earlier (prefetch), so the collective can overlap
+  compute. Only each layer's input carry is saved (as ``jax.checkpoint`` over the body would).
+* backward: the reverse loop gathers each layer again (prefetching the one below), recomputes the layer's VJP
+  and reduce-scatters the packed gradient of the layer into the local ``(S,)`` row — one all-gather and one
+  reduce-scatter per layer and bucket, inside the while loop.
+
+With ``reshard_after_forward=False`` the forward keeps the gathered layers for the backward instead of gathering
+them again (``L`` full layers of memory, no second all-gather).
+
+Outside ``vj.apply`` the same call is an ordinary ``lax.scan`` over arrays with a leading layer dim, so one
+model definition serves the sharded step and the unsharded reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from vescale_jax.plan import Plan
+
+__all__ = ["LayerShard", "scan_layers"]
+
+
+@jax.tree_util.register_pytree_node_class
+class LayerShard:
+    """Stand-in for one stacked leaf inside ``vj.apply``: this device's rows of its bucket.
+
+    Attributes:
+      rows: the bucket's local ``(L, S)`` shard (shared by every leaf of the bucket).
+      plan: the plan.
+      index: the leaf's index in ``plan.leaves``.
+      reshard_after_forward: whether :func:`scan_layers` gathers each layer again in backward.
+
+    Sharding:
+      ``rows`` varies over ``plan.axis``; :func:`scan_layers` all-gathers one layer at a time.
+    """
+
+    __slots__ = ("index", "plan", "reshard_after_forward", "rows")
+
+    def __init__(self, rows: Any, plan: Plan, index: int, reshard_after_forward: bool = True):
+        self.rows, self.plan, self.index = rows, plan, index
+        self.reshard_after_forward = reshard_after_forward
+
+    def tree_flatten(self):
+        return (self.rows,), (self.plan, self.index, self.reshard_after_forward)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(children[0], *aux)
+
+    @property
+    def spec(self):
+        return self.plan.leaves[self.index]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.spec.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self.spec.dtype)
+
+    def __repr__(self) -> str:
+        return f"LayerShard({self.spec.path}, shape={self.shape}, dtype={self.spec.dtype})"
+
+
+def _is_shard(x: Any) -> bool:
+    return isinstance(x, LayerShard)
+
+
+def _call(body: Callable, params: Any, carry: Any, x: Any, has_xs: bool) -> Any:
+    return body(params, carry, x) if has_xs else body(params, carry)
+
+
+def scan_layers(body: Callable, layer_params: Any, carry: Any, xs: Any = None, *, unroll: int = 1) -> Any:
+    """Applies ``body`` once per layer of a stacked layer group: ``carry = body(params_l, carry[, x_l])``.
+
+    Args:
+      body: ``(params_of_one_layer, carry) -> carry``, or ``(params, carry, x) -> carry`` when ``xs`` is given.
+        It may close over other arrays (gradients flow to them).
+      layer_params: the stacked layer group: a pytree whose leaves have a leading layer dim ``L`` (plain
+        arrays: an ordinary ``lax.scan``), or the :class:`LayerShard` stand-ins ``vj.apply`` puts there.
+      carry: the loop carry (e.g. the activations); floating-point arrays.
+      xs: optional per-layer inputs with leading dim ``L``.
+      unroll: passed to ``lax.scan`` on the plain path.
+
+    Returns:
+      The final carry.
+
+    Sharding:
+      On the sharded path each iteration all-gathers one layer of every stacked bucket in ``layer_params`` and
+      the backward reduce-scatters that layer's gradient; per-layer parameters exist in full on each device only
+      for the layer being computed and the one being prefetched.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(layer_params, is_leaf=_is_shard)
+    has_xs = xs is not None
+    shards = [x for x in leaves if _is_shard(x)]
+    if not shards:
+        def step(c, px):
+            p, x = px
+            return _call(body, p, c, x, has_xs), None
+
+        return jax.lax.scan(step, carry, (layer_params, xs), unroll=unroll)[0]
+    if len(shards) != len(leaves):
+        bad = next(x for x in leaves if not _is_shard(x))
+        raise ValueError(
+            f"vj.scan_layers: layer_params mixes gathered stand-ins with a plain array of shape "
+            f"{getattr(bad, 'shape', None)}; pass one stacked layer group (a unit named in vj.plan(stacked=...))."
+        )
+    return _sharded_scan(body, shards, treedef, carry, xs, has_xs)
+
+
+def _sharded_scan(body, shards, treedef, carry, xs, has_xs):
+    plan = shards[0].plan
+    bucket_ids = sorted({plan.leaves[s.index].bucket for s in shards})
+    rows = {}
+    for s in shards:
+        rows.setdefault(plan.leaves[s.index].bucket, s.rows)
+    rows = tuple(rows[b] for b in bucket_ids)
+    keep = not shards[0].reshard_after_forward
+    num_layers = rows[0].shape[0]
+    if has_xs:
+        for x in jax.tree.leaves(xs):
+            if x.shape[:1] != (num_layers,):
+                raise ValueError(f"vj.scan_layers: xs leaves need a leading dim of {num_layers} layers, got {x.shape}")
+
+    def unpack_layer(fulls):
+        out = []
+        for s in shards:
+            spec = plan.leaves[s.index]
+            b = bucket_ids.index(spec.bucket)
+            bucket = plan.buckets[spec.bucket]
+            n, o = bucket.layout.sizes[spec.slot], bucket.layout.offsets[spec.slot]
+            out.append(jnp.reshape(jax.lax.slice_in_dim(fulls[b], o, o + n), plan.layer_shape(spec)))
+        return jax.tree_util.tree_unflatten(treedef, out)
+
+    def layer(fulls, c, x):
+        return _call(body, unpack_layer(fulls), c, x, has_xs)
+
+    # Example values with the right varying-axes types (dead code once converted; no collective is traced).
+    example_fulls = tuple(jnp.tile(r[0], plan.buckets[b].layout.num_devices) for r, b in zip(rows, bucket_ids,
+                                                                                            strict=True))
+    x0 = jax.tree.map(lambda a: a[0], xs)
+    fn, consts = jax.closure_convert(layer, example_fulls, carry, x0)
+    axis = plan.axis
+
+    def gather(rows_, i):
+        return tuple(jax.lax.all_gather(jax.lax.dynamic_index_in_dim(r, i, keepdims=False), axis, tiled=True)
+                     for r in rows_)
+
+    def x_at(i):
+        return jax.tree.map(lambda a: a[i], xs)
+
+    def forward(rows_, c, xs_, consts_, save):
+        g0 = gather(rows_, 0)
+        if num_layers == 1:
+            out = fn(g0, c, x_at(0), *consts_)
+            return out, (c, None, g0 if keep else None, None)
+
+        def step(state, inp):
+            c, g_prev = state
+            j, x_prev = inp
+            g_j = gather(rows_, j)  # prefetch: issued before the previous layer's compute
+            c = fn(g_prev, c, x_prev, *consts_)
+            return (c, g_j), ((c, g_j if keep else None) if save else None)
+
+        head = jax.tree.map(lambda a: a[:-1], xs_)
+        (c_last, g_last), saved = jax.lax.scan(step, (c, g0), (jnp.arange(1, num_layers), head))
+        out = fn(g_last, c_last, x_at(num_layers - 1), *consts_)
+        if not save:
+            return out, None
+        c_stack, g_stack = saved
+        return out, (c, c_stack, g0 if keep else None, g_stack)
+
+    def reduce_scatter(dg):
+        return tuple(jax.lax.psum_scatter(d, axis, tiled=True) for d in dg)
+
+    def layer_vjp(g, c_in, x, consts_, ct):
+        x_leaves, x_def = jax.tree.flatten(x)
+        diff = [jnp.issubdtype(a.dtype, jnp.inexact) for a in x_leaves]
+
+        def f(g_, c_, k_, xd):
+            it = iter(xd)
+            x_ = jax.tree.unflatten(x_def, [next(it) if d else a for a, d in zip(x_leaves, diff, strict=True)])
+            return fn(g_, c_, x_, *k_)
+
+        xd = [a for a, d in zip(x_leaves, diff, strict=True) if d]
+        _, f_vjp = jax.vjp(f, g, c_in, tuple(consts_), xd)
+        dg, dc, dk, dxd = f_vjp(ct)
+        return reduce_scatter(dg), dc, dk, dxd
+
+    def full_dx(xs_, dxd_stacked):
+        it = iter(dxd_stacked)
+        return jax.tree.map(lambda a: next(it) if jnp.issubdtype(a.dtype, jnp.inexact) else _zero_cotangent(a), xs_)
+
+    @jax.custom_vjp
+    def run(rows_, c, xs_, consts_):
+        return forward(rows_, c, xs_, consts_, save=False)[0]
+
+    def run_fwd(rows_, c, xs_, consts_):
+        out, res = forward(rows_, c, xs_, consts_, save=True)
+        return out, (rows_, xs_, consts_, res)
+
+    def run_bwd(saved, ct):
+        rows_, xs_, consts_, (c0, c_stack, g0, g_stack) = saved
+        zero_k = jax.tree.map(jnp.zeros_like, tuple(consts_))
+        if num_layers == 1:
+            d_row, dc, dk, dxd = layer_vjp(g0 if keep else gather(rows_, 0), c0, x_at(0), consts_, ct)
+            d_rows = tuple(d[None] for d in d_row)
+            return d_rows, dc, full_dx(xs_, [d[None] for d in dxd]), list(dk)
+
+        def step(state, inp):
+            ct_, g_next, dk_acc = state
+            j, c_in, x_j, g_kept = inp
+            if keep:
+                g_j, g_below = g_kept, g_next
+            else:
+                g_j, g_below = g_next, gather(rows_, j - 1)  # prefetch the layer below
+            d_row, dc_, dk_, dxd_ = layer_vjp(g_j, c_in, x_j, consts_, ct_)
+            dk_acc = jax.tree.map(jnp.add, dk_acc, dk_)
+            return (dc_, g_below, dk_acc), (d_row, dxd_)
+
+        g_top = g0 if keep else gather(rows_, num_layers - 1)
+        tail = jax.tree.map(lambda a: a[1:], xs_)
+        (ct1, g_0, dk_acc), (d_rows_hi, dxd_hi) = jax.lax.scan(
+            step, (ct, g_top, zero_k), (jnp.arange(1, num_layers), c_stack, tail, g_stack), reverse=True
+        )
+        d_row0, dc, dk0, dxd0 = layer_vjp(g_0, c0, x_at(0), consts_, ct1)
+        dk = jax.tree.map(jnp.add, dk_acc, dk0)
+        d_rows = tuple(jnp.concatenate([d0[None], dh]) for d0, dh in zip(d_row0, d_rows_hi, strict=True))
+        dxd = [jnp.concatenate([d0[None], dh]) for d0, dh in zip(dxd0, dxd_hi, strict=True)]
+        return d_rows, dc, full_dx(xs_, dxd), list(dk)
+
+    run.defvjp(run_fwd, run_bwd)
+    return run(rows, carry, xs, list(consts))
+
+
+def _zero_cotangent(x):
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(x.shape, jax.dtypes.float0)
