@@ -24,7 +24,7 @@ class GPTConfig:
     num_heads: int = 4
     num_layers: int = 4
     d_ff: int = 512
-    dtype: str = "float32"
+    scan_unroll: int | bool = 1  # passed to the layer scan (True unrolls it: used to count FLOPs)
 
 
 class Block(nnx.Module):
@@ -73,7 +73,7 @@ class GPT(nnx.Module):
     def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
         t = tokens_BxT.shape[1]
         x_BxTxD = self.embed(tokens_BxT) + self.pos[:t]
-        x_BxTxD = vj.flax.nnx_scan_layers(self.blocks, x_BxTxD)
+        x_BxTxD = vj.flax.nnx_scan_layers(self.blocks, x_BxTxD, unroll=self.cfg.scan_unroll)
         return self.head(self.ln_f(x_BxTxD))
 
 

@@ -55,7 +55,7 @@ def nnx_apply(
 
 
 def nnx_scan_layers(
-    layers: Any, carry: Any, fn: Callable[..., Any] | None = None, xs: Any = None, *, unroll: int = 1
+    layers: Any, carry: Any, fn: Callable[..., Any] | None = None, xs: Any = None, *, unroll: int | bool = 1
 ) -> Any:
     """Runs ``carry = fn(layer, carry[, x])`` over a stacked NNX layer group (e.g. built with ``nnx.vmap``).
 
@@ -67,7 +67,7 @@ def nnx_scan_layers(
       carry: the loop carry.
       fn: ``(layer_module, carry[, x]) -> carry``; default calls the layer on the carry.
       xs: optional per-layer inputs with leading layer dim.
-      unroll: ``lax.scan`` unroll on the plain path.
+      unroll: passed to :func:`vj.scan_layers`.
 
     Returns:
       The final carry.

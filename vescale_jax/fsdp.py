@@ -42,6 +42,7 @@ __all__ = ["apply", "data_sharding", "fsdp", "init_opt_state"]
 class _Options:
     data_axes: tuple[str, ...]
     reshard_after_forward: bool
+    prefetch: bool
 
 
 _OPTIONS: contextvars.ContextVar[_Options | None] = contextvars.ContextVar("vescale_jax_fsdp", default=None)
@@ -118,11 +119,14 @@ def _save_policy(prim: Any, *_: Any, **__: Any) -> bool:
     return prim.name not in _DATA_MOVEMENT
 
 
-def _tree(plan: Plan, buffers: Sequence[jax.Array], gathered: dict[int, jax.Array], reshard: bool) -> Any:
+def _tree(plan: Plan, buffers: Sequence[jax.Array], gathered: dict[int, jax.Array], opts: _Options) -> Any:
     leaves: list[Any] = [None] * len(plan.leaves)
     for bucket, local in zip(plan.buckets, buffers, strict=True):
         for i in bucket.leaves:
-            leaves[i] = LayerShard(local, plan, i, reshard) if bucket.layers is not None else gathered[i]
+            leaves[i] = (
+                LayerShard(local, plan, i, opts.reshard_after_forward, opts.prefetch)
+                if bucket.layers is not None else gathered[i]
+            )
     return jax.tree_util.tree_unflatten(plan.treedef, leaves)
 
 
@@ -143,7 +147,7 @@ def _dependency(ct: Any) -> jax.Array | None:
     return None
 
 
-def _resharded(fn: Callable[..., Any], plan: Plan) -> Callable[..., Any]:
+def _resharded(fn: Callable[..., Any], plan: Plan, opts: _Options) -> Callable[..., Any]:
     """``(local_buffers, *args) -> fn(tree, *args)`` whose backward gathers the non-stacked buckets again.
 
     The forward takes the VJP of ``fn`` under ``jax.checkpoint`` (data-movement outputs are not saved), then drops
@@ -153,11 +157,11 @@ def _resharded(fn: Callable[..., Any], plan: Plan) -> Callable[..., Any]:
     static: dict[str, Any] = {}
 
     def body(flat, buffers, args):
-        return fn(_tree(plan, buffers, dict(zip(static["keys"], flat, strict=True)), True), *args)
+        return fn(_tree(plan, buffers, dict(zip(static["keys"], flat, strict=True)), opts), *args)
 
     @jax.custom_vjp
     def run(buffers, args):
-        return fn(_tree(plan, buffers, _gather_flat(plan, buffers), True), *args)
+        return fn(_tree(plan, buffers, _gather_flat(plan, buffers), opts), *args)
 
     def run_fwd(buffers, args):
         gathered = _gather_flat(plan, buffers)
@@ -197,6 +201,7 @@ def apply(
     *args: Any,
     data_axes: str | Sequence[str] | None = None,
     reshard_after_forward: bool | None = None,
+    prefetch: bool | None = None,
     in_specs: Any = None,
     out_specs: Any = None,
 ) -> Any:
@@ -210,6 +215,8 @@ def apply(
       data_axes: mesh axes the batch is split over (default: the enclosing ``vj.fsdp``'s, else the plan's axis).
       reshard_after_forward: drop gathered parameters after the forward and gather them again in backward
         (default: the enclosing ``vj.fsdp``'s, else True).
+      prefetch: in :func:`vj.scan_layers`, gather the next layer while computing the current one (default: the
+        enclosing ``vj.fsdp``'s, else True).
       in_specs: ``PartitionSpec`` prefix for ``args`` (default: dim 0 over the data axes).
       out_specs: ``PartitionSpec`` prefix for the outputs (default: dim 0 over the data axes, i.e. per-example
         outputs; a scalar computed per device needs ``P()`` and a ``lax.pmean`` over the data axes in ``fn``).
@@ -224,21 +231,23 @@ def apply(
     if not isinstance(params, ShardedParams):
         raise TypeError(f"vj.apply: params must be a vj.ShardedParams, got {type(params).__name__}.")
     plan = params.plan
-    opts = _OPTIONS.get()
-    axes = _axes(data_axes) if data_axes is not None else (opts.data_axes if opts else _axes(plan.axis))
-    reshard = reshard_after_forward if reshard_after_forward is not None else (
-        opts.reshard_after_forward if opts else True
+    outer = _OPTIONS.get() or _Options(_axes(plan.axis), True, True)
+    opts = _Options(
+        _axes(data_axes) if data_axes is not None else outer.data_axes,
+        outer.reshard_after_forward if reshard_after_forward is None else reshard_after_forward,
+        outer.prefetch if prefetch is None else prefetch,
     )
+    axes = opts.data_axes
     if in_specs is None:
         _check_batch(args, _data_size(plan.mesh, axes), axes, what="vj.apply argument")
         in_specs = tuple(P(axes) for _ in args)
     out_specs = P(axes) if out_specs is None else out_specs
 
-    if reshard:
-        local = _resharded(fn, plan)
+    if opts.reshard_after_forward:
+        local = _resharded(fn, plan, opts)
     else:
         def local(buffers, *local_args):
-            return fn(_tree(plan, buffers, _gather_flat(plan, buffers), False), *local_args)
+            return fn(_tree(plan, buffers, _gather_flat(plan, buffers), opts), *local_args)
 
     specs = tuple(plan.partition_spec(b) for b in plan.buckets)
     mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(specs, *in_specs), out_specs=out_specs)
@@ -279,6 +288,7 @@ def fsdp(
     plan: Plan,
     data_axes: str | Sequence[str] | None = None,
     reshard_after_forward: bool = True,
+    prefetch: bool = True,
     donate: bool = True,
 ) -> Callable[..., Any]:
     """Compiles a train step ``step(params, opt_state, batch, *rest) -> (params, opt_state, ...)`` for FSDP.
@@ -293,6 +303,8 @@ def fsdp(
       data_axes: mesh axes the batch's dim 0 is split over (default: the plan's axis).
       reshard_after_forward: drop gathered parameters after the forward and gather again in backward (default)
         or keep them for the backward (fewer all-gathers, more memory).
+      prefetch: in stacked layer groups, gather layer ``j + 1`` while layer ``j`` computes (overlap, at the cost
+        of a second gathered layer in memory); ``False`` gathers each layer right before its use.
       donate: donate ``params`` and ``opt_state`` buffers to the outputs.
 
     Returns:
@@ -306,12 +318,13 @@ def fsdp(
     """
     if step is None:
         return functools.partial(
-            fsdp, plan=plan, data_axes=data_axes, reshard_after_forward=reshard_after_forward, donate=donate
+            fsdp, plan=plan, data_axes=data_axes, reshard_after_forward=reshard_after_forward, prefetch=prefetch,
+            donate=donate,
         )
     axes = _axes(plan.axis if data_axes is None else data_axes)
     batch_sharding = data_sharding(plan, axes)
     size = _data_size(plan.mesh, axes)
-    opts = _Options(axes, reshard_after_forward)
+    opts = _Options(axes, reshard_after_forward, prefetch)
     auto = all(t == jax.sharding.AxisType.Auto for t in plan.mesh.axis_types)
 
     def traced(params, opt_state, batch, *rest):

@@ -41,19 +41,20 @@ class LayerShard:
       plan: the plan.
       index: the leaf's index in ``plan.leaves``.
       reshard_after_forward: whether :func:`scan_layers` gathers each layer again in backward.
+      prefetch: whether :func:`scan_layers` gathers the next layer while computing the current one.
 
     Sharding:
       ``rows`` varies over ``plan.axis``; :func:`scan_layers` all-gathers one layer at a time.
     """
 
-    __slots__ = ("index", "plan", "reshard_after_forward", "rows")
+    __slots__ = ("index", "plan", "prefetch", "reshard_after_forward", "rows")
 
-    def __init__(self, rows: Any, plan: Plan, index: int, reshard_after_forward: bool = True):
+    def __init__(self, rows: Any, plan: Plan, index: int, reshard_after_forward: bool = True, prefetch: bool = True):
         self.rows, self.plan, self.index = rows, plan, index
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
 
     def tree_flatten(self):
-        return (self.rows,), (self.plan, self.index, self.reshard_after_forward)
+        return (self.rows,), (self.plan, self.index, self.reshard_after_forward, self.prefetch)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -83,7 +84,10 @@ def _call(body: Callable, params: Any, carry: Any, x: Any, has_xs: bool) -> Any:
     return body(params, carry, x) if has_xs else body(params, carry)
 
 
-def scan_layers(body: Callable, layer_params: Any, carry: Any, xs: Any = None, *, unroll: int = 1) -> Any:
+def scan_layers(
+    body: Callable, layer_params: Any, carry: Any, xs: Any = None, *, unroll: int | bool = 1,
+    prefetch: bool | None = None
+) -> Any:
     """Applies ``body`` once per layer of a stacked layer group: ``carry = body(params_l, carry[, x_l])``.
 
     Args:
@@ -93,7 +97,11 @@ def scan_layers(body: Callable, layer_params: Any, carry: Any, xs: Any = None, *
         arrays: an ordinary ``lax.scan``), or the :class:`LayerShard` stand-ins ``vj.apply`` puts there.
       carry: the loop carry (e.g. the activations); floating-point arrays.
       xs: optional per-layer inputs with leading dim ``L``.
-      unroll: passed to ``lax.scan`` on the plain path.
+      unroll: passed to ``lax.scan`` (``True`` unrolls the loop; the sharded path unrolls its forward and
+        backward loops alike).
+      prefetch: on the sharded path, issue the next layer's all-gather before computing the current one so it
+        can overlap compute, at the cost of a second gathered layer in memory (default: the stand-ins' setting,
+        i.e. ``vj.fsdp(prefetch=...)``).
 
     Returns:
       The final carry.
@@ -118,10 +126,12 @@ def scan_layers(body: Callable, layer_params: Any, carry: Any, xs: Any = None, *
             f"vj.scan_layers: layer_params mixes gathered stand-ins with a plain array of shape "
             f"{getattr(bad, 'shape', None)}; pass one stacked layer group (a unit named in vj.plan(stacked=...))."
         )
-    return _sharded_scan(body, shards, treedef, carry, xs, has_xs)
+    if prefetch is None:
+        prefetch = shards[0].prefetch
+    return _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch)
 
 
-def _sharded_scan(body, shards, treedef, carry, xs, has_xs):
+def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
     plan = shards[0].plan
     bucket_ids = sorted({plan.leaves[s.index].bucket for s in shards})
     rows = {}
@@ -163,10 +173,14 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs):
         return jax.tree.map(lambda a: a[i], xs)
 
     def forward(rows_, c, xs_, consts_, save):
-        g0 = gather(rows_, 0)
-        if num_layers == 1:
-            out = fn(g0, c, x_at(0), *consts_)
-            return out, (c, None, g0 if keep else None, None)
+        """Returns the output carry and, when saving, (carries into layers, gathered layers if keep)."""
+        if not prefetch or num_layers == 1:
+            def step(c, inp):
+                j, x = inp
+                g = gather(rows_, j)
+                return fn(g, c, x, *consts_), ((c, g if keep else None) if save else None)
+
+            return jax.lax.scan(step, c, (jnp.arange(num_layers), xs_), unroll=unroll)
 
         def step(state, inp):
             c, g_prev = state
@@ -175,13 +189,14 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs):
             c = fn(g_prev, c, x_prev, *consts_)
             return (c, g_j), ((c, g_j if keep else None) if save else None)
 
+        g0 = gather(rows_, 0)
         head = jax.tree.map(lambda a: a[:-1], xs_)
-        (c_last, g_last), saved = jax.lax.scan(step, (c, g0), (jnp.arange(1, num_layers), head))
+        (c_last, g_last), saved = jax.lax.scan(step, (c, g0), (jnp.arange(1, num_layers), head), unroll=unroll)
         out = fn(g_last, c_last, x_at(num_layers - 1), *consts_)
         if not save:
             return out, None
-        c_stack, g_stack = saved
-        return out, (c, c_stack, g0 if keep else None, g_stack)
+        c_stack, g_stack = saved  # carries into layers 1..L-1 (and those layers, gathered, if keep)
+        return out, ((c, c_stack), (g0, g_stack) if keep else None)
 
     def reduce_scatter(dg):
         return tuple(jax.lax.psum_scatter(d, axis, tiled=True) for d in dg)
@@ -213,32 +228,44 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs):
         return out, (rows_, xs_, consts_, res)
 
     def run_bwd(saved, ct):
-        rows_, xs_, consts_, (c0, c_stack, g0, g_stack) = saved
+        rows_, xs_, consts_, (c_saved, g_saved) = saved
         zero_k = jax.tree.map(jnp.zeros_like, tuple(consts_))
-        if num_layers == 1:
-            d_row, dc, dk, dxd = layer_vjp(g0 if keep else gather(rows_, 0), c0, x_at(0), consts_, ct)
-            d_rows = tuple(d[None] for d in d_row)
-            return d_rows, dc, full_dx(xs_, [d[None] for d in dxd]), list(dk)
+        if not prefetch or num_layers == 1:
+            def step(state, inp):
+                ct_, dk_acc = state
+                j, c_in, x_j, g_kept = inp
+                d_row, dc_, dk_, dxd_ = layer_vjp(g_kept if keep else gather(rows_, j), c_in, x_j, consts_, ct_)
+                return (dc_, jax.tree.map(jnp.add, dk_acc, dk_)), (d_row, dxd_)
+
+            (dc, dk), (d_rows, dxd) = jax.lax.scan(
+                step, (ct, zero_k), (jnp.arange(num_layers), c_saved, xs_, g_saved), reverse=True, unroll=unroll
+            )
+            return d_rows, dc, full_dx(xs_, dxd), list(dk)
+
+        c0, c_stack = c_saved
+        g0, g_stack = g_saved if keep else (None, None)
 
         def step(state, inp):
-            ct_, g_next, dk_acc = state
+            ct_, g_next, dk_acc, d_rows = state
             j, c_in, x_j, g_kept = inp
             if keep:
                 g_j, g_below = g_kept, g_next
             else:
                 g_j, g_below = g_next, gather(rows_, j - 1)  # prefetch the layer below
             d_row, dc_, dk_, dxd_ = layer_vjp(g_j, c_in, x_j, consts_, ct_)
-            dk_acc = jax.tree.map(jnp.add, dk_acc, dk_)
-            return (dc_, g_below, dk_acc), (d_row, dxd_)
+            d_rows = tuple(jax.lax.dynamic_update_index_in_dim(a, r, j, 0) for a, r in zip(d_rows, d_row, strict=True))
+            return (dc_, g_below, jax.tree.map(jnp.add, dk_acc, dk_), d_rows), dxd_
 
         g_top = g0 if keep else gather(rows_, num_layers - 1)
         tail = jax.tree.map(lambda a: a[1:], xs_)
-        (ct1, g_0, dk_acc), (d_rows_hi, dxd_hi) = jax.lax.scan(
-            step, (ct, g_top, zero_k), (jnp.arange(1, num_layers), c_stack, tail, g_stack), reverse=True
+        d_rows = tuple(jnp.zeros_like(r) for r in rows_)  # filled in place, one layer per iteration
+        (ct1, g_0, dk_acc, d_rows), dxd_hi = jax.lax.scan(
+            step, (ct, g_top, zero_k, d_rows), (jnp.arange(1, num_layers), c_stack, tail, g_stack), reverse=True,
+            unroll=unroll,
         )
         d_row0, dc, dk0, dxd0 = layer_vjp(g_0, c0, x_at(0), consts_, ct1)
+        d_rows = tuple(jax.lax.dynamic_update_index_in_dim(a, r, 0, 0) for a, r in zip(d_rows, d_row0, strict=True))
         dk = jax.tree.map(jnp.add, dk_acc, dk0)
-        d_rows = tuple(jnp.concatenate([d0[None], dh]) for d0, dh in zip(d_row0, d_rows_hi, strict=True))
         dxd = [jnp.concatenate([d0[None], dh]) for d0, dh in zip(dxd0, dxd_hi, strict=True)]
         return d_rows, dc, full_dx(xs_, dxd), list(dk)
 

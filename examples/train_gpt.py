@@ -1,0 +1,150 @@
+"""Train a small character-level GPT with vj.fsdp on the Python standard library's own source code.
+
+    pip install -e ".[examples]" && python examples/train_gpt.py
+
+Runs on every device JAX sees (8 simulated CPU devices when no GPU plugin is installed). Parameters, gradients
+and AdamW state live sharded in the planner's flat buffers; each layer of the scanned block stack is gathered
+inside the loop, one at a time. Prints the plan, a progress bar with loss and tokens/s, the validation loss, and
+writes a loss-curve PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+import time
+
+if importlib.util.find_spec("jax_cuda12_plugin") is None and "XLA_FLAGS" not in os.environ:
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"  # no GPU: simulate 8 CPU devices
+
+import jax
+import numpy as np
+import optax
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpt import GPTConfig, abstract_model, init_params, loss_fn
+
+import vescale_jax as vj
+
+
+def stdlib_text(max_bytes: int) -> np.ndarray:
+    """Bytes of the standard library's ``.py`` files (sorted, so every run and process reads the same)."""
+    import sysconfig
+
+    root = sysconfig.get_paths()["stdlib"]
+    chunks, total = [], 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("test", "tests", "site-packages", "idlelib"))
+        for name in sorted(filenames):
+            if name.endswith(".py") and total < max_bytes:
+                with open(os.path.join(dirpath, name), "rb") as f:
+                    data = f.read()
+                chunks.append(data)
+                total += len(data)
+    return np.frombuffer(b"".join(chunks)[:max_bytes], np.uint8)
+
+
+def batches(data: np.ndarray, batch: int, seq: int, seed: int):
+    rng = np.random.default_rng(seed)
+    while True:
+        start = rng.integers(0, len(data) - seq - 1, batch)
+        window = np.stack([data[s : s + seq + 1] for s in start]).astype(np.int32)
+        yield {"x": window[:, :-1], "y": window[:, 1:]}
+
+
+def progress(step: int, total: int, loss: float, tokens_per_s: float) -> None:
+    done = int(30 * step / total)
+    bar = "#" * done + "." * (30 - done)
+    sys.stderr.write(f"\r[{bar}] step {step:4d}/{total}  loss {loss:6.3f}  {tokens_per_s:9,.0f} tokens/s")
+    sys.stderr.flush()
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=250)
+    p.add_argument("--batch", type=int, default=32, help="global batch (a multiple of the device count)")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--data-mb", type=float, default=8.0, help="megabytes of stdlib source to train on")
+    p.add_argument("--keep", action="store_true", help="keep gathered params for backward (no re-gather)")
+    p.add_argument("--plot", default="train_gpt_loss.png", help="loss-curve PNG ('' to skip)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+
+    devices = jax.devices()
+    mesh = jax.make_mesh((len(devices),), ("fsdp",))
+    cfg = GPTConfig(vocab=256, max_len=args.seq, d_model=args.d_model, num_heads=args.heads,
+                    num_layers=args.layers, d_ff=4 * args.d_model)
+    graphdef, shapes = abstract_model(cfg)
+    plan = vj.plan(shapes, mesh, stacked=("blocks",), granularity=vj.rows(1))
+    n_params = sum(s.size for s in plan.leaves)
+    print(f"{n_params / 1e6:.2f} M parameters on {len(devices)} {devices[0].platform} devices\n{plan.summary()}\n")
+
+    data = stdlib_text(int(args.data_mb * 2**20))
+    split = int(0.95 * len(data))
+    train, val = batches(data[:split], args.batch, args.seq, args.seed), batches(data[split:], args.batch,
+                                                                                args.seq, args.seed + 1)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, min(100, args.steps // 10 + 1), args.steps)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.99, weight_decay=0.1))
+
+    params = vj.init_sharded(lambda key: init_params(cfg, key), plan, jax.random.key(args.seed))
+    opt_state = vj.init_opt_state(tx, params)
+
+    @vj.fsdp(plan=plan, reshard_after_forward=not args.keep)
+    def train_step(params, opt_state, batch):
+        def loss_of(p):
+            return loss_fn(vj.flax.nnx_apply(graphdef, p, batch["x"]), batch["y"])
+
+        loss, grads = jax.value_and_grad(loss_of)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+
+    @vj.fsdp(plan=plan, donate=False)
+    def eval_step(params, _, batch):
+        return loss_fn(vj.flax.nnx_apply(graphdef, params, batch["x"]), batch["y"])
+
+    losses, t0, tokens = [], None, 0
+    for step in range(1, args.steps + 1):
+        params, opt_state, metrics = train_step(params, opt_state, next(train))
+        if step == 1:
+            losses.append(float(metrics["loss"]))
+            t0 = time.perf_counter()  # after the compile
+            continue
+        tokens += args.batch * args.seq
+        if step % 10 == 0 or step == args.steps:
+            losses.append(float(metrics["loss"]))
+            progress(step, args.steps, losses[-1], tokens / (time.perf_counter() - t0))
+        else:
+            losses.append(float("nan"))
+    sys.stderr.write("\n")
+    val_loss = float(np.mean([float(eval_step(params, None, next(val))) for _ in range(4)]))
+    print(f"first loss {losses[0]:.3f}, last loss {losses[-1]:.3f}, validation loss {val_loss:.3f} "
+          f"(uniform over 256 bytes: {np.log(256):.3f})")
+
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        steps = np.arange(1, len(losses) + 1)
+        keep = ~np.isnan(losses)
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot(steps[keep], np.asarray(losses)[keep], label="train")
+        ax.axhline(val_loss, color="gray", ls="--", label=f"validation {val_loss:.2f}")
+        ax.set(xlabel="step", ylabel="cross-entropy (nats/byte)",
+               title=f"vj.fsdp char-level GPT, {n_params / 1e6:.1f} M params, {len(devices)} devices")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=120)
+        print(f"loss curve: {args.plot}")
+    return {"first_loss": losses[0], "last_loss": losses[-1], "val_loss": val_loss}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""Pallas kernels, each beside its plain-jnp ``*_reference`` and with an ``interpret=`` flag.
+
+``pack`` / ``unpack`` move a bucket's tensors into and out of its flat buffer in one launch, with the hot-path
+casts (and a scale on pack) fused; ``choose_backend`` tells a caller whether to use them or the XLA reference.
+"""
+
+from vescale_jax.kernels.ragged import (
+    DEFAULT_CHUNK,
+    Backend,
+    choose_backend,
+    gpu_backends_available,
+    pack,
+    pack_reference,
+    unpack,
+    unpack_reference,
+)
+from vescale_jax.kernels.schedule import Schedule, Segment, pack_schedule, unpack_schedule
+
+__all__ = [
+    "DEFAULT_CHUNK",
+    "Backend",
+    "Schedule",
+    "Segment",
+    "choose_backend",
+    "gpu_backends_available",
+    "pack",
+    "pack_reference",
+    "pack_schedule",
+    "unpack",
+    "unpack_reference",
+    "unpack_schedule",
+]
