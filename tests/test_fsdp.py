@@ -126,12 +126,17 @@ def test_nnx_matches_unsharded(m, nnx_reference):
         assert buf.sharding.is_equivalent_to(sharding, buf.ndim)
 
 
-def test_nnx_keep_for_backward_matches(nnx_reference):
+@pytest.mark.parametrize(
+    "options",
+    [{"reshard_after_forward": False}, {"prefetch": True}, {"reshard_after_forward": False, "prefetch": True}],
+    ids=["keep", "prefetch", "keep-prefetch"],
+)
+def test_nnx_options_match(options, nnx_reference):
     params, ref, ref_losses = nnx_reference
     graphdef, shapes = abstract_model(CFG)
     plan = vj.plan(shapes, make_mesh(3), stacked=("blocks",))
     tx = make_tx()
-    step = fsdp_step(plan, lambda p, x: vj.flax.nnx_apply(graphdef, p, x), tx, reshard_after_forward=False)
+    step = fsdp_step(plan, lambda p, x: vj.flax.nnx_apply(graphdef, p, x), tx, **options)
     sp, _, losses = run_fsdp(vj.shard(params, plan), step, tx, batches())
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(vj.unshard(sp), ref)
@@ -205,20 +210,24 @@ def compiled_step(m, **kw):
     return plan, testing.census(compiled), cfg
 
 
-@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
-def test_census(reshard):
+@pytest.mark.parametrize(
+    ("reshard", "prefetch"), [(True, False), (False, False), (True, True)], ids=["reshard", "keep", "prefetch"]
+)
+def test_census(reshard, prefetch):
     m = 8
-    plan, census, cfg = compiled_step(m, reshard_after_forward=reshard)
+    plan, census, cfg = compiled_step(m, reshard_after_forward=reshard, prefetch=prefetch)
     by_size = {}
     for op in census.of("all-gather"):
         by_size.setdefault(op.result_bytes, []).append(op)
     stacked = next(b for b in plan.buckets if b.layers)
     layer_bytes = stacked.layout.total_size * 4
-    # The layer group: one gather per layer in forward (layer 0 before the loop, the rest prefetched inside it),
-    # and with reshard one more per layer in backward; one reduce-scatter per layer.
+    # The layer group: one gather per layer in forward, inside the loop (with prefetch, layer 0 before it and the
+    # rest one iteration ahead), and with reshard one more per layer in backward; one reduce-scatter per layer.
     loop_gathers = [op for op in by_size[layer_bytes] if op.in_loop]
     assert sum(op.multiplier for op in by_size[layer_bytes]) == cfg.num_layers * (2 if reshard else 1)
-    assert all(op.multiplier == cfg.num_layers - 1 for op in loop_gathers) and loop_gathers
+    per_loop = cfg.num_layers - 1 if prefetch else cfg.num_layers
+    assert loop_gathers and all(op.multiplier == per_loop for op in loop_gathers)
+    assert len(loop_gathers) == (2 if reshard else 1)
     rs = [op for op in census.of("reduce-scatter") if op.result_bytes == stacked.layout.shard_size * 4]
     assert sum(op.multiplier for op in rs) == cfg.num_layers and any(op.in_loop for op in rs)
     # Non-stacked buckets: one gather in forward, one reduce-scatter each; in backward a bucket is gathered again

@@ -216,7 +216,7 @@ def apply(
       reshard_after_forward: drop gathered parameters after the forward and gather them again in backward
         (default: the enclosing ``vj.fsdp``'s, else True).
       prefetch: in :func:`vj.scan_layers`, gather the next layer while computing the current one (default: the
-        enclosing ``vj.fsdp``'s, else True).
+        enclosing ``vj.fsdp``'s, else False).
       in_specs: ``PartitionSpec`` prefix for ``args`` (default: dim 0 over the data axes).
       out_specs: ``PartitionSpec`` prefix for the outputs (default: dim 0 over the data axes, i.e. per-example
         outputs; a scalar computed per device needs ``P()`` and a ``lax.pmean`` over the data axes in ``fn``).
@@ -231,7 +231,7 @@ def apply(
     if not isinstance(params, ShardedParams):
         raise TypeError(f"vj.apply: params must be a vj.ShardedParams, got {type(params).__name__}.")
     plan = params.plan
-    outer = _OPTIONS.get() or _Options(_axes(plan.axis), True, True)
+    outer = _OPTIONS.get() or _Options(_axes(plan.axis), True, False)
     opts = _Options(
         _axes(data_axes) if data_axes is not None else outer.data_axes,
         outer.reshard_after_forward if reshard_after_forward is None else reshard_after_forward,
@@ -288,7 +288,7 @@ def fsdp(
     plan: Plan,
     data_axes: str | Sequence[str] | None = None,
     reshard_after_forward: bool = True,
-    prefetch: bool = True,
+    prefetch: bool = False,
     donate: bool = True,
 ) -> Callable[..., Any]:
     """Compiles a train step ``step(params, opt_state, batch, *rest) -> (params, opt_state, ...)`` for FSDP.
@@ -303,8 +303,10 @@ def fsdp(
       data_axes: mesh axes the batch's dim 0 is split over (default: the plan's axis).
       reshard_after_forward: drop gathered parameters after the forward and gather again in backward (default)
         or keep them for the backward (fewer all-gathers, more memory).
-      prefetch: in stacked layer groups, gather layer ``j + 1`` while layer ``j`` computes (overlap, at the cost
-        of a second gathered layer in memory); ``False`` gathers each layer right before its use.
+      prefetch: in stacked layer groups, gather layer ``j + 1`` while layer ``j`` computes, so the collective can
+        overlap compute. It costs one to two more gathered layers of memory (XLA double-buffers the loop-carried
+        copy), so the default gathers each layer right before its use and leaves overlap to XLA's scheduler
+        (on GPU, ``--xla_gpu_enable_pipelined_all_gather`` pipelines the loop's gathers itself).
       donate: donate ``params`` and ``opt_state`` buffers to the outputs.
 
     Returns:

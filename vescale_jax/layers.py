@@ -1,15 +1,16 @@
-"""Scan over a stacked layer group, gathering one layer per iteration with the next one prefetched.
+"""Scan over a stacked layer group, gathering one layer per loop iteration.
 
 Inside :func:`vescale_jax.apply` (and so inside a ``vj.fsdp`` step) the leaves of a stacked bucket are
 :class:`LayerShard` stand-ins for this device's ``(L, S)`` rows, not arrays. :func:`scan_layers` runs the layer
 loop over them with a custom VJP:
 
-* forward: layer 0 is all-gathered before the loop; iteration ``j`` issues the all-gather of layer ``j`` and
-  computes layer ``j - 1`` with the copy gathered one iteration earlier (prefetch), so the collective can overlap
-  compute. Only each layer's input carry is saved (as ``jax.checkpoint`` over the body would).
-* backward: the reverse loop gathers each layer again (prefetching the one below), recomputes the layer's VJP
-  and reduce-scatters the packed gradient of the layer into the local ``(S,)`` row — one all-gather and one
-  reduce-scatter per layer and bucket, inside the while loop.
+* forward: iteration ``j`` all-gathers layer ``j`` of each stacked bucket and computes the layer; only each
+  layer's input carry is saved (as ``jax.checkpoint`` over the body would).
+* backward: the reverse loop gathers each layer again, recomputes the layer's VJP and reduce-scatters the
+  layer's packed gradient into the local ``(S,)`` row — one all-gather and one reduce-scatter per layer and
+  bucket, inside the while loop.
+* with ``prefetch=True`` the all-gather of the next layer (the one below, in backward) is issued before the
+  current layer's compute so the collective can overlap it; the first layer is gathered before the loop.
 
 With ``reshard_after_forward=False`` the forward keeps the gathered layers for the backward instead of gathering
 them again (``L`` full layers of memory, no second all-gather).
@@ -49,7 +50,7 @@ class LayerShard:
 
     __slots__ = ("index", "plan", "prefetch", "reshard_after_forward", "rows")
 
-    def __init__(self, rows: Any, plan: Plan, index: int, reshard_after_forward: bool = True, prefetch: bool = True):
+    def __init__(self, rows: Any, plan: Plan, index: int, reshard_after_forward: bool = True, prefetch: bool = False):
         self.rows, self.plan, self.index = rows, plan, index
         self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
 

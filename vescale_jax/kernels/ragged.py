@@ -30,6 +30,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from vescale_jax.kernels.reference import (
+    Scale,
+    _check_leaves,
+    _check_unpack,
+    _convert,
+    _leaf_dtype,
+    pack_reference,
+    unpack_reference,
+)
 from vescale_jax.kernels.schedule import ZERO, Schedule, pack_schedule, unpack_schedule
 from vescale_jax.planner import BucketLayout
 
@@ -45,108 +54,12 @@ __all__ = [
 ]
 
 Backend = Literal["triton", "mosaic_gpu", "xla"]
-Scale = float | jax.Array | None
 Dispatch = Literal["grid", "serial"]
 
 DEFAULT_CHUNK = {"interpret": 1024, "triton": 8192, "mosaic_gpu": 8192}
 """Largest window (elements) one program copies, per backend."""
 TRITON_NUM_WARPS = 8
 _MAX_ELEMENTS = 2**31 - 1  # window offsets are int32
-
-
-# ----------------------------------------------------------------------------------------------------------
-# References (what XLA does on its own)
-
-
-def _convert(x: jax.Array, dtype: Any, scale: Any) -> jax.Array:
-    """``x * scale`` (in float32 or wider) cast to ``dtype``; a plain cast without a scale."""
-    if scale is None:
-        return x if x.dtype == dtype else x.astype(dtype)
-    compute = x.dtype if np.dtype(x.dtype).itemsize > 4 else np.dtype(np.float32)
-    return (x.astype(compute) * jnp.asarray(scale).astype(compute)).astype(dtype)
-
-
-def _leaf_dtype(leaves: Sequence[Any], dtype: Any) -> np.dtype:
-    if dtype is not None:
-        return np.dtype(dtype)
-    kinds = {np.dtype(x.dtype) for x in leaves}
-    if len(kinds) != 1:
-        raise ValueError(f"pack: leaves have dtypes {sorted(d.name for d in kinds)}; pass dtype= explicitly.")
-    return kinds.pop()
-
-
-def _check_leaves(leaves: Sequence[Any], layout: BucketLayout, what: str) -> None:
-    if len(leaves) != len(layout.sizes):
-        raise ValueError(f"{what}: {len(leaves)} leaves but the layout has {len(layout.sizes)} slots.")
-    for i, (x, n) in enumerate(zip(leaves, layout.sizes, strict=True)):
-        if math.prod(np.shape(x)) != n:
-            raise ValueError(
-                f"{what}: leaf {i} has shape {tuple(np.shape(x))} ({math.prod(np.shape(x))} elements), "
-                f"but the layout gives slot {i} {n} elements."
-            )
-
-
-def pack_reference(
-    leaves: Sequence[jax.Array], layout: BucketLayout, *, dtype: Any = None, scale: Scale = None
-) -> jax.Array:
-    """Pure-jnp pack: one concatenate of the flattened (scaled, cast) leaves and zero padding.
-
-    Args:
-      leaves: one array per layout slot, any shape with ``layout.sizes[i]`` elements.
-      layout: the bucket layout.
-      dtype: buffer dtype (default: the leaves' common dtype).
-      scale: multiply each leaf by this (in float32 or wider) before the cast.
-
-    Returns:
-      The ``(layout.total_size,)`` buffer.
-    """
-    _check_leaves(leaves, layout, "pack_reference")
-    dtype = _leaf_dtype(leaves, dtype)
-    pieces, cursor = [], 0
-    for i in sorted(range(len(leaves)), key=lambda i: layout.offsets[i]):
-        n, o = layout.sizes[i], layout.offsets[i]
-        if not n:
-            continue
-        if o > cursor:
-            pieces.append(jnp.zeros((o - cursor,), dtype))
-        pieces.append(_convert(jnp.reshape(leaves[i], (n,)), dtype, scale))
-        cursor = o + n
-    if layout.total_size > cursor:
-        pieces.append(jnp.zeros((layout.total_size - cursor,), dtype))
-    if not pieces:
-        return jnp.zeros((0,), dtype)
-    return jnp.concatenate(pieces) if len(pieces) > 1 else pieces[0]
-
-
-def unpack_reference(
-    buffer: jax.Array, layout: BucketLayout, shapes: Sequence[Sequence[int]], *, dtype: Any = None
-) -> list[jax.Array]:
-    """Pure-jnp unpack: a static slice, reshape and cast per leaf.
-
-    Args:
-      buffer: the ``(layout.total_size,)`` buffer.
-      layout: the bucket layout.
-      shapes: each leaf's shape (``layout.sizes[i]`` elements).
-      dtype: leaf dtype (default: the buffer's).
-
-    Returns:
-      The leaves, in slot order.
-    """
-    _check_unpack(buffer, layout, shapes, "unpack_reference")
-    dtype = buffer.dtype if dtype is None else np.dtype(dtype)
-    return [
-        _convert(jnp.reshape(jax.lax.slice_in_dim(buffer, o, o + n), tuple(shape)), dtype, None)
-        for o, n, shape in zip(layout.offsets, layout.sizes, shapes, strict=True)
-    ]
-
-
-def _check_unpack(buffer: Any, layout: BucketLayout, shapes: Sequence[Sequence[int]], what: str) -> None:
-    if tuple(np.shape(buffer)) != (layout.total_size,):
-        raise ValueError(
-            f"{what}: buffer has shape {tuple(np.shape(buffer))}, the layout needs "
-            f"({layout.total_size},); unpack one layer of a stacked bucket at a time (or vmap)."
-        )
-    _check_leaves([np.empty(tuple(s), np.int8) for s in shapes], layout, what)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -299,12 +212,16 @@ def _tma_body(schedule: Schedule, n_in: int, n_out: int):
         in_refs, zero_ref = refs[:n_in], refs[n_in]
         out_refs = refs[len(refs) - n_out - 2 : len(refs) - 2]
         smem, barrier = refs[-2], refs[-1]
+        oob = getattr(plgpu, "OOBFillMode", None)
+        in_bounds = {} if oob is None else {"oob_mode": oob.PROMISE_IN_BOUNDS}
 
         def copy(j, off, w):
             seg = schedule.segments[j]
             src = zero_ref.at[pl.ds(0, w)] if seg.src == ZERO else in_refs[seg.src].at[pl.ds(seg.src_start + off, w)]
             buf = smem.at[pl.ds(0, w)]
-            plgpu.copy_gmem_to_smem(src, buf, barrier)
+            # Windows never leave their arrays: promising it selects the plain bulk copy (cp.async.bulk, any
+            # length) over the tiled TMA path (<= 256 elements per dim).
+            plgpu.copy_gmem_to_smem(src, buf, barrier, **in_bounds)
             plgpu.barrier_wait(barrier)
             plgpu.copy_smem_to_gmem(buf, out_refs[seg.dst].at[pl.ds(seg.dst_start + off, w)])
             plgpu.wait_smem_to_gmem(0)
