@@ -5,7 +5,7 @@ Public names (DESIGN.md §3): ``plan_bucket``, ``plan``, ``element``/``rows``/``
 and the Flax adapters in ``vj.flax``.
 """
 
-from vescale_jax import flax, redistribute
+from vescale_jax import flax, kernels, redistribute, unpacking
 from vescale_jax.buffer import ShardedParams, init_sharded, pack, shard, unpack, unshard
 from vescale_jax.fsdp import apply, data_sharding, fsdp, init_opt_state
 from vescale_jax.granularity import Granularity, element, rows, whole
@@ -31,6 +31,7 @@ __all__ = [
     "fsdp",
     "init_opt_state",
     "init_sharded",
+    "kernels",
     "pack",
     "plan",
     "plan_bucket",
@@ -40,6 +41,7 @@ __all__ = [
     "scan_layers",
     "shard",
     "unpack",
+    "unpacking",
     "unshard",
     "whole",
 ]

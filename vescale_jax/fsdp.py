@@ -34,6 +34,7 @@ from vescale_jax.buffer import ShardedParams, pack_bucket
 from vescale_jax.gather import gather_bucket
 from vescale_jax.layers import LayerShard
 from vescale_jax.plan import Plan
+from vescale_jax.unpacking import kernel_mode
 
 __all__ = ["apply", "data_sharding", "fsdp", "init_opt_state"]
 
@@ -250,7 +251,9 @@ def apply(
             return fn(_tree(plan, buffers, _gather_flat(plan, buffers), opts), *local_args)
 
     specs = tuple(plan.partition_spec(b) for b in plan.buckets)
-    mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(specs, *in_specs), out_specs=out_specs)
+    # The Pallas interpreter's loops do not track varying mesh axes: skip the check when the kernels are on.
+    mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(specs, *in_specs), out_specs=out_specs,
+                           check_vma=kernel_mode() != "pallas")
     return mapped(params.buffers, *args)
 
 

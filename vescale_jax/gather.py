@@ -15,8 +15,8 @@ from typing import Any
 
 import jax
 
-from vescale_jax.buffer import unpack_bucket
 from vescale_jax.plan import Bucket, Plan
+from vescale_jax.unpacking import unpack_gathered
 
 __all__ = ["gather_bucket", "gather_params"]
 
@@ -43,7 +43,7 @@ def gather_bucket(local: jax.Array, bucket: Bucket, plan: Plan) -> list[jax.Arra
             f"{plan.axis!r}."
         )
     full = jax.lax.all_gather(local, plan.axis, tiled=True)
-    return unpack_bucket(full, bucket, [plan.layer_shape(plan.leaves[i]) for i in bucket.leaves])
+    return unpack_gathered(full, bucket.layout, [plan.layer_shape(plan.leaves[i]) for i in bucket.leaves])
 
 
 def gather_params(local_buffers: Any, plan: Plan) -> Any:

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from vescale_jax.plan import Plan
+from vescale_jax.unpacking import unpack_gathered
 
 __all__ = ["LayerShard", "scan_layers"]
 
@@ -147,13 +148,11 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
                 raise ValueError(f"vj.scan_layers: xs leaves need a leading dim of {num_layers} layers, got {x.shape}")
 
     def unpack_layer(fulls):
-        out = []
-        for s in shards:
-            spec = plan.leaves[s.index]
-            b = bucket_ids.index(spec.bucket)
-            bucket = plan.buckets[spec.bucket]
-            n, o = bucket.layout.sizes[spec.slot], bucket.layout.offsets[spec.slot]
-            out.append(jnp.reshape(jax.lax.slice_in_dim(fulls[b], o, o + n), plan.layer_shape(spec)))
+        by_bucket = {}
+        for b, full in zip(bucket_ids, fulls, strict=True):
+            shapes = [plan.layer_shape(plan.leaves[i]) for i in plan.buckets[b].leaves]
+            by_bucket[b] = unpack_gathered(full, plan.buckets[b].layout, shapes)
+        out = [by_bucket[plan.leaves[s.index].bucket][plan.leaves[s.index].slot] for s in shards]
         return jax.tree_util.tree_unflatten(treedef, out)
 
     def layer(fulls, c, x):

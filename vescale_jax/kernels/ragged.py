@@ -283,12 +283,25 @@ def _launch(
     first = n_src + len(extra)
     call = pl.pallas_call(
         kernel,
-        out_shape=out_shapes,
+        out_shape=_with_manual_axes(out_shapes, srcs),
         grid=(1 if serial else schedule.num_programs,),
         input_output_aliases={first + r: r for r in range(len(into))},
         **kwargs,
     )
     return list(call(*srcs, *extra, *into))
+
+
+def _with_manual_axes(out_shapes: list[jax.ShapeDtypeStruct], srcs: list[jax.Array]) -> list[jax.ShapeDtypeStruct]:
+    """Inside ``shard_map`` (with ``check_vma``) outputs vary over the same mesh axes as the inputs."""
+    mats = [getattr(jax.typeof(x), "manual_axis_type", None) for x in srcs]
+    mats = [t for t in mats if t is not None]
+    if not mats:
+        return out_shapes
+    mat = max(mats, key=lambda t: len(getattr(t, "varying", ())))
+    try:
+        return [jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat) for s in out_shapes]
+    except TypeError:  # a JAX without the argument
+        return out_shapes
 
 
 # ----------------------------------------------------------------------------------------------------------
