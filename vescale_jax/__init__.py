@@ -7,7 +7,7 @@ and the Flax adapters in ``vj.flax``.
 
 from vescale_jax import flax, kernels, redistribute, unpacking
 from vescale_jax.buffer import ShardedParams, init_sharded, pack, shard, unpack, unshard
-from vescale_jax.fsdp import apply, data_sharding, fsdp, init_opt_state
+from vescale_jax.fsdp import apply, data_sharding, fsdp, init_opt_state, place_batch
 from vescale_jax.granularity import Granularity, element, rows, whole
 from vescale_jax.layers import LayerShard, scan_layers
 from vescale_jax.layout import RaggedShard
@@ -33,6 +33,7 @@ __all__ = [
     "init_sharded",
     "kernels",
     "pack",
+    "place_batch",
     "plan",
     "plan_bucket",
     "plan_path",

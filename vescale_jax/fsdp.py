@@ -36,7 +36,7 @@ from vescale_jax.layers import LayerShard
 from vescale_jax.plan import Plan
 from vescale_jax.unpacking import kernel_mode
 
-__all__ = ["apply", "data_sharding", "fsdp", "init_opt_state"]
+__all__ = ["apply", "data_sharding", "fsdp", "init_opt_state", "place_batch"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,6 +257,39 @@ def apply(
     return mapped(params.buffers, *args)
 
 
+def place_batch(batch: Any, plan: Plan, data_axes: str | Sequence[str] | None = None) -> Any:
+    """Puts a batch on the mesh with dim 0 split over the data axes.
+
+    In a single-process job ``batch`` is the global batch. In a multi-process job each process passes only its
+    own part (the rows for its devices, in process order) and the global batch is assembled without copying
+    through one host (``jax.make_array_from_process_local_data``). Leaves that are already global
+    ``jax.Array``s with that sharding pass through.
+
+    Args:
+      batch: a pytree of arrays with a leading batch dim.
+      plan: the plan (its mesh).
+      data_axes: mesh axes dim 0 is split over (default: the plan's axis).
+
+    Returns:
+      The batch as global arrays with :func:`data_sharding`.
+    """
+    axes = _axes(plan.axis if data_axes is None else data_axes)
+    sharding = data_sharding(plan, axes)
+    size = _data_size(plan.mesh, axes)
+    if jax.process_count() == 1:
+        _check_batch(batch, size, axes)
+        return jax.tree.map(lambda x: jax.device_put(x, sharding), batch)
+
+    def place(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return x
+        return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+
+    out = jax.tree.map(place, batch)
+    _check_batch(out, size, axes, what="global batch (all processes' parts)")
+    return out
+
+
 def _sharding_by_shape(plan: Plan) -> dict[tuple[int, ...], NamedSharding]:
     return {b.shape: NamedSharding(plan.mesh, plan.partition_spec(b)) for b in plan.buckets}
 
@@ -327,8 +360,7 @@ def fsdp(
             donate=donate,
         )
     axes = _axes(plan.axis if data_axes is None else data_axes)
-    batch_sharding = data_sharding(plan, axes)
-    size = _data_size(plan.mesh, axes)
+    data_sharding(plan, axes)  # checks the axes
     opts = _Options(axes, reshard_after_forward, prefetch)
     auto = all(t == jax.sharding.AxisType.Auto for t in plan.mesh.axis_types)
 
@@ -343,8 +375,7 @@ def fsdp(
 
     def prepare(params, opt_state, batch, *rest):
         _check_params(params, plan)
-        _check_batch(batch, size, axes)
-        batch = jax.tree.map(lambda x: jax.device_put(x, batch_sharding), batch)
+        batch = place_batch(batch, plan, axes)
         return params, opt_state, batch, *rest
 
     @functools.wraps(step)
