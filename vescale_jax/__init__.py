@@ -5,7 +5,8 @@ Public names (DESIGN.md §3): ``plan_bucket``, ``plan``, ``element``/``rows``/``
 and the Flax adapters in ``vj.flax``.
 """
 
-from vescale_jax import flax, kernels, redistribute, unpacking
+from vescale_jax import distributed, flax, kernels, redistribute, unpacking
+from vescale_jax.accumulate import accumulate
 from vescale_jax.buffer import ShardedParams, init_sharded, pack, shard, unpack, unshard
 from vescale_jax.fsdp import apply, data_sharding, fsdp, init_opt_state, place_batch
 from vescale_jax.granularity import Granularity, element, rows, whole
@@ -14,6 +15,7 @@ from vescale_jax.layout import RaggedShard
 from vescale_jax.plan import Bucket, LeafSpec, Plan, plan
 from vescale_jax.plan import path_str as plan_path
 from vescale_jax.planner import BucketLayout, plan_bucket
+from vescale_jax.precision import MixedPrecision
 
 __all__ = [
     "Bucket",
@@ -21,11 +23,14 @@ __all__ = [
     "Granularity",
     "LayerShard",
     "LeafSpec",
+    "MixedPrecision",
     "Plan",
     "RaggedShard",
     "ShardedParams",
+    "accumulate",
     "apply",
     "data_sharding",
+    "distributed",
     "element",
     "flax",
     "fsdp",

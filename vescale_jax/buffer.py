@@ -87,18 +87,19 @@ def check_tree(params: Any, plan: Plan, *, what: str = "params") -> list[Any]:
     return leaves
 
 
-def pack_bucket(leaves: Sequence[jax.Array], bucket: Bucket) -> jax.Array:
+def pack_bucket(leaves: Sequence[jax.Array], bucket: Bucket, *, dtype: Any = None) -> jax.Array:
     """Lays ``leaves`` (the bucket's, in slot order) into its global flat buffer; padding is zero.
 
     Args:
       leaves: one array per slot, of the logical shape (stacked leaves with their layer dim first).
       bucket: the bucket.
+      dtype: the buffer's dtype (default: the bucket's).
 
     Returns:
       The ``(m*S,)`` (or ``(L, m*S)``) buffer.
     """
     layout, lead = bucket.layout, () if bucket.layers is None else (bucket.layers,)
-    dtype = jnp.dtype(bucket.dtype)
+    dtype = jnp.dtype(bucket.dtype if dtype is None else dtype)
     pieces, cursor = [], 0
     for slot in sorted(range(len(leaves)), key=lambda i: layout.offsets[i]):
         n, o = layout.sizes[slot], layout.offsets[slot]

@@ -34,6 +34,7 @@ from vescale_jax.buffer import ShardedParams, pack_bucket
 from vescale_jax.gather import gather_bucket
 from vescale_jax.layers import LayerShard
 from vescale_jax.plan import Plan
+from vescale_jax.precision import MixedPrecision, reduce_scatter_cast
 from vescale_jax.unpacking import kernel_mode
 
 __all__ = ["apply", "data_sharding", "fsdp", "init_opt_state", "place_batch"]
@@ -44,6 +45,8 @@ class _Options:
     data_axes: tuple[str, ...]
     reshard_after_forward: bool
     prefetch: bool
+    precision: MixedPrecision | None = None
+    replica_axes: tuple[str, ...] = ()
 
 
 _OPTIONS: contextvars.ContextVar[_Options | None] = contextvars.ContextVar("vescale_jax_fsdp", default=None)
@@ -97,6 +100,18 @@ def _check_params(params: Any, plan: Plan, what: str = "params") -> None:
             )
 
 
+def _check_precision(precision: MixedPrecision | None, plan: Plan) -> None:
+    if precision is None or precision.master_dtype is None:
+        return
+    for bucket in plan.buckets:
+        if jnp.issubdtype(np.dtype(bucket.dtype), jnp.floating) and bucket.dtype != precision.master_dtype:
+            raise ValueError(
+                f"vj.fsdp: bucket {bucket.name!r} holds {bucket.dtype} parameters but the policy's master dtype is "
+                f"{precision.master_dtype}; plan and shard the parameters in {precision.master_dtype} "
+                "(e.g. jax.tree.map(lambda x: x.astype(...), params) before vj.plan)."
+            )
+
+
 def _check_batch(batch: Any, size: int, data_axes: tuple[str, ...], what: str = "batch") -> None:
     for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
         shape = tuple(np.shape(leaf))
@@ -125,17 +140,18 @@ def _tree(plan: Plan, buffers: Sequence[jax.Array], gathered: dict[int, jax.Arra
     for bucket, local in zip(plan.buckets, buffers, strict=True):
         for i in bucket.leaves:
             leaves[i] = (
-                LayerShard(local, plan, i, opts.reshard_after_forward, opts.prefetch)
+                LayerShard(local, plan, i, opts.reshard_after_forward, opts.prefetch, opts.precision, opts.replica_axes)
                 if bucket.layers is not None else gathered[i]
             )
     return jax.tree_util.tree_unflatten(plan.treedef, leaves)
 
 
-def _gather_flat(plan: Plan, buffers: Sequence[jax.Array]) -> dict[int, jax.Array]:
+def _gather_flat(plan: Plan, buffers: Sequence[jax.Array], opts: _Options) -> dict[int, jax.Array]:
     out = {}
     for bucket, local in zip(plan.buckets, buffers, strict=True):
         if bucket.layers is None:
-            out.update(zip(bucket.leaves, gather_bucket(local, bucket, plan), strict=True))
+            leaves = gather_bucket(local, bucket, plan, precision=opts.precision, vary_axes=opts.replica_axes)
+            out.update(zip(bucket.leaves, leaves, strict=True))
     return out
 
 
@@ -162,10 +178,10 @@ def _resharded(fn: Callable[..., Any], plan: Plan, opts: _Options) -> Callable[.
 
     @jax.custom_vjp
     def run(buffers, args):
-        return fn(_tree(plan, buffers, _gather_flat(plan, buffers), opts), *args)
+        return fn(_tree(plan, buffers, _gather_flat(plan, buffers, opts), opts), *args)
 
     def run_fwd(buffers, args):
-        gathered = _gather_flat(plan, buffers)
+        gathered = _gather_flat(plan, buffers, opts)
         static["keys"] = list(gathered)
         flat = list(gathered.values())
         out, vjp_fn = jax.vjp(jax.checkpoint(body, policy=_save_policy), flat, buffers, args)
@@ -180,7 +196,7 @@ def _resharded(fn: Callable[..., Any], plan: Plan, opts: _Options) -> Callable[.
         dep = _dependency(ct)
         again = [b if dep is None or bucket.layers is not None else b + dep.astype(b.dtype)
                  for b, bucket in zip(buffers, plan.buckets, strict=True)]
-        flat = list(_gather_flat(plan, again).values())
+        flat = list(_gather_flat(plan, again, opts).values())
         res = [flat[k] if k is not None else r for r, k in zip(kept, static["slots"], strict=True)]
         vjp_fn = jax.tree_util.tree_unflatten(static["res_def"], res)
         d_flat, d_buffers, d_args = vjp_fn(ct)
@@ -188,8 +204,12 @@ def _resharded(fn: Callable[..., Any], plan: Plan, opts: _Options) -> Callable[.
         d_buffers = list(d_buffers)
         for b, bucket in enumerate(plan.buckets):
             if bucket.layers is None:
-                packed = pack_bucket([grads[i] for i in bucket.leaves], bucket)
-                d_buffers[b] = d_buffers[b] + jax.lax.psum_scatter(packed, plan.axis, tiled=True)
+                policy = opts.precision
+                dtype = None if policy is None else policy.grad_dtype(bucket.dtype)
+                packed = pack_bucket([grads[i] for i in bucket.leaves], bucket, dtype=dtype)
+                d_buffers[b] = d_buffers[b] + reduce_scatter_cast(
+                    packed, plan.axis, policy, bucket.dtype, like=buffers[b]
+                )
         return tuple(d_buffers), d_args
 
     run.defvjp(run_fwd, run_bwd)
@@ -203,6 +223,7 @@ def apply(
     data_axes: str | Sequence[str] | None = None,
     reshard_after_forward: bool | None = None,
     prefetch: bool | None = None,
+    precision: MixedPrecision | None = None,
     in_specs: Any = None,
     out_specs: Any = None,
 ) -> Any:
@@ -218,6 +239,7 @@ def apply(
         (default: the enclosing ``vj.fsdp``'s, else True).
       prefetch: in :func:`vj.scan_layers`, gather the next layer while computing the current one (default: the
         enclosing ``vj.fsdp``'s, else False).
+      precision: a :class:`vj.MixedPrecision` policy (default: the enclosing ``vj.fsdp``'s, else none).
       in_specs: ``PartitionSpec`` prefix for ``args`` (default: dim 0 over the data axes).
       out_specs: ``PartitionSpec`` prefix for the outputs (default: dim 0 over the data axes, i.e. per-example
         outputs; a scalar computed per device needs ``P()`` and a ``lax.pmean`` over the data axes in ``fn``).
@@ -232,13 +254,15 @@ def apply(
     if not isinstance(params, ShardedParams):
         raise TypeError(f"vj.apply: params must be a vj.ShardedParams, got {type(params).__name__}.")
     plan = params.plan
-    outer = _OPTIONS.get() or _Options(_axes(plan.axis), True, False)
+    outer = _OPTIONS.get() or _Options(_axes(plan.axis), True, False, None)
+    axes = _axes(data_axes) if data_axes is not None else outer.data_axes
     opts = _Options(
-        _axes(data_axes) if data_axes is not None else outer.data_axes,
+        axes,
         outer.reshard_after_forward if reshard_after_forward is None else reshard_after_forward,
         outer.prefetch if prefetch is None else prefetch,
+        outer.precision if precision is None else precision,
+        tuple(a for a in axes if a not in _axes(plan.axis)),
     )
-    axes = opts.data_axes
     if in_specs is None:
         _check_batch(args, _data_size(plan.mesh, axes), axes, what="vj.apply argument")
         in_specs = tuple(P(axes) for _ in args)
@@ -248,7 +272,7 @@ def apply(
         local = _resharded(fn, plan, opts)
     else:
         def local(buffers, *local_args):
-            return fn(_tree(plan, buffers, _gather_flat(plan, buffers), opts), *local_args)
+            return fn(_tree(plan, buffers, _gather_flat(plan, buffers, opts), opts), *local_args)
 
     specs = tuple(plan.partition_spec(b) for b in plan.buckets)
     # The Pallas interpreter's loops do not track varying mesh axes: skip the check when the kernels are on.
@@ -257,7 +281,9 @@ def apply(
     return mapped(params.buffers, *args)
 
 
-def place_batch(batch: Any, plan: Plan, data_axes: str | Sequence[str] | None = None) -> Any:
+def place_batch(
+    batch: Any, plan: Plan, data_axes: str | Sequence[str] | None = None, *, microbatches: int | None = None
+) -> Any:
     """Puts a batch on the mesh with dim 0 split over the data axes.
 
     In a single-process job ``batch`` is the global batch. In a multi-process job each process passes only its
@@ -269,24 +295,41 @@ def place_batch(batch: Any, plan: Plan, data_axes: str | Sequence[str] | None = 
       batch: a pytree of arrays with a leading batch dim.
       plan: the plan (its mesh).
       data_axes: mesh axes dim 0 is split over (default: the plan's axis).
+      microbatches: split dim 0 into this many micro-batches: leaves become ``(k, B/k, ...)`` (micro-batch ``i``
+        is rows ``[i·B/k, (i+1)·B/k)`` of each process's part) with dim 1 split over the data axes.
 
     Returns:
-      The batch as global arrays with :func:`data_sharding`.
+      The batch as global arrays with :func:`data_sharding` (dim 1 of it with ``microbatches``).
     """
     axes = _axes(plan.axis if data_axes is None else data_axes)
-    sharding = data_sharding(plan, axes)
+    data_sharding(plan, axes)
     size = _data_size(plan.mesh, axes)
+    k = microbatches or 1
+    sharding = NamedSharding(plan.mesh, P(None, axes) if microbatches else P(axes))
+
+    def split(x):
+        x = np.asarray(x)
+        if not x.ndim or x.shape[0] % k:
+            raise ValueError(
+                f"vj.fsdp: a batch leaf of shape {x.shape} does not split into {k} micro-batches; use a batch size "
+                f"that is a multiple of {k}."
+            )
+        return x.reshape(k, x.shape[0] // k, *x.shape[1:]) if microbatches else x
+
+    what = "micro-batch" if microbatches else "batch"
     if jax.process_count() == 1:
-        _check_batch(batch, size, axes)
-        return jax.tree.map(lambda x: jax.device_put(x, sharding), batch)
+        parts = jax.tree.map(split, batch)
+        _check_batch(jax.tree.map(lambda x: x[0], parts) if microbatches else parts, size, axes, what=what)
+        return jax.tree.map(lambda x: jax.device_put(x, sharding), parts)
 
     def place(x):
         if isinstance(x, jax.Array) and not x.is_fully_addressable:
             return x
-        return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+        return jax.make_array_from_process_local_data(sharding, split(x))
 
     out = jax.tree.map(place, batch)
-    _check_batch(out, size, axes, what="global batch (all processes' parts)")
+    _check_batch(jax.tree.map(lambda x: np.empty(x.shape[1:2] if microbatches else x.shape[:1]), out),
+                 size, axes, what=f"global {what} (all processes' parts)")
     return out
 
 
@@ -325,6 +368,8 @@ def fsdp(
     data_axes: str | Sequence[str] | None = None,
     reshard_after_forward: bool = True,
     prefetch: bool = False,
+    precision: MixedPrecision | None = None,
+    microbatches: int | None = None,
     donate: bool = True,
 ) -> Callable[..., Any]:
     """Compiles a train step ``step(params, opt_state, batch, *rest) -> (params, opt_state, ...)`` for FSDP.
@@ -343,6 +388,11 @@ def fsdp(
         overlap compute. It costs one to two more gathered layers of memory (XLA double-buffers the loop-carried
         copy), so the default gathers each layer right before its use and leaves overlap to XLA's scheduler
         (on GPU, ``--xla_gpu_enable_pipelined_all_gather`` pipelines the loop's gathers itself).
+      precision: a :class:`vj.MixedPrecision` policy: gather and compute in ``compute_dtype`` (the local shard
+        is cast before the all-gather), reduce-scatter gradients in ``reduce_dtype``; the master shards,
+        gradients and optimizer state keep the plan's dtype.
+      microbatches: hand the step the batch as ``k`` micro-batches (leaves ``(k, B/k, ...)``, dim 1 split over
+        the data axes) for :func:`vj.accumulate`.
       donate: donate ``params`` and ``opt_state`` buffers to the outputs.
 
     Returns:
@@ -357,11 +407,13 @@ def fsdp(
     if step is None:
         return functools.partial(
             fsdp, plan=plan, data_axes=data_axes, reshard_after_forward=reshard_after_forward, prefetch=prefetch,
-            donate=donate,
+            precision=precision, microbatches=microbatches, donate=donate,
         )
     axes = _axes(plan.axis if data_axes is None else data_axes)
     data_sharding(plan, axes)  # checks the axes
-    opts = _Options(axes, reshard_after_forward, prefetch)
+    _check_precision(precision, plan)
+    replica_axes = tuple(a for a in axes if a not in _axes(plan.axis))
+    opts = _Options(axes, reshard_after_forward, prefetch, precision, replica_axes)
     auto = all(t == jax.sharding.AxisType.Auto for t in plan.mesh.axis_types)
 
     def traced(params, opt_state, batch, *rest):
@@ -375,7 +427,7 @@ def fsdp(
 
     def prepare(params, opt_state, batch, *rest):
         _check_params(params, plan)
-        batch = place_batch(batch, plan, axes)
+        batch = place_batch(batch, plan, axes, microbatches=microbatches)
         return params, opt_state, batch, *rest
 
     @functools.wraps(step)

@@ -16,18 +16,30 @@ from typing import Any
 import jax
 
 from vescale_jax.plan import Bucket, Plan
+from vescale_jax.precision import MixedPrecision, all_gather_cast
 from vescale_jax.unpacking import unpack_gathered
 
 __all__ = ["gather_bucket", "gather_params"]
 
 
-def gather_bucket(local: jax.Array, bucket: Bucket, plan: Plan) -> list[jax.Array]:
+def gather_bucket(
+    local: jax.Array,
+    bucket: Bucket,
+    plan: Plan,
+    *,
+    precision: MixedPrecision | None = None,
+    vary_axes: tuple[str, ...] = (),
+) -> list[jax.Array]:
     """All-gathers one bucket's local shard and unpacks its leaves (one layer for a stacked bucket).
 
     Args:
       local: this device's ``(S,)`` shard of the bucket (for a stacked bucket, one layer's ``(S,)`` row).
       bucket: the bucket.
       plan: the plan it belongs to.
+      precision: cast the local shard to the policy's compute dtype before the all-gather (and reduce-scatter
+        the gradient in its reduce dtype).
+      vary_axes: HSDP replica axes: the shard is marked varying over them before the gather, so the sum of the
+        gradient over replicas happens on the shard (see ``vescale_jax.precision.vary``).
 
     Returns:
       The bucket's leaves in slot order, with their logical shapes (per-layer shapes for a stacked bucket).
@@ -42,7 +54,7 @@ def gather_bucket(local: jax.Array, bucket: Bucket, plan: Plan) -> list[jax.Arra
             f"got {tuple(local.shape)}; pass one layer's row for a stacked bucket, inside shard_map over "
             f"{plan.axis!r}."
         )
-    full = jax.lax.all_gather(local, plan.axis, tiled=True)
+    full = all_gather_cast(local, plan.axis, precision, vary_axes=vary_axes)
     return unpack_gathered(full, bucket.layout, [plan.layer_shape(plan.leaves[i]) for i in bucket.leaves])
 
 

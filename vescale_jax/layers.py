@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from vescale_jax.plan import Plan
+from vescale_jax.precision import MixedPrecision, reduce_scatter_cast, vary
 from vescale_jax.unpacking import unpack_gathered
 
 __all__ = ["LayerShard", "scan_layers"]
@@ -44,19 +45,32 @@ class LayerShard:
       index: the leaf's index in ``plan.leaves``.
       reshard_after_forward: whether :func:`scan_layers` gathers each layer again in backward.
       prefetch: whether :func:`scan_layers` gathers the next layer while computing the current one.
+      precision: the mixed-precision policy (gather / compute and reduce dtypes).
+      replica_axes: HSDP replica axes (the rows are marked varying over them before each gather).
 
     Sharding:
       ``rows`` varies over ``plan.axis``; :func:`scan_layers` all-gathers one layer at a time.
     """
 
-    __slots__ = ("index", "plan", "prefetch", "reshard_after_forward", "rows")
+    __slots__ = ("index", "plan", "precision", "prefetch", "replica_axes", "reshard_after_forward", "rows")
 
-    def __init__(self, rows: Any, plan: Plan, index: int, reshard_after_forward: bool = True, prefetch: bool = False):
+    def __init__(
+        self,
+        rows: Any,
+        plan: Plan,
+        index: int,
+        reshard_after_forward: bool = True,
+        prefetch: bool = False,
+        precision: MixedPrecision | None = None,
+        replica_axes: tuple[str, ...] = (),
+    ):
         self.rows, self.plan, self.index = rows, plan, index
-        self.reshard_after_forward, self.prefetch = reshard_after_forward, prefetch
+        self.reshard_after_forward, self.prefetch, self.precision = reshard_after_forward, prefetch, precision
+        self.replica_axes = tuple(replica_axes)
 
     def tree_flatten(self):
-        return (self.rows,), (self.plan, self.index, self.reshard_after_forward, self.prefetch)
+        aux = (self.plan, self.index, self.reshard_after_forward, self.prefetch, self.precision, self.replica_axes)
+        return (self.rows,), aux
 
     @classmethod
     def tree_unflatten(cls, aux, children):
@@ -141,6 +155,10 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
         rows.setdefault(plan.leaves[s.index].bucket, s.rows)
     rows = tuple(rows[b] for b in bucket_ids)
     keep = not shards[0].reshard_after_forward
+    policy, replica_axes = shards[0].precision, shards[0].replica_axes
+    gather_dtypes = tuple(
+        np.dtype(r.dtype) if policy is None else policy.gather_dtype(r.dtype) for r in rows
+    )
     num_layers = rows[0].shape[0]
     if has_xs:
         for x in jax.tree.leaves(xs):
@@ -159,15 +177,21 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
         return _call(body, unpack_layer(fulls), c, x, has_xs)
 
     # Example values with the right varying-axes types (dead code once converted; no collective is traced).
-    example_fulls = tuple(jnp.tile(r[0], plan.buckets[b].layout.num_devices) for r, b in zip(rows, bucket_ids,
-                                                                                            strict=True))
+    example_fulls = tuple(
+        jnp.tile(vary(r[0], replica_axes), plan.buckets[b].layout.num_devices).astype(d)
+        for r, b, d in zip(rows, bucket_ids, gather_dtypes, strict=True)
+    )
     x0 = jax.tree.map(lambda a: a[0], xs)
     fn, consts = jax.closure_convert(layer, example_fulls, carry, x0)
     axis = plan.axis
 
-    def gather(rows_, i):
-        return tuple(jax.lax.all_gather(jax.lax.dynamic_index_in_dim(r, i, keepdims=False), axis, tiled=True)
-                     for r in rows_)
+    def gather(rows_, i):  # the local row is cast to the gather dtype first: the wire carries it
+        return tuple(
+            jax.lax.all_gather(
+                vary(jax.lax.dynamic_index_in_dim(r, i, keepdims=False), replica_axes).astype(d), axis, tiled=True
+            )
+            for r, d in zip(rows_, gather_dtypes, strict=True)
+        )
 
     def x_at(i):
         return jax.tree.map(lambda a: a[i], xs)
@@ -199,7 +223,9 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
         return out, ((c, c_stack), (g0, g_stack) if keep else None)
 
     def reduce_scatter(dg):
-        return tuple(jax.lax.psum_scatter(d, axis, tiled=True) for d in dg)
+        return tuple(
+            reduce_scatter_cast(d, axis, policy, r.dtype, like=r) for d, r in zip(dg, rows, strict=True)
+        )
 
     def layer_vjp(g, c_in, x, consts_, ct):
         x_leaves, x_def = jax.tree.flatten(x)
