@@ -6,6 +6,12 @@ Runs on every device JAX sees (8 simulated CPU devices when no GPU plugin is ins
 and AdamW state live sharded in the planner's flat buffers; each layer of the scanned block stack is gathered
 inside the loop, one at a time. Prints the plan, a progress bar with loss and tokens/s, the validation loss, and
 writes a loss-curve PNG.
+
+As a multi-process job (a cluster's launcher, or processes on one machine) add the coordinator flags; each
+process feeds only its rows of every batch:
+
+    for i in 0 1; do python examples/train_gpt.py --coordinator 127.0.0.1:12345 --num-processes 2 \
+        --process-id $i --local-devices 4 --plot "" & done; wait
 """
 
 from __future__ import annotations
@@ -16,7 +22,11 @@ import os
 import sys
 import time
 
-if importlib.util.find_spec("jax_cuda12_plugin") is None and "XLA_FLAGS" not in os.environ:
+if (
+    importlib.util.find_spec("jax_cuda12_plugin") is None
+    and "XLA_FLAGS" not in os.environ
+    and not any(a.startswith(("--coordinator", "--num-processes")) for a in sys.argv)  # multi-process: 1 device
+):
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"  # no GPU: simulate 8 CPU devices
 
 import jax
@@ -74,8 +84,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--keep", action="store_true", help="keep gathered params for backward (no re-gather)")
     p.add_argument("--plot", default="train_gpt_loss.png", help="loss-curve PNG ('' to skip)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--microbatches", type=int, default=1, help="gradient accumulation steps per batch")
+    p.add_argument("--bf16", action="store_true", help="gather and compute in bfloat16, reduce in float32")
+    p.add_argument("--coordinator", help="host:port of process 0, for a multi-process job")
+    p.add_argument("--num-processes", type=int)
+    p.add_argument("--process-id", type=int)
+    p.add_argument("--local-devices", type=int, help="CPU devices per process (CPU multi-process runs)")
     args = p.parse_args(argv)
 
+    vj.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
+                              process_id=args.process_id, local_device_count=args.local_devices)
+    lead = jax.process_index() == 0
     devices = jax.devices()
     mesh = jax.make_mesh((len(devices),), ("fsdp",))
     cfg = GPTConfig(vocab=256, max_len=args.seq, d_model=args.d_model, num_heads=args.heads,
@@ -83,7 +102,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     graphdef, shapes = abstract_model(cfg)
     plan = vj.plan(shapes, mesh, stacked=("blocks",), granularity=vj.rows(1))
     n_params = sum(s.size for s in plan.leaves)
-    print(f"{n_params / 1e6:.2f} M parameters on {len(devices)} {devices[0].platform} devices\n{plan.summary()}\n")
+    if lead:
+        print(f"{n_params / 1e6:.2f} M parameters on {len(devices)} {devices[0].platform} devices in "
+              f"{jax.process_count()} process(es)\n{plan.summary()}\n")
 
     data = stdlib_text(int(args.data_mb * 2**20))
     split = int(0.95 * len(data))
@@ -95,12 +116,19 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     params = vj.init_sharded(lambda key: init_params(cfg, key), plan, jax.random.key(args.seed))
     opt_state = vj.init_opt_state(tx, params)
 
-    @vj.fsdp(plan=plan, reshard_after_forward=not args.keep)
-    def train_step(params, opt_state, batch):
-        def loss_of(p):
-            return loss_fn(vj.flax.nnx_apply(graphdef, p, batch["x"]), batch["y"])
+    precision = vj.MixedPrecision(compute_dtype="bfloat16", reduce_dtype="float32") if args.bf16 else None
+    rows = vj.distributed.local_batch_slice(args.batch)  # this process's rows of every batch
 
-        loss, grads = jax.value_and_grad(loss_of)(params)
+    @vj.fsdp(plan=plan, reshard_after_forward=not args.keep, precision=precision,
+             microbatches=args.microbatches if args.microbatches > 1 else None)
+    def train_step(params, opt_state, batch):
+        def loss_of(p, b):
+            return loss_fn(vj.flax.nnx_apply(graphdef, p, b["x"]), b["y"])
+
+        if args.microbatches > 1:
+            loss, grads = vj.accumulate(loss_of, params, batch)
+        else:
+            loss, grads = jax.value_and_grad(loss_of)(params, batch)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
 
@@ -109,8 +137,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         return loss_fn(vj.flax.nnx_apply(graphdef, params, batch["x"]), batch["y"])
 
     losses, t0, tokens = [], None, 0
+    def local(batch):
+        return {k: v[rows] for k, v in batch.items()}
+
     for step in range(1, args.steps + 1):
-        params, opt_state, metrics = train_step(params, opt_state, next(train))
+        params, opt_state, metrics = train_step(params, opt_state, local(next(train)))
         if step == 1:
             losses.append(float(metrics["loss"]))
             t0 = time.perf_counter()  # after the compile
@@ -118,11 +149,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         tokens += args.batch * args.seq
         if step % 10 == 0 or step == args.steps:
             losses.append(float(metrics["loss"]))
-            progress(step, args.steps, losses[-1], tokens / (time.perf_counter() - t0))
+            if lead:
+                progress(step, args.steps, losses[-1], tokens / (time.perf_counter() - t0))
         else:
             losses.append(float("nan"))
+    val_loss = float(np.mean([float(eval_step(params, None, local(next(val)))) for _ in range(4)]))
+    if not lead:
+        return {"first_loss": losses[0], "last_loss": losses[-1], "val_loss": val_loss}
     sys.stderr.write("\n")
-    val_loss = float(np.mean([float(eval_step(params, None, next(val))) for _ in range(4)]))
     print(f"first loss {losses[0]:.3f}, last loss {losses[-1]:.3f}, validation loss {val_loss:.3f} "
           f"(uniform over 256 bytes: {np.log(256):.3f})")
 
