@@ -141,6 +141,33 @@ def test_accumulation_equals_one_big_batch():
     assert census.count("reduce-scatter") == k * (len(plan.buckets) - 1 + CFG.num_layers)
 
 
+def test_accumulation_reducing_once_per_step_matches():
+    graphdef, shapes = abstract_model(CFG)
+    plan = vj.plan(shapes, make_mesh(8), stacked=("blocks",))
+    k, b = 4, 8
+    sp = vj.shard(init_params(CFG, jax.random.key(0)), plan)
+
+    def loss_of(p, batch):
+        return loss_fn(vj.flax.nnx_apply(graphdef, p, batch["x"]), batch["y"])
+
+    def grads_with(reduce):
+        @vj.fsdp(plan=plan, microbatches=k, donate=False)
+        def grads(params, _, batch):
+            return vj.accumulate(loss_of, params, batch, reduce=reduce)
+
+        return grads
+
+    once, each = grads_with("once"), grads_with("each")
+    batch = next(batches(1, batch=k * b))
+    (loss, grads), (ref_loss, ref_grads) = once(sp, None, batch), each(sp, None, batch)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_trees_close(vj.unshard(grads), vj.unshard(ref_grads))
+    census = testing.census(once.lower(sp, None, batch).compile())
+    # One all-gather and one reduce-scatter per bucket for the whole step, none inside the micro-batch loop.
+    assert census.count("all-gather") == census.count("reduce-scatter") == len(plan.buckets)
+    assert not any(op.in_loop for op in census.of("all-gather") + census.of("reduce-scatter"))
+
+
 def test_microbatches_must_divide_the_batch():
     graphdef, shapes = abstract_model(CFG)
     plan = vj.plan(shapes, make_mesh(2), stacked=("blocks",))

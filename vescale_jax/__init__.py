@@ -7,7 +7,7 @@ and the Flax adapters in ``vj.flax``.
 
 from vescale_jax import distributed, flax, kernels, redistribute, unpacking
 from vescale_jax.accumulate import accumulate
-from vescale_jax.buffer import ShardedParams, init_sharded, pack, shard, unpack, unshard
+from vescale_jax.buffer import GatheredParams, ShardedParams, init_sharded, pack, shard, unpack, unshard
 from vescale_jax.fsdp import apply, data_sharding, fsdp, init_opt_state, place_batch
 from vescale_jax.granularity import Granularity, element, rows, whole
 from vescale_jax.layers import LayerShard, scan_layers
@@ -20,6 +20,7 @@ from vescale_jax.precision import MixedPrecision
 __all__ = [
     "Bucket",
     "BucketLayout",
+    "GatheredParams",
     "Granularity",
     "LayerShard",
     "LeafSpec",

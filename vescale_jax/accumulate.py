@@ -8,11 +8,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from vescale_jax.buffer import GatheredParams, ShardedParams
+
 __all__ = ["accumulate"]
 
 
 def accumulate(
-    fun: Callable[..., Any], params: Any, batch: Any, *, has_aux: bool = False
+    fun: Callable[..., Any], params: Any, batch: Any, *, has_aux: bool = False, reduce: str = "each"
 ) -> tuple[Any, Any]:
     """``jax.value_and_grad(fun)(params, micro_batch)`` averaged over the leading micro-batch dim of ``batch``.
 
@@ -26,14 +28,21 @@ def accumulate(
       params: the parameters (a ``ShardedParams`` under ``vj.fsdp``).
       batch: leaves with a leading micro-batch dim.
       has_aux: whether ``fun`` returns ``(loss, aux)``; aux comes back stacked over micro-batches.
+      reduce: ``"each"`` (default): every micro-batch's backward reduce-scatters its gradient, the accumulator
+        is shard-sized. ``"once"``: every bucket is all-gathered once per step into a full per-device copy,
+        the micro-batches accumulate unreduced full-size gradients, and each bucket is reduce-scattered once
+        at the end — one all-gather and one reduce-scatter per bucket and step, for the memory of the whole
+        model and its gradient on every device.
 
     Returns:
       ``(loss, grads)`` or ``((loss, aux), grads)``, loss and grads averaged over the micro-batches.
 
     Sharding:
-      Each micro-batch's backward reduce-scatters its gradient into the local shard (one reduce-scatter per
-      bucket and micro-batch), so the accumulator is shard-sized: memory stays that of one micro-batch.
+      ``"each"``: one reduce-scatter per bucket and micro-batch, shard-sized accumulator. ``"once"``: one
+      all-gather and one reduce-scatter per bucket per step, full-size copies and accumulator.
     """
+    if reduce not in ("each", "once"):
+        raise ValueError(f"vj.accumulate: reduce={reduce!r}; use 'each' or 'once'.")
     leaves = jax.tree.leaves(batch)
     if not leaves:
         raise ValueError("vj.accumulate: the batch has no arrays.")
@@ -45,15 +54,75 @@ def accumulate(
                 f"shape {x.shape}; compile the step with vj.fsdp(..., microbatches={k})."
             )
     grad_fn = jax.value_and_grad(fun, has_aux=has_aux)
+    reduced = params
+    if reduce == "once":
+        params = gather_copies(params)
 
     def body(carry, micro_batch):
         loss_sum, grad_sum = carry
         value, grads = grad_fn(params, micro_batch)
         loss, aux = value if has_aux else (value, None)
-        return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), aux
+        return (loss_sum + loss, jax.tree.map(lambda a, g: a + g.astype(a.dtype), grad_sum, grads)), aux
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
+    if reduce == "once":  # accumulate unreduced gradients in the reduce dtype
+        policy = _policy_and_axes(params.plan)[0]
+        zeros = GatheredParams(
+            [
+                jnp.zeros_like(x, dtype=b.dtype if policy is None else policy.grad_dtype(b.dtype))
+                for x, b in zip(params.buffers, reduced.buffers, strict=True)
+            ],
+            params.plan,
+        )
+    else:
+        zeros = jax.tree.map(jnp.zeros_like, params)
     (loss_sum, grad_sum), aux = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), batch)
     loss = loss_sum / k
+    if reduce == "once":
+        grad_sum = reduce_copies(grad_sum, reduced)
     grads = jax.tree.map(lambda g: (g / k).astype(g.dtype), grad_sum)
     return ((loss, aux) if has_aux else loss), grads
+
+
+def _policy_and_axes(plan):
+    from vescale_jax.fsdp import _OPTIONS
+
+    opts = _OPTIONS.get()
+    if opts is not None and opts.replica_axes:
+        raise ValueError("vj.accumulate(reduce='once') does not support HSDP replica axes; use reduce='each'.")
+    return (opts.precision if opts is not None else None), plan.axis
+
+
+def gather_copies(params: ShardedParams) -> GatheredParams:
+    """All-gathers every bucket once into a full copy on each device (in the policy's compute dtype)."""
+    if not isinstance(params, ShardedParams):
+        raise TypeError(f"vj.accumulate(reduce='once'): params must be a vj.ShardedParams, got {type(params)}.")
+    plan = params.plan
+    policy, axis = _policy_and_axes(plan)
+    specs = tuple(plan.partition_spec(b) for b in plan.buckets)
+
+    def local(buffers):
+        out = []
+        for b in buffers:
+            b = b if policy is None else b.astype(policy.gather_dtype(b.dtype))
+            out.append(jax.lax.all_gather(b, axis, axis=b.ndim - 1, tiled=True))
+        return tuple(out)
+
+    copies = jax.shard_map(local, mesh=plan.mesh, in_specs=(specs,), out_specs=specs)(params.buffers)
+    return GatheredParams(copies, plan)
+
+
+def reduce_copies(grads: GatheredParams, like: ShardedParams) -> ShardedParams:
+    """Reduce-scatters full per-device gradients into the plan's shards (in the policy's reduce dtype)."""
+    plan = like.plan
+    policy, axis = _policy_and_axes(plan)
+    specs = tuple(plan.partition_spec(b) for b in plan.buckets)
+
+    def local(gs):
+        out = []
+        for g, bucket in zip(gs, plan.buckets, strict=True):
+            g = g if policy is None else g.astype(policy.grad_dtype(bucket.dtype))
+            out.append(jax.lax.psum_scatter(g, axis, scatter_dimension=g.ndim - 1, tiled=True).astype(bucket.dtype))
+        return tuple(out)
+
+    buffers = jax.shard_map(local, mesh=plan.mesh, in_specs=(specs,), out_specs=specs)(grads.buffers)
+    return ShardedParams(buffers, plan)

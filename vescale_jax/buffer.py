@@ -17,6 +17,7 @@ import numpy as np
 from vescale_jax.plan import Bucket, Plan
 
 __all__ = [
+    "GatheredParams",
     "ShardedParams",
     "check_tree",
     "init_sharded",
@@ -64,6 +65,30 @@ class ShardedParams:
             f"{b.name}{tuple(getattr(x, 'shape', ()))}" for b, x in zip(self.plan.buckets, self.buffers, strict=True)
         )
         return f"ShardedParams({shapes})"
+
+
+@jax.tree_util.register_pytree_node_class
+class GatheredParams:
+    """Every device's full copy of each bucket, for steps that hold the gathered model (``reduce="once"``).
+
+    Attributes:
+      buffers: one array per bucket of shape ``(m * total_size,)`` (``(L, m * total_size)`` stacked) with the
+        plan's partition spec, so each device's local block is the whole ``(total_size,)`` bucket.
+      plan: the :class:`Plan`.
+    """
+
+    __slots__ = ("buffers", "plan")
+
+    def __init__(self, buffers: Sequence[Any], plan: Plan):
+        self.buffers = tuple(buffers)
+        self.plan = plan
+
+    def tree_flatten(self):
+        return self.buffers, self.plan
+
+    @classmethod
+    def tree_unflatten(cls, plan, buffers):
+        return cls(buffers, plan)
 
 
 def check_tree(params: Any, plan: Plan, *, what: str = "params") -> list[Any]:

@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from vescale_jax.buffer import ShardedParams, pack_bucket
+from vescale_jax.buffer import GatheredParams, ShardedParams, pack_bucket, unpack_bucket
 from vescale_jax.gather import gather_bucket
 from vescale_jax.layers import LayerShard
 from vescale_jax.plan import Plan
@@ -251,6 +251,8 @@ def apply(
       A ``shard_map`` over the plan's mesh. Each non-stacked bucket is all-gathered once (again in backward with
       reshard-after-forward); its gradient is reduce-scattered back into the bucket's layout.
     """
+    if isinstance(params, GatheredParams):
+        return _apply_gathered(fn, params, args, data_axes, in_specs, out_specs)
     if not isinstance(params, ShardedParams):
         raise TypeError(f"vj.apply: params must be a vj.ShardedParams, got {type(params).__name__}.")
     plan = params.plan
@@ -331,6 +333,29 @@ def place_batch(
     _check_batch(jax.tree.map(lambda x: np.empty(x.shape[1:2] if microbatches else x.shape[:1]), out),
                  size, axes, what=f"global {what} (all processes' parts)")
     return out
+
+
+def _apply_gathered(fn, params, args, data_axes, in_specs, out_specs):
+    """``vj.apply`` on full per-device copies (``vj.accumulate(..., reduce="once")``): no collective at all."""
+    plan = params.plan
+    outer = _OPTIONS.get()
+    axes = _axes(data_axes) if data_axes is not None else (outer.data_axes if outer else _axes(plan.axis))
+    if in_specs is None:
+        _check_batch(args, _data_size(plan.mesh, axes), axes, what="vj.apply argument")
+        in_specs = tuple(P(axes) for _ in args)
+    out_specs = P(axes) if out_specs is None else out_specs
+
+    def local(copies, *local_args):
+        leaves: list[Any] = [None] * len(plan.leaves)
+        for bucket, full in zip(plan.buckets, copies, strict=True):
+            unpacked = unpack_bucket(full, bucket, [plan.leaves[i].shape for i in bucket.leaves])
+            for i, x in zip(bucket.leaves, unpacked, strict=True):
+                leaves[i] = x
+        return fn(jax.tree_util.tree_unflatten(plan.treedef, leaves), *local_args)
+
+    specs = tuple(plan.partition_spec(b) for b in plan.buckets)
+    mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(specs, *in_specs), out_specs=out_specs)
+    return mapped(params.buffers, *args)
 
 
 def _sharding_by_shape(plan: Plan) -> dict[tuple[int, ...], NamedSharding]:
