@@ -31,8 +31,25 @@ __all__ = [
 ]
 
 
+class _Buffers:
+    """One array per bucket of a plan, as pytree children; the plan is the static aux data."""
+
+    __slots__ = ("buffers", "plan")
+
+    def __init__(self, buffers: Sequence[Any], plan: Plan):
+        self.buffers = tuple(buffers)
+        self.plan = plan
+
+    def tree_flatten(self):
+        return self.buffers, self.plan
+
+    @classmethod
+    def tree_unflatten(cls, plan, buffers):
+        return cls(buffers, plan)
+
+
 @jax.tree_util.register_pytree_node_class
-class ShardedParams:
+class ShardedParams(_Buffers):
     """A parameter tree stored as one flat buffer per bucket of a :class:`Plan`.
 
     A pytree whose children are the bucket buffers (so ``optax`` transforms, ``jax.tree.map`` and
@@ -47,18 +64,7 @@ class ShardedParams:
       device sees its local ``(S,)`` (or ``(L, S)``) shard.
     """
 
-    __slots__ = ("buffers", "plan")
-
-    def __init__(self, buffers: Sequence[Any], plan: Plan):
-        self.buffers = tuple(buffers)
-        self.plan = plan
-
-    def tree_flatten(self):
-        return self.buffers, self.plan
-
-    @classmethod
-    def tree_unflatten(cls, plan, buffers):
-        return cls(buffers, plan)
+    __slots__ = ()
 
     def __repr__(self) -> str:
         shapes = ", ".join(
@@ -68,7 +74,7 @@ class ShardedParams:
 
 
 @jax.tree_util.register_pytree_node_class
-class GatheredParams:
+class GatheredParams(_Buffers):
     """Every device's full copy of each bucket, for steps that hold the gathered model (``reduce="once"``).
 
     Attributes:
@@ -77,18 +83,7 @@ class GatheredParams:
       plan: the :class:`Plan`.
     """
 
-    __slots__ = ("buffers", "plan")
-
-    def __init__(self, buffers: Sequence[Any], plan: Plan):
-        self.buffers = tuple(buffers)
-        self.plan = plan
-
-    def tree_flatten(self):
-        return self.buffers, self.plan
-
-    @classmethod
-    def tree_unflatten(cls, plan, buffers):
-        return cls(buffers, plan)
+    __slots__ = ()
 
 
 def check_tree(params: Any, plan: Plan, *, what: str = "params") -> list[Any]:
