@@ -8,6 +8,8 @@
 #    once with the Triton backend and, time permitting, once with Mosaic GPU (unsupported cases skip).
 # 3. Runs benchmarks/kernels.py --out benchmarks/results/kernels_gpu.md (the table is rewritten after every
 #    row, so a timeout still leaves what was measured).
+# 4. Trains examples/train_gpt.py for 30 steps on the GPU (fp32, then --bf16): the vj.fsdp runtime under the
+#    device's JAX version.
 # Every step has its own timeout and failures do not stop the rest; the whole script stays under ~7 minutes
 # (BUDGET_S). Logs and the results table go to $OUT and benchmarks/results/.
 set -u
@@ -56,6 +58,9 @@ PYTEST=(python -m pytest tests/test_kernels.py -q -p no:cacheprovider -rs --dura
 step tests_triton 120 env VESCALE_JAX_KERNEL_BACKEND=triton "${PYTEST[@]}"
 step bench 240 python benchmarks/kernels.py --out "$RES/kernels_gpu.md"
 cp "$RES/kernels_gpu.md" "$OUT/" 2>/dev/null || true
+# The FSDP runtime on one GPU under the device's JAX: 30 steps of the example, fp32 then bf16.
+step train_gpt 60 python examples/train_gpt.py --steps 30 --plot ""
+step train_gpt_bf16 60 python examples/train_gpt.py --steps 30 --bf16 --plot ""
 step tests_mosaic_gpu 100 env VESCALE_JAX_KERNEL_BACKEND=mosaic_gpu "${PYTEST[@]}"
 
 echo "total $(( $(date +%s) - START ))s" | tee -a "$SUMMARY"
