@@ -115,50 +115,44 @@ def test_master_dtype_is_checked():
 # --- Gradient accumulation ---------------------------------------------------------------------------------------
 
 
-def test_accumulation_equals_one_big_batch():
+K, B = 4, 8  # micro-batches of B rows
+
+
+def accumulation_setup():
+    """The plan on 8 devices, sharded params, and a compiled grads step per accumulate(reduce=...)."""
     graphdef, shapes = abstract_model(CFG)
     plan = vj.plan(shapes, make_mesh(8), stacked=("blocks",))
-    k, b = 4, 8
-    sp = vj.shard(init_params(CFG, jax.random.key(0)), plan)
-
-    def loss_of(p, batch):
-        return loss_fn(vj.flax.nnx_apply(graphdef, p, batch["x"]), batch["y"])
-
-    @vj.fsdp(plan=plan, microbatches=k, donate=False)
-    def accum_grads(params, _, batch):
-        return vj.accumulate(loss_of, params, batch)
-
-    @vj.fsdp(plan=plan, donate=False)
-    def big_batch_grads(params, _, batch):
-        return jax.value_and_grad(loss_of)(params, batch)
-
-    for batch in batches(2, batch=k * b):
-        (loss, grads), (ref_loss, ref_grads) = accum_grads(sp, None, batch), big_batch_grads(sp, None, batch)
-        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-        assert_trees_close(vj.unshard(grads), vj.unshard(ref_grads))  # max|diff| <= 1e-5 max|ref| per leaf
-    census = testing.census(accum_grads.lower(sp, None, next(batches(1, batch=k * b))).compile())
-    # One reduce-scatter per bucket and micro-batch: the micro-batch loop multiplies them by k.
-    assert census.count("reduce-scatter") == k * (len(plan.buckets) - 1 + CFG.num_layers)
-
-
-def test_accumulation_reducing_once_per_step_matches():
-    graphdef, shapes = abstract_model(CFG)
-    plan = vj.plan(shapes, make_mesh(8), stacked=("blocks",))
-    k, b = 4, 8
     sp = vj.shard(init_params(CFG, jax.random.key(0)), plan)
 
     def loss_of(p, batch):
         return loss_fn(vj.flax.nnx_apply(graphdef, p, batch["x"]), batch["y"])
 
     def grads_with(reduce):
-        @vj.fsdp(plan=plan, microbatches=k, donate=False)
-        def grads(params, _, batch):
-            return vj.accumulate(loss_of, params, batch, reduce=reduce)
+        if reduce is None:  # one batch of K·B, no accumulation
+            return vj.fsdp(lambda params, _, batch: jax.value_and_grad(loss_of)(params, batch), plan=plan,
+                           donate=False)
+        return vj.fsdp(lambda params, _, batch: vj.accumulate(loss_of, params, batch, reduce=reduce), plan=plan,
+                       microbatches=K, donate=False)
 
-        return grads
+    return plan, sp, grads_with
 
+
+def test_accumulation_equals_one_big_batch():
+    plan, sp, grads_with = accumulation_setup()
+    accum_grads, big_batch_grads = grads_with("each"), grads_with(None)
+    for batch in batches(2, batch=K * B):
+        (loss, grads), (ref_loss, ref_grads) = accum_grads(sp, None, batch), big_batch_grads(sp, None, batch)
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+        assert_trees_close(vj.unshard(grads), vj.unshard(ref_grads))  # max|diff| <= 1e-5 max|ref| per leaf
+    census = testing.census(accum_grads.lower(sp, None, next(batches(1, batch=K * B))).compile())
+    # One reduce-scatter per bucket and micro-batch: the micro-batch loop multiplies them by K.
+    assert census.count("reduce-scatter") == K * (len(plan.buckets) - 1 + CFG.num_layers)
+
+
+def test_accumulation_reducing_once_per_step_matches():
+    plan, sp, grads_with = accumulation_setup()
     once, each = grads_with("once"), grads_with("each")
-    batch = next(batches(1, batch=k * b))
+    batch = next(batches(1, batch=K * B))
     (loss, grads), (ref_loss, ref_grads) = once(sp, None, batch), each(sp, None, batch)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     assert_trees_close(vj.unshard(grads), vj.unshard(ref_grads))
