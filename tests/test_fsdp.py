@@ -142,6 +142,21 @@ def test_nnx_options_match(options, nnx_reference):
     assert_trees_close(vj.unshard(sp), ref)
 
 
+def test_nnx_on_an_auto_mesh():
+    # Auto axes (what with_sharding_constraint users have) instead of the default Explicit ones.
+    graphdef, shapes = abstract_model(CFG)
+    params = init_params(CFG, jax.random.key(0))
+    ref, ref_losses = reference_run(params, lambda p, x: nnx.merge(graphdef, p)(x), make_tx(), batches(5))
+    plan = vj.plan(shapes, make_mesh(3, auto=True), stacked=("blocks",))
+    tx = make_tx()
+    step = fsdp_step(plan, lambda p, x: vj.flax.nnx_apply(graphdef, p, x), tx)
+    sp, opt_state, losses = run_fsdp(vj.shard(params, plan), step, tx, batches(5))
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(vj.unshard(sp), ref)
+    for buf, sharding in zip(opt_state[1][0].nu.buffers, plan.shardings(), strict=True):
+        assert buf.sharding.is_equivalent_to(sharding, buf.ndim)
+
+
 # --- Linen: unrolled blocks, one unit (bucket) per block ---------------------------------------------------------
 
 
