@@ -5,7 +5,7 @@ Public names (DESIGN.md §3): ``plan_bucket``, ``plan``, ``element``/``rows``/``
 and the Flax adapters in ``vj.flax``.
 """
 
-from vescale_jax import distributed, flax, kernels, redistribute, unpacking
+from vescale_jax import distributed, flax, kernels, optim, redistribute, unpacking
 from vescale_jax.accumulate import accumulate
 from vescale_jax.buffer import GatheredParams, ShardedParams, init_sharded, pack, shard, unpack, unshard
 from vescale_jax.fsdp import apply, data_sharding, fsdp, init_opt_state, place_batch
@@ -38,6 +38,7 @@ __all__ = [
     "init_opt_state",
     "init_sharded",
     "kernels",
+    "optim",
     "pack",
     "place_batch",
     "plan",

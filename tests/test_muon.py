@@ -1,0 +1,247 @@
+"""vj.optim.muon against optax.contrib.muon applied to the unsharded logical tree; owners, census, sharding."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import make_mesh
+
+import vescale_jax as vj
+import vescale_jax.optim as vjo
+from vescale_jax import testing
+
+STEPS = 10
+MDN = optax.contrib.MuonDimensionNumbers
+
+
+@pytest.fixture(autouse=True, scope="module")
+def standard_promotion():
+    # optax's Adam bias correction mixes a float with an int32 count: not clean under strict promotion.
+    with jax.numpy_dtype_promotion("standard"):
+        yield
+
+
+def make_params(seed=0):
+    rng = np.random.default_rng(seed)
+    shapes = {
+        "a": {"w": (37, 11), "b": (11,)},
+        "b": {"w": (11, 5), "v": (6, 4, 5)},
+        "layers": {"w": (3, 20, 52), "b": (3, 52)},
+        "head": {"w": (16, 16)},
+    }
+    return jax.tree.map(lambda s: jnp.asarray(rng.standard_normal(s), jnp.float32), shapes,
+                        is_leaf=lambda x: isinstance(x, tuple))
+
+
+def dims_tree(params):
+    """Explicit dimension numbers for the reference: the stacked leaf is batch x (20, 52); the 3-D "v" leaf
+    is (6*4) x 5 (reduction over two axes)."""
+    d = jax.tree.map(lambda x: MDN() if x.ndim == 2 else None, params)
+    d["layers"]["w"] = MDN(reduction_axis=1, output_axis=2)
+    d["b"]["v"] = MDN(reduction_axis=(0, 1), output_axis=2)
+    return d
+
+
+def grads_seq(params, n=STEPS, seed=1):
+    rng = np.random.default_rng(seed)
+    return [jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype), params) for _ in range(n)]
+
+
+_REFS = {}
+
+
+def reference(name, params, grads, **kw):
+    """optax.contrib.muon on the unsharded logical tree; params after each step (cached per config)."""
+    if name not in _REFS:
+        tx = optax.contrib.muon(**kw)
+        state = tx.init(params)
+
+        @jax.jit
+        def step(p, state, g):
+            u, state = tx.update(g, state, p)
+            return optax.apply_updates(p, u), state
+
+        out = []
+        for g in grads:
+            params, state = step(params, state, g)
+            out.append(params)
+        _REFS[name] = out
+    return _REFS[name]
+
+
+def shard_fns(plan):
+    """Cached (jitted once) shard / unshard for a plan: vj.shard / vj.unshard re-trace on every call."""
+    replicated = jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec())
+    pack = jax.jit(lambda xs: vj.ShardedParams(vj.pack(jax.tree.leaves(xs), plan), plan),
+                   out_shardings=vj.ShardedParams(plan.shardings(), plan))
+    unpack_fn = jax.jit(lambda bufs: jax.tree_util.tree_unflatten(plan.treedef, vj.unpack(bufs, plan)),
+                        out_shardings=replicated)
+    return pack, lambda sp: unpack_fn([jax.device_put(x, replicated) for x in sp.buffers])
+
+
+def run_sharded(params, grads, plan, **kw):
+    tx = vjo.muon(plan=plan, **kw)
+    pack, unpack = shard_fns(plan)
+    sp = vj.shard(params, plan)
+    state = vj.init_opt_state(tx, sp)
+
+    @jax.jit
+    def step(sp, state, g):
+        u, state = tx.update(g, state, sp)
+        return optax.apply_updates(sp, u), state
+
+    out = []
+    with jax.set_mesh(plan.mesh):
+        for g in grads:
+            sp, state = step(sp, state, pack(g))
+            out.append(unpack(sp))
+    return out, step, sp, state
+
+
+def assert_close(got, ref, rtol=1e-5):
+    for (path, r), g in zip(jax.tree_util.tree_flatten_with_path(ref)[0], jax.tree.leaves(got), strict=True):
+        g, r = np.asarray(g), np.asarray(r)
+        err = np.max(np.abs(g - r)) / max(np.max(np.abs(r)), 1e-30)
+        assert err <= rtol, f"{jax.tree_util.keystr(path)}: max|diff|/max|ref| = {err:.2e}"
+
+
+PARAMS = make_params()
+GRADS = grads_seq(PARAMS)
+# ns_steps=3 keeps compile time down; OPTIONS runs the 5-step 'dion' table.
+DEFAULT = dict(learning_rate=0.05, ns_steps=3, muon_weight_dimension_numbers=dims_tree)
+OPTIONS = dict(
+    learning_rate=0.03, nesterov=False, adaptive=True, weight_decay=0.1,
+    weight_decay_mask=lambda p: jax.tree.map(lambda x: x.shape != (16, 16), p), consistent_rms=0.2,
+    adam_weight_decay=0.01, adam_learning_rate=0.01, ns_coeffs="dion", ns_steps=5, beta=0.9,
+    muon_weight_dimension_numbers=dims_tree,
+)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 8])
+def test_parity_element(m):
+    plan = vj.plan(PARAMS, make_mesh(m), stacked=["layers"])
+    got, step, sp, state = run_sharded(PARAMS, GRADS, plan, **DEFAULT)
+    for g, r in zip(got, reference("default", PARAMS, GRADS, **DEFAULT), strict=True):
+        assert_close(g, r)
+    assert step._cache_size() == 1  # no recompilation after the first step
+    # Optimizer state is sharded like the params: every bucket-shaped state leaf has its bucket's sharding.
+    by_shape = {b.shape: s for b, s in zip(plan.buckets, plan.shardings(), strict=True)}
+    bucket_leaves = [x for x in jax.tree.leaves(state) if x.shape in by_shape]
+    assert len(bucket_leaves) == 3 * len(plan.buckets)  # muon mu, adam mu and nu
+    for x in bucket_leaves:
+        assert x.sharding.is_equivalent_to(by_shape[x.shape], x.ndim), (x.shape, x.sharding)
+    if m == 8:
+        with jax.set_mesh(plan.mesh):
+            compiled = step.lower(sp, state, sp).compile()
+        # One all-to-all to the owners, one back.
+        assert testing.census(compiled).count("all-to-all") == 2
+
+
+@pytest.mark.parametrize("m,granularity", [(3, vj.rows(2)), (8, vj.whole())])
+def test_parity_options(m, granularity):
+    plan = vj.plan(PARAMS, make_mesh(m), stacked=["layers"], granularity=granularity)
+    got, step, sp, state = run_sharded(PARAMS, GRADS, plan, **OPTIONS)
+    for g, r in zip(got, reference("options", PARAMS, GRADS, **OPTIONS), strict=True):
+        assert_close(g, r)
+    if granularity == vj.whole():
+        # Every matrix sits whole on one device: orthogonalised there, no all-to-all at all.
+        routing = vjo.muon_routing(plan, dims_tree)
+        assert routing.width == 0
+        assert all(r.devices == (r.owner,) for r in routing.matrices)
+        with jax.set_mesh(plan.mesh):
+            compiled = step.lower(sp, state, sp).compile()
+        assert testing.census(compiled).count("all-to-all") == 0
+
+
+def _abstract(shapes):
+    return {f"l{i}": jax.ShapeDtypeStruct(s, jnp.float32) for i, s in enumerate(shapes)}
+
+
+def test_owners_balanced_and_batched():
+    # 24 matrices of 3 shapes cut across 8 devices element-wise: LPT balances NS cost within 1.25x of the mean,
+    # and same-shape matrices on one owner share one batched work array (transposes share a class).
+    shapes = [(64, 48)] * 8 + [(48, 64)] * 4 + [(32, 96)] * 6 + [(96, 32)] * 6
+    params = _abstract(shapes)
+    plan = vj.plan(params, make_mesh(8), units=lambda path, leaf: "all")
+    routing = vjo.muon_routing(plan)
+    loads = np.array(routing.loads)
+    assert loads.max() <= 1.25 * loads.sum() / 8, routing.summary()
+    assert sorted((p, q) for p, q, _ in routing.classes) == [(32, 96), (48, 64)]
+    counts = {}
+    for r in routing.matrices:
+        counts[(r.owner, r.shape)] = counts.get((r.owner, r.shape), 0) + 1
+    for p, q, k in routing.classes:
+        assert k == max(c for (o, sh), c in counts.items() if sh == (p, q))
+    assert sum(r.transposed for r in routing.matrices) == 8 + 6  # the tall ones (p > q)
+
+
+def test_owners_whole_stays_put():
+    params = _abstract([(40, 30), (30, 40), (7, 9), (100,)])
+    plan = vj.plan(params, make_mesh(3), units=lambda path, leaf: "all", granularity=vj.whole())
+    routing = vjo.muon_routing(plan)
+    assert routing.width == 0
+    for r in routing.matrices:
+        shard = plan.shard_of(plan.leaves[r.leaf].path)
+        assert shard.owner == r.owner
+    assert len(routing.matrices) == 3  # the vector is an AdamW leaf
+
+
+def test_rejects_unsharded_updates():
+    plan = vj.plan(PARAMS, make_mesh(2), stacked=["layers"])
+    tx = vjo.muon(0.1, plan=plan)
+    with pytest.raises(TypeError, match="ShardedParams"):
+        tx.init(PARAMS)
+
+
+def test_muon_inside_a_vj_fsdp_step_matches_optax_unsharded():
+    import os
+    import sys
+
+    from flax import nnx
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    from gpt import GPTConfig, abstract_model, init_params, loss_fn
+    from test_fsdp import assert_trees_close, batches
+
+    cfg = GPTConfig(vocab=67, max_len=16, d_model=20, num_heads=2, num_layers=2, d_ff=52)
+    graphdef, shapes = abstract_model(cfg)
+    plan = vj.plan(shapes, make_mesh(3), stacked=("blocks",))
+    params = init_params(cfg, jax.random.key(0))
+    # Stacked (L, p, q) kernels are L matrices; embeddings, norms and biases go to AdamW (as optax's default
+    # would for the 2-D embedding, it is masked out explicitly on both sides).
+    def dims(tree):
+        def leaf(path, x):
+            name = vj.plan_path(path)
+            if name.startswith("blocks/") and name.endswith("kernel"):
+                return MDN(reduction_axis=1, output_axis=2)
+            return MDN() if name == "head/kernel" else None
+
+        return jax.tree_util.tree_map_with_path(leaf, tree)
+
+    kw = dict(learning_rate=0.02, adam_learning_rate=3e-3)
+    ref_tx = optax.contrib.muon(**kw, muon_weight_dimension_numbers=dims(params))
+    tx = vj.optim.muon(**kw, plan=plan, muon_weight_dimension_numbers=dims(params))
+    data = list(batches(3, batch=12))
+
+    @jax.jit
+    def ref_step(p, state, batch):
+        loss, g = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p)(batch["x"] % 67), batch["y"] % 67))(p)
+        u, state = ref_tx.update(g, state, p)
+        return optax.apply_updates(p, u), state, loss
+
+    @vj.fsdp(plan=plan)
+    def step(p, state, batch):
+        loss, g = jax.value_and_grad(lambda p: loss_fn(vj.flax.nnx_apply(graphdef, p, batch["x"] % 67),
+                                                       batch["y"] % 67))(p)
+        u, state = tx.update(g, state, p)
+        return optax.apply_updates(p, u), state, loss
+
+    ref, ref_state = params, ref_tx.init(params)
+    sp = vj.shard(params, plan)
+    state = vj.init_opt_state(tx, sp)
+    for batch in data:
+        ref, ref_state, ref_loss = ref_step(ref, ref_state, batch)
+        sp, state, loss = step(sp, state, batch)
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    assert_trees_close(vj.unshard(sp), ref)

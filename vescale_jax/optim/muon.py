@@ -1,0 +1,372 @@
+"""Distributed Muon over :class:`~vescale_jax.buffer.ShardedParams`, each matrix orthogonalised once, on one owner.
+
+``optax.contrib.muon`` under JAX's sharding all-gathers every matrix and runs Newton–Schulz on every device.
+Here momentum, shape scaling, weight decay and the AdamW branch are element-wise on the flat local shards,
+and Newton–Schulz runs on an *owner* device per matrix (see :mod:`vescale_jax.optim.owners`): a matrix the
+plan keeps whole on one device is orthogonalised there with no communication; a matrix split across devices
+is gathered to a load-balanced owner by one padded all-to-all and scattered back by another.
+
+Use inside a ``vj.fsdp`` step (or any ``jit``) like any Optax transformation::
+
+    tx = vj.optim.muon(1e-3, plan=plan)
+    opt_state = vj.init_opt_state(tx, params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+
+The math is ``optax.contrib.muon``'s (same arguments where they overlap) applied to the logical tree, with
+one difference in the default: a leaf whose per-layer shape is 2-D is a Muon matrix, so a stacked layer
+group's ``(L, p, q)`` leaf is ``L`` matrices (optax's default would hand a 3-D leaf to AdamW; pass
+``muon_weight_dimension_numbers`` to choose otherwise).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from optax.contrib import _muon as optax_muon
+
+from vescale_jax.buffer import ShardedParams
+from vescale_jax.optim.owners import Routing, build_routing, route_newton_schulz
+from vescale_jax.plan import Plan
+
+__all__ = ["MuonDimensionNumbers", "MuonState", "muon", "muon_routing", "scale_by_muon", "scale_by_shape"]
+
+MuonDimensionNumbers = optax_muon.MuonDimensionNumbers
+_is_dims = lambda x: x is None or isinstance(x, MuonDimensionNumbers)
+
+
+class MuonState(NamedTuple):
+    """State of :func:`scale_by_muon`: step count and momentum (sharded like the params).
+
+    Unlike optax's, the Newton–Schulz coefficients are compile-time constants, not state (a 1-D state leaf
+    would come back from ``jit`` with a different, equivalent spec and force a second compilation).
+    """
+
+    count: jax.Array
+    mu: Any
+
+
+def abstract_params(plan: Plan) -> Any:
+    """The plan's logical tree as ``jax.ShapeDtypeStruct`` leaves."""
+    leaves = [jax.ShapeDtypeStruct(s.shape, jnp.dtype(s.dtype)) for s in plan.leaves]
+    return jax.tree_util.tree_unflatten(plan.treedef, leaves)
+
+
+def _broadcast_prefix(prefix: Any, full: Any, is_leaf: Callable[[Any], bool]) -> list[Any]:
+    """Per-leaf values (in the plan's flattening order) of a prefix tree of ``full``."""
+    out = []
+    jax.tree.map(lambda v, sub: out.extend([v] * len(jax.tree.leaves(sub))), prefix, full, is_leaf=is_leaf)
+    return out
+
+
+def resolve_dimension_numbers(plan: Plan, weight_dimension_numbers: Any = None) -> list[tuple[Any, Any] | None]:
+    """Per leaf: ``(reduction_axis, output_axis)`` of a Muon leaf, or ``None`` for an AdamW leaf.
+
+    Args:
+      plan: the plan.
+      weight_dimension_numbers: ``None`` (default: leaves whose per-layer shape is 2-D; stacked ones with the
+        layer dim as batch), a (prefix) tree of ``MuonDimensionNumbers`` / ``None`` over the logical tree, or a
+        callable of the logical tree (``ShapeDtypeStruct`` leaves) returning one.
+    """
+    if weight_dimension_numbers is None:
+        dims = []
+        for spec in plan.leaves:
+            if len(plan.layer_shape(spec)) != 2:
+                dims.append(None)
+            elif len(spec.shape) == 3:
+                dims.append((1, 2))
+            else:
+                dims.append((0, 1))
+        return dims
+    abstract = abstract_params(plan)
+    tree = weight_dimension_numbers(abstract) if callable(weight_dimension_numbers) else weight_dimension_numbers
+    if isinstance(tree, MuonDimensionNumbers):
+        per_leaf = [tree] * len(plan.leaves)
+    else:
+        per_leaf = _broadcast_prefix(tree, abstract, _is_dims)
+    return [None if d is None else (d.reduction_axis, d.output_axis) for d in per_leaf]
+
+
+def _leaf_ids(plan: Plan) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per bucket: sorted slot starts, ends and leaf indices, for element -> leaf lookups."""
+    out = []
+    for b in plan.buckets:
+        order = sorted(range(len(b.leaves)), key=lambda s: b.layout.offsets[s])
+        starts = np.array([b.layout.offsets[s] for s in order], np.int64)
+        ends = np.array([b.layout.offsets[s] + b.layout.sizes[s] for s in order], np.int64)
+        leaves = np.array([b.leaves[s] for s in order], np.int32)
+        out.append((starts, ends, leaves))
+    return out
+
+
+def per_element(plan: Plan, like: Sequence[jax.Array], table: np.ndarray) -> list[jax.Array]:
+    """Global buffers (sharded like ``like``) holding ``table[leaf]`` at each leaf's elements, ``table[-1]``
+    (``table`` has ``num_leaves + 1`` entries) at padding. Computed locally from ``axis_index``."""
+    ids = _leaf_ids(plan)
+    axis = plan.axis
+
+    def local(*shards):
+        k = jax.lax.axis_index(axis)
+        out = []
+        for b, s, (starts, ends, leaves) in zip(plan.buckets, shards, ids, strict=True):
+            size = b.layout.shard_size
+            g = k * size + jnp.arange(size)
+            if len(starts):
+                slot = jnp.clip(jnp.searchsorted(jnp.asarray(starts), g, side="right") - 1, 0, len(starts) - 1)
+                inside = (g >= jnp.asarray(starts)[slot]) & (g < jnp.asarray(ends)[slot])
+                leaf = jnp.where(inside, jnp.asarray(leaves)[slot], len(plan.leaves))
+            else:
+                leaf = jnp.full((size,), len(plan.leaves), jnp.int32)
+            vals = jnp.take(jnp.asarray(table), leaf)
+            out.append(jnp.broadcast_to(vals, s.shape))
+        return tuple(out)
+
+    specs = tuple(plan.partition_spec(b) for b in plan.buckets)
+    mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=specs, out_specs=specs, check_vma=False)
+    return list(mapped(*like))
+
+
+def _coeffs(ns_coeffs: Any, ns_steps: int) -> np.ndarray:
+    if isinstance(ns_coeffs, str):
+        if ns_coeffs not in optax_muon._NS_COEFFS_PRESET_DICT:
+            raise ValueError(f"Unknown ns_coeff preset string: {ns_coeffs}")
+        ns_coeffs = optax_muon._NS_COEFFS_PRESET_DICT[ns_coeffs]
+    c = np.asarray(ns_coeffs, np.float32)
+    if c.ndim > 2 or c.shape[-1] != 3:
+        raise ValueError(f"ns_coeffs must have shape (3,) or (n, 3), got {c.shape}")
+    if c.ndim == 2:
+        if not c.shape[0] <= ns_steps:
+            raise ValueError(f"Not enough coeffs to perform {ns_steps} steps")
+        c = c[-ns_steps:]
+    return c
+
+
+_ROUTING_CACHE: dict[Any, Routing] = {}
+
+
+def muon_routing(plan: Plan, weight_dimension_numbers: Any = None) -> Routing:
+    """The owner routing :func:`scale_by_muon` uses for ``plan`` (owners, classes, loads; see ``.summary()``)."""
+    dims = resolve_dimension_numbers(plan, weight_dimension_numbers)
+    key = (plan, tuple(None if d is None else (_hashable(d[0]), _hashable(d[1])) for d in dims))
+    if key not in _ROUTING_CACHE:
+        _ROUTING_CACHE[key] = build_routing(plan, dims)
+    return _ROUTING_CACHE[key]
+
+
+def _hashable(axes: Any) -> Any:
+    return axes if isinstance(axes, int) else tuple(axes)
+
+
+def _check(updates: Any, plan: Plan, what: str) -> None:
+    if not isinstance(updates, ShardedParams):
+        raise TypeError(f"vj.optim.{what}: expected vj.ShardedParams, got {type(updates).__name__}.")
+    if updates.plan != plan:
+        raise ValueError(f"vj.optim.{what}: the updates were sharded with another plan than the one given.")
+
+
+def scale_by_muon(
+    ns_coeffs: Any = optax_muon._DEFAULT_NS_COEFFS,
+    ns_steps: int = 5,
+    beta: float = 0.95,
+    eps: float = 1e-8,
+    mu_dtype: Any = None,
+    *,
+    plan: Plan,
+    nesterov: bool = True,
+    adaptive: bool = False,
+    preconditioning: str = "frobenius",
+    weight_dimension_numbers: Any = None,
+) -> optax.GradientTransformation:
+    """Momentum, then Newton–Schulz orthogonalisation of each Muon matrix on its owner device.
+
+    Same math as ``optax.contrib.scale_by_muon`` applied to the logical tree's Muon leaves; elements of other
+    leaves (and padding) come out zero.
+
+    Args:
+      ns_coeffs, ns_steps, beta, eps, mu_dtype, nesterov, adaptive, preconditioning: as in optax.
+      plan: the plan the params are sharded with.
+      weight_dimension_numbers: see :func:`resolve_dimension_numbers`.
+
+    Returns:
+      An ``optax.GradientTransformation`` over :class:`~vescale_jax.ShardedParams`.
+
+    Sharding:
+      Momentum is sharded like the params. Newton–Schulz work per device is its owned matrices only.
+    """
+    mu_dtype = optax_muon.utils.canonicalize_dtype(mu_dtype)
+    coeffs = _coeffs(ns_coeffs, ns_steps)
+    if preconditioning not in optax_muon._PRECONDITIONINGS:
+        raise ValueError(f"Unknown preconditioning {preconditioning}")
+    routing = muon_routing(plan, weight_dimension_numbers)
+
+    def orthogonalize(x_kpq):
+        c = jnp.asarray(coeffs).astype(x_kpq.dtype)
+        ns = lambda x: optax_muon.orthogonalize_via_newton_schulz(x, c, ns_steps, preconditioning, eps)
+        return jax.vmap(ns)(x_kpq)
+
+    def init_fn(params):
+        _check(params, plan, "scale_by_muon")
+        return MuonState(
+            count=jnp.zeros([], jnp.int32),
+            mu=optax.tree.zeros_like(params, dtype=mu_dtype),
+        )
+
+    def update_fn(updates, state, params=None):
+        del params
+        _check(updates, plan, "scale_by_muon")
+        mu = optax.tree.update_moment(updates, state.mu, beta, 1)
+        count_inc = optax_muon.numerics.safe_increment(state.count)
+        if nesterov:
+            mu_hat = jax.tree.map(
+                lambda m, g: beta * m + (1 - beta) * g,
+                optax.tree.bias_correction(mu, beta, optax_muon.numerics.safe_increment(count_inc)),
+                optax.tree.bias_correction(updates, beta, count_inc),
+            )
+        else:
+            mu_hat = optax.tree.bias_correction(mu, beta, count_inc)
+        out = route_newton_schulz(mu_hat.buffers, plan, routing, orthogonalize, adaptive=adaptive)
+        mu = optax.tree.cast(mu, mu_dtype)
+        return ShardedParams(out, plan), MuonState(count=count_inc, mu=mu)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _shape_scales(plan: Plan, dims: Sequence[Any], consistent_rms: float | None) -> np.ndarray:
+    table = np.ones(len(plan.leaves) + 1, np.float32)
+    table[-1] = 0.0
+    for i, d in enumerate(dims):
+        if d is None:
+            continue
+        shape = plan.leaves[i].shape
+        red = optax_muon._normalize_axes(np.empty(shape), MuonDimensionNumbers(*d))
+        fan_in = math.prod(shape[a] for a in red[0])
+        fan_out = math.prod(shape[a] for a in red[1])
+        if consistent_rms is None:
+            table[i] = np.sqrt(np.float32(max(1.0, fan_out / fan_in)))
+        else:
+            table[i] = np.sqrt(np.float32(max(fan_in, fan_out))) * np.float32(consistent_rms)
+    return table
+
+
+def scale_by_shape(
+    *, plan: Plan, weight_dimension_numbers: Any = None, consistent_rms: float | None = None
+) -> optax.GradientTransformation:
+    """``optax.contrib``'s shape scaling per Muon leaf (other leaves unchanged), element-wise on the shards."""
+    table = _shape_scales(plan, resolve_dimension_numbers(plan, weight_dimension_numbers), consistent_rms)
+
+    def update_fn(updates, state, params=None):
+        del params
+        _check(updates, plan, "scale_by_shape")
+        scales = per_element(plan, updates.buffers, table)
+        out = [u * s.astype(u.dtype) for u, s in zip(updates.buffers, scales, strict=True)]
+        return ShardedParams(out, plan), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update_fn)
+
+
+def _leaf_mask(plan: Plan, mask: Any, default: bool = True) -> np.ndarray:
+    """A logical (prefix) tree of bools, or a callable of the logical tree, as a per-leaf table."""
+    if mask is None:
+        values = [default] * len(plan.leaves)
+    else:
+        abstract = abstract_params(plan)
+        tree = mask(abstract) if callable(mask) else mask
+        values = [True] * len(plan.leaves) if isinstance(tree, bool) else _broadcast_prefix(
+            tree, abstract, lambda x: isinstance(x, bool | np.bool_))
+    return np.array([*map(bool, values), False])
+
+
+def _masked_decay(plan: Plan, weight_decay: float, mask: Any) -> optax.GradientTransformation:
+    table = _leaf_mask(plan, mask)
+
+    def update_fn(updates, state, params=None):
+        if params is None:
+            raise ValueError(optax_muon.base.NO_PARAMS_MSG)
+        on = per_element(plan, updates.buffers, table)
+        out = [
+            jnp.where(o, u + weight_decay * p, u)
+            for u, p, o in zip(updates.buffers, params.buffers, on, strict=True)
+        ]
+        return ShardedParams(out, plan), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update_fn)
+
+
+class SelectState(NamedTuple):
+    """State of :func:`muon`: the Muon branch's and the AdamW branch's."""
+
+    muon: Any
+    adam: Any
+
+
+def muon(
+    learning_rate: optax.ScalarOrSchedule,
+    ns_coeffs: Any = optax_muon._DEFAULT_NS_COEFFS,
+    ns_steps: int = 5,
+    beta: float = 0.95,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    weight_decay_mask: Any = None,
+    mu_dtype: Any = None,
+    *,
+    plan: Plan,
+    nesterov: bool = True,
+    adaptive: bool = False,
+    preconditioning: str = "frobenius",
+    adam_b1: float = 0.9,
+    adam_b2: float = 0.999,
+    adam_eps_root: float = 0.0,
+    adam_weight_decay: float = 0.0,
+    adam_learning_rate: optax.ScalarOrSchedule | None = None,
+    muon_weight_dimension_numbers: Any = None,
+    consistent_rms: float | None = None,
+) -> optax.GradientTransformation:
+    """Muon (momentum orthogonalised by Newton–Schulz) for Muon leaves, AdamW for the rest, over ShardedParams.
+
+    Arguments follow ``optax.contrib.muon``; ``plan`` is the plan the params are sharded with.
+    ``muon_weight_dimension_numbers``: see :func:`resolve_dimension_numbers` (default: per-layer 2-D leaves).
+    ``weight_decay_mask``: a (prefix) tree of bools over the logical tree, or a callable of it.
+
+    Returns:
+      An ``optax.GradientTransformation``; its ``update`` takes and returns :class:`~vescale_jax.ShardedParams`.
+
+    Sharding:
+      Every state buffer is sharded like the params; each matrix's Newton–Schulz runs on one owner device
+      (:func:`muon_routing` shows which).
+    """
+    if adam_learning_rate is None:
+        adam_learning_rate = learning_rate
+    dims = resolve_dimension_numbers(plan, muon_weight_dimension_numbers)
+    is_muon = np.array([d is not None for d in dims] + [False])
+    muon_tx = optax.chain(
+        scale_by_muon(ns_coeffs, ns_steps, beta, eps, mu_dtype, plan=plan, nesterov=nesterov, adaptive=adaptive,
+                      preconditioning=preconditioning, weight_dimension_numbers=muon_weight_dimension_numbers),
+        scale_by_shape(plan=plan, weight_dimension_numbers=muon_weight_dimension_numbers,
+                       consistent_rms=consistent_rms),
+        _masked_decay(plan, weight_decay, weight_decay_mask) if weight_decay else optax.identity(),
+        optax.scale_by_learning_rate(learning_rate),
+    )
+    adam_tx = optax.adamw(adam_learning_rate, b1=adam_b1, b2=adam_b2, eps=eps, eps_root=adam_eps_root,
+                          weight_decay=adam_weight_decay, mu_dtype=mu_dtype, nesterov=nesterov)
+    has_adam = not bool(is_muon[:-1].all())
+
+    def init_fn(params):
+        _check(params, plan, "muon")
+        return SelectState(muon_tx.init(params), adam_tx.init(params) if has_adam else optax.EmptyState())
+
+    def update_fn(updates, state, params=None):
+        _check(updates, plan, "muon")
+        u_muon, s_muon = muon_tx.update(updates, state.muon, params)
+        if not has_adam:
+            return u_muon, SelectState(s_muon, state.adam)
+        u_adam, s_adam = adam_tx.update(updates, state.adam, params)
+        mask = per_element(plan, updates.buffers, is_muon)
+        out = [jnp.where(k, a, b) for k, a, b in zip(mask, u_muon.buffers, u_adam.buffers, strict=True)]
+        return ShardedParams(out, plan), SelectState(s_muon, s_adam)
+
+    return optax.GradientTransformation(init_fn, update_fn)
