@@ -64,6 +64,20 @@ def batches(data: np.ndarray, batch: int, seq: int, seed: int):
         yield {"x": window[:, :-1], "y": window[:, 1:]}
 
 
+def _muon_dims(shapes):
+    """Muon for the block kernels (each layer of the stacked (L, p, q) leaves is a matrix) and the head; AdamW
+    for the embeddings, norms and biases."""
+    dims = optax.contrib.MuonDimensionNumbers
+
+    def leaf(path, _):
+        name = vj.plan_path(path)
+        if name.startswith("blocks/") and name.endswith("kernel"):
+            return dims(reduction_axis=1, output_axis=2)
+        return dims() if name == "head/kernel" else None
+
+    return jax.tree_util.tree_map_with_path(leaf, shapes)
+
+
 def progress(step: int, total: int, loss: float, tokens_per_s: float) -> None:
     done = int(30 * step / total)
     bar = "#" * done + "." * (30 - done)
@@ -84,6 +98,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--keep", action="store_true", help="keep gathered params for backward (no re-gather)")
     p.add_argument("--plot", default="train_gpt_loss.png", help="loss-curve PNG ('' to skip)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw")
+    p.add_argument("--muon-lr", type=float, default=0.02, help="Muon's learning rate (AdamW's is --lr)")
     p.add_argument("--microbatches", type=int, default=1, help="gradient accumulation steps per batch")
     p.add_argument("--bf16", action="store_true", help="gather and compute in bfloat16, reduce in float32")
     p.add_argument("--coordinator", help="host:port of process 0, for a multi-process job")
@@ -111,7 +127,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     train, val = batches(data[:split], args.batch, args.seq, args.seed), batches(data[split:], args.batch,
                                                                                 args.seq, args.seed + 1)
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, min(100, args.steps // 10 + 1), args.steps)
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.99, weight_decay=0.1))
+    if args.optimizer == "muon":  # Newton-Schulz once per matrix, on a load-balanced owner device
+        muon_lr = optax.warmup_cosine_decay_schedule(0.0, args.muon_lr, min(100, args.steps // 10 + 1), args.steps)
+        tx = optax.chain(optax.clip_by_global_norm(1.0), vj.optim.muon(
+            muon_lr, plan=plan, adam_learning_rate=schedule, weight_decay=0.1,
+            muon_weight_dimension_numbers=_muon_dims(shapes)))
+    else:
+        tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.99, weight_decay=0.1))
 
     params = vj.init_sharded(lambda key: init_params(cfg, key), plan, jax.random.key(args.seed))
     opt_state = vj.init_opt_state(tx, params)
