@@ -11,6 +11,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
 import vescale_jax as vj
@@ -91,3 +92,17 @@ def loss_fn(logits_BxTxV: jax.Array, targets_BxT: jax.Array) -> jax.Array:
     """Mean next-token cross-entropy."""
     logp = jax.nn.log_softmax(logits_BxTxV.astype(jnp.float32), axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp, targets_BxT[..., None], axis=-1))
+
+
+def muon_dimension_numbers(params: nnx.State) -> nnx.State:
+    """Muon for the block kernels (each layer of a stacked ``(L, p, q)`` kernel is one matrix) and the head;
+    None (AdamW) for the embeddings, norms and biases."""
+    dims = optax.contrib.MuonDimensionNumbers
+
+    def leaf(path, _):
+        name = vj.plan_path(path)
+        if name.startswith("blocks/") and name.endswith("kernel"):
+            return dims(reduction_axis=1, output_axis=2)
+        return dims() if name == "head/kernel" else None
+
+    return jax.tree_util.tree_map_with_path(leaf, params)

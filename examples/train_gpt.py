@@ -34,7 +34,7 @@ import numpy as np
 import optax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpt import GPTConfig, abstract_model, init_params, loss_fn
+from gpt import GPTConfig, abstract_model, init_params, loss_fn, muon_dimension_numbers
 
 import vescale_jax as vj
 
@@ -62,20 +62,6 @@ def batches(data: np.ndarray, batch: int, seq: int, seed: int):
         start = rng.integers(0, len(data) - seq - 1, batch)
         window = np.stack([data[s : s + seq + 1] for s in start]).astype(np.int32)
         yield {"x": window[:, :-1], "y": window[:, 1:]}
-
-
-def _muon_dims(shapes):
-    """Muon for the block kernels (each layer of the stacked (L, p, q) leaves is a matrix) and the head; AdamW
-    for the embeddings, norms and biases."""
-    dims = optax.contrib.MuonDimensionNumbers
-
-    def leaf(path, _):
-        name = vj.plan_path(path)
-        if name.startswith("blocks/") and name.endswith("kernel"):
-            return dims(reduction_axis=1, output_axis=2)
-        return dims() if name == "head/kernel" else None
-
-    return jax.tree_util.tree_map_with_path(leaf, shapes)
 
 
 def progress(step: int, total: int, loss: float, tokens_per_s: float) -> None:
@@ -131,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         muon_lr = optax.warmup_cosine_decay_schedule(0.0, args.muon_lr, min(100, args.steps // 10 + 1), args.steps)
         tx = optax.chain(optax.clip_by_global_norm(1.0), vj.optim.muon(
             muon_lr, plan=plan, adam_learning_rate=schedule, weight_decay=0.1,
-            muon_weight_dimension_numbers=_muon_dims(shapes)))
+            muon_weight_dimension_numbers=muon_dimension_numbers(shapes)))
     else:
         tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.99, weight_decay=0.1))
 

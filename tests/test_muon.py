@@ -201,23 +201,15 @@ def test_muon_inside_a_vj_fsdp_step_matches_optax_unsharded():
     from flax import nnx
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-    from gpt import GPTConfig, abstract_model, init_params, loss_fn
+    from gpt import GPTConfig, abstract_model, init_params, loss_fn, muon_dimension_numbers
     from test_fsdp import assert_trees_close, batches
 
     cfg = GPTConfig(vocab=67, max_len=16, d_model=20, num_heads=2, num_layers=2, d_ff=52)
     graphdef, shapes = abstract_model(cfg)
     plan = vj.plan(shapes, make_mesh(3), stacked=("blocks",))
     params = init_params(cfg, jax.random.key(0))
-    # Stacked (L, p, q) kernels are L matrices; embeddings, norms and biases go to AdamW (as optax's default
-    # would for the 2-D embedding, it is masked out explicitly on both sides).
-    def dims(tree):
-        def leaf(path, x):
-            name = vj.plan_path(path)
-            if name.startswith("blocks/") and name.endswith("kernel"):
-                return MDN(reduction_axis=1, output_axis=2)
-            return MDN() if name == "head/kernel" else None
-
-        return jax.tree_util.tree_map_with_path(leaf, tree)
+    # Stacked (L, p, q) kernels are L matrices and the head one; embeddings, norms and biases go to AdamW.
+    dims = muon_dimension_numbers
 
     kw = dict(learning_rate=0.02, adam_learning_rate=3e-3)
     ref_tx = optax.contrib.muon(**kw, muon_weight_dimension_numbers=dims(params))
