@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from vescale_jax.plan import Bucket, Plan
+from vescale_jax.planner import BucketLayout
 
 __all__ = [
     "GatheredParams",
@@ -27,6 +28,7 @@ __all__ = [
     "shard",
     "unpack",
     "unpack_bucket",
+    "unpack_layout",
     "unshard",
 ]
 
@@ -138,12 +140,15 @@ def pack_bucket(leaves: Sequence[jax.Array], bucket: Bucket, *, dtype: Any = Non
 
 def unpack_bucket(buffer: jax.Array, bucket: Bucket, shapes: Sequence[tuple[int, ...]]) -> list[jax.Array]:
     """Reads each slot's leaf out of a full (gathered) buffer by a static slice and reshape."""
-    layout = bucket.layout
-    out = []
-    for slot, shape in enumerate(shapes):
-        o, n = layout.offsets[slot], layout.sizes[slot]
-        out.append(jnp.reshape(jax.lax.slice_in_dim(buffer, o, o + n, axis=-1), shape))
-    return out
+    return unpack_layout(buffer, bucket.layout, shapes)
+
+
+def unpack_layout(buffer: jax.Array, layout: BucketLayout, shapes: Sequence[tuple[int, ...]]) -> list[jax.Array]:
+    """Slot ``i`` of a full buffer laid out by ``layout``: ``buffer[..., o:o+n].reshape(shapes[i])``."""
+    return [
+        jnp.reshape(jax.lax.slice_in_dim(buffer, o, o + n, axis=-1), shape)
+        for n, o, shape in zip(layout.sizes, layout.offsets, shapes, strict=True)
+    ]
 
 
 def pack(leaves: Sequence[jax.Array], plan: Plan) -> tuple[jax.Array, ...]:

@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from vescale_jax.buffer import GatheredParams, ShardedParams, pack_bucket, unpack_bucket
+from vescale_jax.buffer import GatheredParams, ShardedParams, pack_bucket, unpack
 from vescale_jax.gather import gather_bucket
 from vescale_jax.layers import LayerShard
 from vescale_jax.plan import Plan
@@ -346,12 +346,7 @@ def _apply_gathered(fn, params, args, data_axes, in_specs, out_specs):
     out_specs = P(axes) if out_specs is None else out_specs
 
     def local(copies, *local_args):
-        leaves: list[Any] = [None] * len(plan.leaves)
-        for bucket, full in zip(plan.buckets, copies, strict=True):
-            unpacked = unpack_bucket(full, bucket, [plan.leaves[i].shape for i in bucket.leaves])
-            for i, x in zip(bucket.leaves, unpacked, strict=True):
-                leaves[i] = x
-        return fn(jax.tree_util.tree_unflatten(plan.treedef, leaves), *local_args)
+        return fn(jax.tree_util.tree_unflatten(plan.treedef, unpack(copies, plan)), *local_args)
 
     specs = tuple(plan.partition_spec(b) for b in plan.buckets)
     mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(specs, *in_specs), out_specs=out_specs)

@@ -18,9 +18,9 @@ import os
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 
 from vescale_jax import kernels
+from vescale_jax.buffer import unpack_layout
 from vescale_jax.planner import BucketLayout
 
 __all__ = ["kernel_mode", "unpack_gathered"]
@@ -49,13 +49,6 @@ def _use_kernel(layout: BucketLayout, dtype) -> str | None:
     backend = os.environ.get("VESCALE_JAX_KERNEL_BACKEND", "triton")
     chosen = kernels.choose_backend(layout, dtype, dtype, platform="gpu")
     return chosen if chosen != "xla" else backend
-
-
-def _slices(full: jax.Array, layout: BucketLayout, shapes: Sequence[tuple[int, ...]]) -> list[jax.Array]:
-    return [
-        jnp.reshape(jax.lax.slice_in_dim(full, o, o + n), s)
-        for n, o, s in zip(layout.sizes, layout.offsets, shapes, strict=True)
-    ]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
@@ -90,5 +83,5 @@ def unpack_gathered(full: jax.Array, layout: BucketLayout, shapes: Sequence[tupl
     shapes = tuple(tuple(s) for s in shapes)
     how = _use_kernel(layout, full.dtype)
     if how is None:
-        return _slices(full, layout, shapes)
+        return unpack_layout(full, layout, shapes)
     return list(_kernel_unpack(full, layout, shapes, how))
