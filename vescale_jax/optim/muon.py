@@ -21,7 +21,7 @@ group's ``(L, p, q)`` leaf is ``L`` matrices (optax's default would hand a 3-D l
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -31,6 +31,7 @@ import optax
 from optax.contrib import _muon as optax_muon
 
 from vescale_jax.buffer import ShardedParams
+from vescale_jax.optim.leaves import abstract_params, check_sharded, leaf_mask, per_element, prefix_per_leaf
 from vescale_jax.optim.owners import Routing, build_routing, route_newton_schulz
 from vescale_jax.plan import Plan
 
@@ -49,19 +50,6 @@ class MuonState(NamedTuple):
 
     count: jax.Array
     mu: Any
-
-
-def abstract_params(plan: Plan) -> Any:
-    """The plan's logical tree as ``jax.ShapeDtypeStruct`` leaves."""
-    leaves = [jax.ShapeDtypeStruct(s.shape, jnp.dtype(s.dtype)) for s in plan.leaves]
-    return jax.tree_util.tree_unflatten(plan.treedef, leaves)
-
-
-def _broadcast_prefix(prefix: Any, full: Any, is_leaf: Callable[[Any], bool]) -> list[Any]:
-    """Per-leaf values (in the plan's flattening order) of a prefix tree of ``full``."""
-    out = []
-    jax.tree.map(lambda v, sub: out.extend([v] * len(jax.tree.leaves(sub))), prefix, full, is_leaf=is_leaf)
-    return out
 
 
 def resolve_dimension_numbers(plan: Plan, weight_dimension_numbers: Any = None) -> list[tuple[Any, Any] | None]:
@@ -88,47 +76,8 @@ def resolve_dimension_numbers(plan: Plan, weight_dimension_numbers: Any = None) 
     if isinstance(tree, MuonDimensionNumbers):
         per_leaf = [tree] * len(plan.leaves)
     else:
-        per_leaf = _broadcast_prefix(tree, abstract, _is_dims)
+        per_leaf = prefix_per_leaf(tree, abstract, _is_dims)
     return [None if d is None else (d.reduction_axis, d.output_axis) for d in per_leaf]
-
-
-def _leaf_ids(plan: Plan) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Per bucket: sorted slot starts, ends and leaf indices, for element -> leaf lookups."""
-    out = []
-    for b in plan.buckets:
-        order = sorted(range(len(b.leaves)), key=lambda s: b.layout.offsets[s])
-        starts = np.array([b.layout.offsets[s] for s in order], np.int64)
-        ends = np.array([b.layout.offsets[s] + b.layout.sizes[s] for s in order], np.int64)
-        leaves = np.array([b.leaves[s] for s in order], np.int32)
-        out.append((starts, ends, leaves))
-    return out
-
-
-def per_element(plan: Plan, like: Sequence[jax.Array], table: np.ndarray) -> list[jax.Array]:
-    """Global buffers (sharded like ``like``) holding ``table[leaf]`` at each leaf's elements, ``table[-1]``
-    (``table`` has ``num_leaves + 1`` entries) at padding. Computed locally from ``axis_index``."""
-    ids = _leaf_ids(plan)
-    axis = plan.axis
-
-    def local(*shards):
-        k = jax.lax.axis_index(axis)
-        out = []
-        for b, s, (starts, ends, leaves) in zip(plan.buckets, shards, ids, strict=True):
-            size = b.layout.shard_size
-            g = k * size + jnp.arange(size)
-            if len(starts):
-                slot = jnp.clip(jnp.searchsorted(jnp.asarray(starts), g, side="right") - 1, 0, len(starts) - 1)
-                inside = (g >= jnp.asarray(starts)[slot]) & (g < jnp.asarray(ends)[slot])
-                leaf = jnp.where(inside, jnp.asarray(leaves)[slot], len(plan.leaves))
-            else:
-                leaf = jnp.full((size,), len(plan.leaves), jnp.int32)
-            vals = jnp.take(jnp.asarray(table), leaf)
-            out.append(jnp.broadcast_to(vals, s.shape))
-        return tuple(out)
-
-    specs = tuple(plan.partition_spec(b) for b in plan.buckets)
-    mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=specs, out_specs=specs, check_vma=False)
-    return list(mapped(*like))
 
 
 def _coeffs(ns_coeffs: Any, ns_steps: int) -> np.ndarray:
@@ -160,13 +109,6 @@ def muon_routing(plan: Plan, weight_dimension_numbers: Any = None) -> Routing:
 
 def _hashable(axes: Any) -> Any:
     return axes if isinstance(axes, int) else tuple(axes)
-
-
-def _check(updates: Any, plan: Plan, what: str) -> None:
-    if not isinstance(updates, ShardedParams):
-        raise TypeError(f"vj.optim.{what}: expected vj.ShardedParams, got {type(updates).__name__}.")
-    if updates.plan != plan:
-        raise ValueError(f"vj.optim.{what}: the updates were sharded with another plan than the one given.")
 
 
 def scale_by_muon(
@@ -210,7 +152,7 @@ def scale_by_muon(
         return jax.vmap(ns)(x_kpq)
 
     def init_fn(params):
-        _check(params, plan, "scale_by_muon")
+        check_sharded(params, plan, "scale_by_muon")
         return MuonState(
             count=jnp.zeros([], jnp.int32),
             mu=optax.tree.zeros_like(params, dtype=mu_dtype),
@@ -218,7 +160,7 @@ def scale_by_muon(
 
     def update_fn(updates, state, params=None):
         del params
-        _check(updates, plan, "scale_by_muon")
+        check_sharded(updates, plan, "scale_by_muon")
         mu = optax.tree.update_moment(updates, state.mu, beta, 1)
         count_inc = optax_muon.numerics.safe_increment(state.count)
         if nesterov:
@@ -261,7 +203,7 @@ def scale_by_shape(
 
     def update_fn(updates, state, params=None):
         del params
-        _check(updates, plan, "scale_by_shape")
+        check_sharded(updates, plan, "scale_by_shape")
         scales = per_element(plan, updates.buffers, table)
         out = [u * s.astype(u.dtype) for u, s in zip(updates.buffers, scales, strict=True)]
         return ShardedParams(out, plan), state
@@ -269,20 +211,8 @@ def scale_by_shape(
     return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
-def _leaf_mask(plan: Plan, mask: Any, default: bool = True) -> np.ndarray:
-    """A logical (prefix) tree of bools, or a callable of the logical tree, as a per-leaf table."""
-    if mask is None:
-        values = [default] * len(plan.leaves)
-    else:
-        abstract = abstract_params(plan)
-        tree = mask(abstract) if callable(mask) else mask
-        values = [True] * len(plan.leaves) if isinstance(tree, bool) else _broadcast_prefix(
-            tree, abstract, lambda x: isinstance(x, bool | np.bool_))
-    return np.array([*map(bool, values), False])
-
-
 def _masked_decay(plan: Plan, weight_decay: float, mask: Any) -> optax.GradientTransformation:
-    table = _leaf_mask(plan, mask)
+    table = leaf_mask(plan, mask)
 
     def update_fn(updates, state, params=None):
         if params is None:
@@ -356,11 +286,11 @@ def muon(
     has_adam = not bool(is_muon[:-1].all())
 
     def init_fn(params):
-        _check(params, plan, "muon")
+        check_sharded(params, plan, "muon")
         return SelectState(muon_tx.init(params), adam_tx.init(params) if has_adam else optax.EmptyState())
 
     def update_fn(updates, state, params=None):
-        _check(updates, plan, "muon")
+        check_sharded(updates, plan, "muon")
         u_muon, s_muon = muon_tx.update(updates, state.muon, params)
         if not has_adam:
             return u_muon, SelectState(s_muon, state.adam)

@@ -1,0 +1,91 @@
+"""Per-leaf tables over the flat buffers, shared by the optimizers in :mod:`vescale_jax.optim`.
+
+A *table* holds one value per leaf of the plan's logical tree plus one for padding (``num_leaves + 1``
+entries); :func:`per_element` spreads it over the sharded buffers, computing each device's part locally.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from vescale_jax.buffer import ShardedParams
+from vescale_jax.plan import Plan
+
+__all__ = ["abstract_params", "check_sharded", "leaf_mask", "per_element", "prefix_per_leaf"]
+
+
+def abstract_params(plan: Plan) -> Any:
+    """The plan's logical tree as ``jax.ShapeDtypeStruct`` leaves."""
+    leaves = [jax.ShapeDtypeStruct(s.shape, jnp.dtype(s.dtype)) for s in plan.leaves]
+    return jax.tree_util.tree_unflatten(plan.treedef, leaves)
+
+
+def prefix_per_leaf(prefix: Any, full: Any, is_leaf: Callable[[Any], bool]) -> list[Any]:
+    """Per-leaf values (in the plan's flattening order) of a prefix tree of ``full``."""
+    out = []
+    jax.tree.map(lambda v, sub: out.extend([v] * len(jax.tree.leaves(sub))), prefix, full, is_leaf=is_leaf)
+    return out
+
+
+def _leaf_ids(plan: Plan) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per bucket: sorted slot starts, ends and leaf indices, for element -> leaf lookups."""
+    out = []
+    for b in plan.buckets:
+        order = sorted(range(len(b.leaves)), key=lambda s: b.layout.offsets[s])
+        starts = np.array([b.layout.offsets[s] for s in order], np.int64)
+        ends = np.array([b.layout.offsets[s] + b.layout.sizes[s] for s in order], np.int64)
+        leaves = np.array([b.leaves[s] for s in order], np.int32)
+        out.append((starts, ends, leaves))
+    return out
+
+
+def per_element(plan: Plan, like: Sequence[jax.Array], table: np.ndarray) -> list[jax.Array]:
+    """Global buffers (sharded like ``like``) holding ``table[leaf]`` at each leaf's elements, ``table[-1]``
+    (``table`` has ``num_leaves + 1`` entries) at padding. Computed locally from ``axis_index``."""
+    ids = _leaf_ids(plan)
+    axis = plan.axis
+
+    def local(*shards):
+        k = jax.lax.axis_index(axis)
+        out = []
+        for b, s, (starts, ends, leaves) in zip(plan.buckets, shards, ids, strict=True):
+            size = b.layout.shard_size
+            g = k * size + jnp.arange(size)
+            if len(starts):
+                slot = jnp.clip(jnp.searchsorted(jnp.asarray(starts), g, side="right") - 1, 0, len(starts) - 1)
+                inside = (g >= jnp.asarray(starts)[slot]) & (g < jnp.asarray(ends)[slot])
+                leaf = jnp.where(inside, jnp.asarray(leaves)[slot], len(plan.leaves))
+            else:
+                leaf = jnp.full((size,), len(plan.leaves), jnp.int32)
+            vals = jnp.take(jnp.asarray(table), leaf)
+            out.append(jnp.broadcast_to(vals, s.shape))
+        return tuple(out)
+
+    specs = tuple(plan.partition_spec(b) for b in plan.buckets)
+    mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=specs, out_specs=specs, check_vma=False)
+    return list(mapped(*like))
+
+
+def check_sharded(updates: Any, plan: Plan, what: str) -> None:
+    """Raises unless ``updates`` is a :class:`~vescale_jax.ShardedParams` of ``plan`` (``what``: the caller)."""
+    if not isinstance(updates, ShardedParams):
+        raise TypeError(f"vj.optim.{what}: expected vj.ShardedParams, got {type(updates).__name__}.")
+    if updates.plan != plan:
+        raise ValueError(f"vj.optim.{what}: the updates were sharded with another plan than the one given.")
+
+
+def leaf_mask(plan: Plan, mask: Any, default: bool = True) -> np.ndarray:
+    """A logical (prefix) tree of bools, or a callable of the logical tree, as a per-leaf table."""
+    if mask is None:
+        values = [default] * len(plan.leaves)
+    else:
+        abstract = abstract_params(plan)
+        tree = mask(abstract) if callable(mask) else mask
+        values = [True] * len(plan.leaves) if isinstance(tree, bool) else prefix_per_leaf(
+            tree, abstract, lambda x: isinstance(x, bool | np.bool_))
+    return np.array([*map(bool, values), False])
