@@ -19,6 +19,7 @@ from vescale_jax.planner import BucketLayout
 
 __all__ = [
     "GatheredParams",
+    "PerDevice",
     "ShardedParams",
     "check_tree",
     "init_sharded",
@@ -86,6 +87,36 @@ class GatheredParams(_Buffers):
     """
 
     __slots__ = ()
+
+
+@jax.tree_util.register_pytree_node_class
+class PerDevice:
+    """Optimizer state kept per device (e.g. Shampoo's block statistics): an array whose dim 0 is
+    ``m * B``, device ``k`` holding rows ``[k*B, (k+1)*B)``.
+
+    Attributes:
+      value: the array (a pytree child).
+      plan: the :class:`Plan` (static aux data) whose axis dim 0 is sharded over.
+
+    Sharding:
+      ``PartitionSpec(plan.axis)`` on dim 0; :func:`vescale_jax.init_opt_state` places it so.
+    """
+
+    __slots__ = ("plan", "value")
+
+    def __init__(self, value: Any, plan: Plan):
+        self.value = value
+        self.plan = plan
+
+    def tree_flatten(self):
+        return (self.value,), self.plan
+
+    @classmethod
+    def tree_unflatten(cls, plan, children):
+        return cls(children[0], plan)
+
+    def __repr__(self) -> str:
+        return f"PerDevice{tuple(getattr(self.value, 'shape', ()))}"
 
 
 def check_tree(params: Any, plan: Plan, *, what: str = "params") -> list[Any]:

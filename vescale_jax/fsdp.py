@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from vescale_jax.buffer import GatheredParams, ShardedParams, pack_bucket, unpack
+from vescale_jax.buffer import GatheredParams, PerDevice, ShardedParams, pack_bucket, unpack
 from vescale_jax.gather import gather_bucket
 from vescale_jax.layers import LayerShard
 from vescale_jax.plan import Plan
@@ -360,7 +360,14 @@ def _sharding_by_shape(plan: Plan) -> dict[tuple[int, ...], NamedSharding]:
 def _state_shardings(tree: Any, plan: Plan) -> Any:
     by_shape = _sharding_by_shape(plan)
     replicated = NamedSharding(plan.mesh, P())
-    return jax.tree.map(lambda s: by_shape.get(tuple(s.shape), replicated), tree)
+
+    def one(s):
+        if isinstance(s, PerDevice):  # the full spec, as shard_map outputs carry it (no recompilation)
+            spec = P(plan.axis, *[None] * (len(s.value.shape) - 1))
+            return PerDevice(NamedSharding(plan.mesh, spec), s.plan)
+        return by_shape.get(tuple(s.shape), replicated)
+
+    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, PerDevice))
 
 
 def init_opt_state(tx: Any, params: ShardedParams) -> Any:
@@ -371,7 +378,8 @@ def init_opt_state(tx: Any, params: ShardedParams) -> Any:
       params: the sharded parameters.
 
     Returns:
-      The optimizer state; leaves shaped like a bucket carry that bucket's ``NamedSharding``, others (counts,
+      The optimizer state; leaves shaped like a bucket carry that bucket's ``NamedSharding``,
+      :class:`~vescale_jax.buffer.PerDevice` leaves are split over the plan's axis on dim 0, others (counts,
       scalars) are replicated.
     """
     _check_params(params, params.plan)
