@@ -1,0 +1,319 @@
+"""Distributed blocked Shampoo over :class:`~vescale_jax.ShardedParams`, every block preconditioned where it lies.
+
+Each matrix leaf (per-layer rank >= 2, viewed as ``(prod(shape[:-1]), shape[-1])`` per layer) is cut into
+``block_size x block_size`` blocks. With the planner's ``vj.rows(block_size)`` granularity every block lies
+whole on one device (:mod:`vescale_jax.optim.blocks`), so statistics, inverse roots and the preconditioned
+block are computed from the local shard: the optimizer step adds no collective beyond scalars.
+
+Math per block ``G`` (``t`` counts steps from 1):
+
+* ``L <- beta2 L + (1 - beta2) G G^T``, ``R <- beta2 R + (1 - beta2) G^T G``;
+* when ``t >= start_preconditioning_step`` and ``(t - start) % preconditioning_compute_steps == 0``:
+  ``PL = (L + eps)^(-1/p)``, ``PR = (R + eps)^(-1/p)`` by an fp32 eigendecomposition (eigenvalues clipped at 0
+  before ``matrix_epsilon`` is added; ``p = 4`` unless ``exponent_override``);
+* direction ``D = PL G PR`` grafted onto the block's norm of an Adam / RMSprop / AdaGrad / SGD direction
+  (``graft_type``); before the start step the graft direction itself;
+* then, element-wise on the flat buffers: bias-corrected momentum (``beta1``, optionally Nesterov), decoupled
+  weight decay and the learning rate. Other leaves use ``optax.adamw`` with the same betas.
+
+Edge blocks are zero-padded to ``block_size``; the padding changes nothing (a zero row of ``G`` stays a zero
+row of ``PL G PR``) but costs a full block's roots.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from vescale_jax.buffer import PerDevice, ShardedParams
+from vescale_jax.optim.blocks import (
+    BlockTables,
+    build_blocks,
+    gather_blocks,
+    local_vector,
+    scatter_blocks,
+    split_local,
+)
+from vescale_jax.optim.leaves import check_sharded, per_element
+from vescale_jax.plan import Plan
+
+__all__ = ["ShampooState", "inverse_root", "scale_by_shampoo", "shampoo", "shampoo_blocks"]
+
+GRAFT_TYPES = ("adam", "rmsprop", "adagrad", "sgd")
+_HIGHEST = jax.lax.Precision.HIGHEST
+
+
+class ShampooState(NamedTuple):
+    """State of :func:`scale_by_shampoo`.
+
+    Attributes:
+      count: steps taken.
+      graft: the graft's second moment, sharded like the params (``()`` for ``graft_type="sgd"``).
+      stats_left, stats_right, root_left, root_right: ``PerDevice`` arrays ``(m * B, b, b)`` fp32: each
+        device's block slots.
+    """
+
+    count: jax.Array
+    graft: Any
+    stats_left: PerDevice
+    stats_right: PerDevice
+    root_left: PerDevice
+    root_right: PerDevice
+
+
+_BLOCKS_CACHE: dict[Any, BlockTables] = {}
+
+
+def shampoo_blocks(plan: Plan, block_size: int) -> BlockTables:
+    """The block placement :func:`scale_by_shampoo` uses (see ``.summary()`` for the max/mean balance)."""
+    key = (plan, block_size)
+    if key not in _BLOCKS_CACHE:
+        _BLOCKS_CACHE[key] = build_blocks(plan, block_size, what="shampoo")
+    return _BLOCKS_CACHE[key]
+
+
+def inverse_root(a: jax.Array, *, exponent: float, epsilon: float) -> jax.Array:
+    """``(A + eps I)^(-1/exponent)`` of symmetric PSD ``(..., n, n)`` matrices by eigendecomposition (fp32).
+
+    Eigenvalues are clipped at zero before ``epsilon`` is added, so rounding cannot make them negative.
+    """
+    w, v = jnp.linalg.eigh(a.astype(jnp.float32))
+    w = (jnp.maximum(w, 0.0) + epsilon) ** (-1.0 / exponent)
+    return jnp.matmul(v * w[..., None, :], jnp.swapaxes(v, -1, -2), precision=_HIGHEST)
+
+
+def _graft(graft_type: str, g: jax.Array, v: Any, t: jax.Array, beta2: float, eps: float) -> tuple[jax.Array, Any]:
+    g = g.astype(jnp.float32)
+    if graft_type == "sgd":
+        return g, v
+    if graft_type == "adagrad":
+        v = v + g * g
+        return g / (jnp.sqrt(v) + eps), v
+    v = beta2 * v + (1 - beta2) * g * g
+    if graft_type == "adam":
+        return g / (jnp.sqrt(v / (1 - beta2 ** t.astype(jnp.float32))) + eps), v
+    return g / (jnp.sqrt(v) + eps), v
+
+
+def scale_by_shampoo(
+    *,
+    plan: Plan,
+    block_size: int,
+    beta2: float = 0.999,
+    diagonal_epsilon: float = 1e-10,
+    matrix_epsilon: float = 1e-6,
+    start_preconditioning_step: int = 1,
+    preconditioning_compute_steps: int = 1,
+    graft_type: str = "adam",
+    graft_beta2: float | None = None,
+    exponent_override: int = 0,
+) -> optax.GradientTransformation:
+    """Grafted, blocked Shampoo direction for every matrix leaf; other leaves (and padding) come out zero.
+
+    Args:
+      plan: the plan the params are sharded with (``vj.rows(block_size)`` granularity for matrix leaves).
+      block_size: ``b``; blocks are ``b x b`` (edge blocks smaller).
+      beta2: decay of the block statistics (and of the graft's second moment unless ``graft_beta2``).
+      diagonal_epsilon: added to the graft's root second moment.
+      matrix_epsilon: added to the statistics' eigenvalues before the inverse root.
+      start_preconditioning_step: first step (from 1) using the Shampoo direction; earlier steps use the graft.
+      preconditioning_compute_steps: roots are recomputed every this many steps from the start step.
+      graft_type: ``"adam"`` (bias-corrected RMS), ``"rmsprop"``, ``"adagrad"`` or ``"sgd"``.
+      graft_beta2: decay of the graft's second moment (default ``beta2``).
+      exponent_override: root exponent ``p`` (default 4: ``L^(-1/4) G R^(-1/4)``).
+
+    Returns:
+      An ``optax.GradientTransformation`` over :class:`~vescale_jax.ShardedParams`.
+
+    Sharding:
+      The graft moment is sharded like the params; the block statistics and roots are ``PerDevice``: each
+      device keeps the blocks it holds. The update runs one ``shard_map`` with no collective.
+    """
+    if graft_type not in GRAFT_TYPES:
+        raise ValueError(f"vj.optim.shampoo: graft_type must be one of {GRAFT_TYPES}, got {graft_type!r}")
+    if preconditioning_compute_steps < 1:
+        raise ValueError(f"vj.optim.shampoo: preconditioning_compute_steps must be >= 1, got "
+                         f"{preconditioning_compute_steps}")
+    tables = shampoo_blocks(plan, block_size)
+    b, m = block_size, plan.num_devices
+    exponent = float(exponent_override or 4)
+    gb2 = beta2 if graft_beta2 is None else graft_beta2
+    axis = plan.axis
+    P = jax.sharding.PartitionSpec
+
+    def init_fn(params):
+        check_sharded(params, plan, "scale_by_shampoo")
+        zeros = jnp.zeros((m * tables.slots, b, b), jnp.float32)
+        eye = jnp.broadcast_to(jnp.eye(b, dtype=jnp.float32), zeros.shape)
+        graft = () if graft_type == "sgd" else optax.tree.zeros_like(params, dtype=jnp.float32)
+        return ShampooState(jnp.zeros([], jnp.int32), graft, PerDevice(zeros, plan), PerDevice(zeros, plan),
+                            PerDevice(eye, plan), PerDevice(eye, plan))
+
+    def blocks(grads, graft, state, refresh, use):
+        specs = tuple(plan.partition_spec(bk) for bk in plan.buckets)
+        n = len(specs)
+
+        def local(*args):
+            g_shards, d_shards = args[:n], args[n:2 * n]
+            left, right, root_l, root_r, refresh, use = args[2 * n:]
+            k = jax.lax.axis_index(axis)
+            g = gather_blocks(local_vector(g_shards, tables, jnp.float32), tables, k)
+            d = gather_blocks(local_vector(d_shards, tables, jnp.float32), tables, k)
+            gram = lambda x, y: jnp.einsum("sij,skj->sik", x, y, precision=_HIGHEST)
+            left = beta2 * left + (1 - beta2) * gram(g, g)
+            gt = jnp.swapaxes(g, -1, -2)
+            right = beta2 * right + (1 - beta2) * gram(gt, gt)
+            root_l, root_r = jax.lax.cond(
+                refresh,
+                lambda: (inverse_root(left, exponent=exponent, epsilon=matrix_epsilon),
+                         inverse_root(right, exponent=exponent, epsilon=matrix_epsilon)),
+                lambda: (root_l, root_r),
+            )
+            pre = jnp.matmul(jnp.matmul(root_l, g, precision=_HIGHEST), root_r, precision=_HIGHEST)
+            norm = lambda x: jnp.sqrt(jnp.sum(x * x, axis=(1, 2), keepdims=True))
+            grafted = pre * (norm(d) / (norm(pre) + 1e-16))
+            u = jnp.where(use, grafted, d)
+            out = split_local(scatter_blocks(u, tables, k), g_shards, tables)
+            return (*out, left, right, root_l, root_r)
+
+        blocked = P(axis)
+        mapped = jax.shard_map(
+            local, mesh=plan.mesh, in_specs=(*specs, *specs, blocked, blocked, blocked, blocked, P(), P()),
+            out_specs=(*specs, blocked, blocked, blocked, blocked), check_vma=False,
+        )
+        out = mapped(*grads, *graft, state.stats_left.value, state.stats_right.value, state.root_left.value,
+                     state.root_right.value, refresh, use)
+        return list(out[:n]), [PerDevice(x, plan) for x in out[n:]]
+
+    def update_fn(updates, state, params=None):
+        del params
+        check_sharded(updates, plan, "scale_by_shampoo")
+        t = optax.safe_increment(state.count)
+        moments = [None] * len(updates.buffers) if graft_type == "sgd" else state.graft.buffers
+        pairs = [_graft(graft_type, g, v, t, gb2, diagonal_epsilon)
+                 for g, v in zip(updates.buffers, moments, strict=True)]
+        direction = [d for d, _ in pairs]
+        graft = () if graft_type == "sgd" else ShardedParams([v for _, v in pairs], plan)
+        if tables.slots == 0:
+            out = [jnp.zeros_like(g) for g in updates.buffers]
+            return ShardedParams(out, plan), ShampooState(t, graft, *state[2:])
+        refresh = (t >= start_preconditioning_step) & (
+            (t - start_preconditioning_step) % preconditioning_compute_steps == 0)
+        use = t >= start_preconditioning_step
+        out, stats = blocks(updates.buffers, direction, state, refresh, use)
+        return ShardedParams(out, plan), ShampooState(t, graft, *stats)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+class MomentumState(NamedTuple):
+    """Bias-corrected momentum of :func:`shampoo`."""
+
+    count: jax.Array
+    mu: Any
+
+
+def _momentum(beta1: float, nesterov: bool) -> optax.GradientTransformation:
+    """``mu <- beta1 mu + (1 - beta1) u``, returned bias-corrected (Nesterov: Adam's look-ahead form)."""
+
+    def init_fn(params):
+        return MomentumState(jnp.zeros([], jnp.int32), optax.tree.zeros_like(params))
+
+    def update_fn(updates, state, params=None):
+        del params
+        t = optax.safe_increment(state.count)
+        mu = optax.tree.update_moment(updates, state.mu, beta1, 1)
+        if nesterov:
+            out = jax.tree.map(
+                lambda a, g: beta1 * a + (1 - beta1) * g,
+                optax.tree.bias_correction(mu, beta1, optax.safe_increment(t)),
+                optax.tree.bias_correction(updates, beta1, t),
+            )
+        else:
+            out = optax.tree.bias_correction(mu, beta1, t)
+        return out, MomentumState(t, mu)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+class SplitState(NamedTuple):
+    """State of :func:`shampoo`: the Shampoo branch's (matrix leaves) and the AdamW branch's (the rest)."""
+
+    shampoo: Any
+    adam: Any
+
+
+def shampoo(
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    plan: Plan,
+    block_size: int,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    diagonal_epsilon: float = 1e-10,
+    matrix_epsilon: float = 1e-6,
+    weight_decay: float = 0.0,
+    start_preconditioning_step: int = 1,
+    preconditioning_compute_steps: int = 1,
+    graft_type: str = "adam",
+    graft_beta2: float | None = None,
+    nesterov: bool = False,
+    exponent_override: int = 0,
+) -> optax.GradientTransformation:
+    """Blocked Shampoo for matrix leaves, AdamW for the rest, over :class:`~vescale_jax.ShardedParams`.
+
+    Arguments follow the distributed Shampoo implementations (``block_size``, ``beta1``/``beta2``,
+    ``diagonal_epsilon``, ``matrix_epsilon``, ``start_preconditioning_step``, ``preconditioning_compute_steps``,
+    ``graft_type``, ``nesterov``, ``exponent_override``); see :func:`scale_by_shampoo` for the block math.
+    Matrix leaves then get bias-corrected momentum ``beta1`` and decoupled weight decay:
+    ``-lr * (momentum + weight_decay * param)``. Other leaves: ``optax.adamw(learning_rate, b1=beta1,
+    b2=beta2, eps=diagonal_epsilon, weight_decay=weight_decay)``.
+
+    Args:
+      learning_rate: a float or an Optax schedule.
+      plan: the plan the params are sharded with; plan matrix leaves with ``granularity=vj.rows(block_size)``.
+      block_size: Shampoo block edge ``b``.
+
+    Returns:
+      An ``optax.GradientTransformation``; its ``update`` takes and returns ShardedParams.
+
+    Sharding:
+      Momentum, graft and AdamW moments are sharded like the params; block statistics and roots stay on the
+      device holding the block (:func:`shampoo_blocks` reports the max/mean blocks per device).
+    """
+    tables = shampoo_blocks(plan, block_size)
+    is_matrix = np.array([*tables.matrix_leaves, False])
+    branch = optax.chain(
+        scale_by_shampoo(plan=plan, block_size=block_size, beta2=beta2, diagonal_epsilon=diagonal_epsilon,
+                         matrix_epsilon=matrix_epsilon, start_preconditioning_step=start_preconditioning_step,
+                         preconditioning_compute_steps=preconditioning_compute_steps, graft_type=graft_type,
+                         graft_beta2=graft_beta2, exponent_override=exponent_override),
+        _momentum(beta1, nesterov),
+        optax.add_decayed_weights(weight_decay) if weight_decay else optax.identity(),
+        optax.scale_by_learning_rate(learning_rate),
+    )
+    adam = optax.adamw(learning_rate, b1=beta1, b2=beta2, eps=diagonal_epsilon, weight_decay=weight_decay)
+    has_adam = not bool(is_matrix[:-1].all())
+
+    def init_fn(params):
+        check_sharded(params, plan, "shampoo")
+        return SplitState(branch.init(params), adam.init(params) if has_adam else optax.EmptyState())
+
+    def update_fn(updates, state, params=None):
+        check_sharded(updates, plan, "shampoo")
+        if weight_decay and params is None:
+            raise ValueError("vj.optim.shampoo: weight_decay needs params: call tx.update(grads, state, params).")
+        u_s, s_s = branch.update(updates, state.shampoo, params)
+        if not has_adam:
+            return u_s, SplitState(s_s, state.adam)
+        u_a, s_a = adam.update(updates, state.adam, params)
+        mask = per_element(plan, updates.buffers, is_matrix)
+        out = [jnp.where(k, a, b).astype(g.dtype)
+               for k, a, b, g in zip(mask, u_s.buffers, u_a.buffers, updates.buffers, strict=True)]
+        return ShardedParams(out, plan), SplitState(s_s, s_a)
+
+    return optax.GradientTransformation(init_fn, update_fn)
