@@ -10,6 +10,7 @@ from conftest import make_mesh
 import vescale_jax as vj
 import vescale_jax.optim as vjo
 from vescale_jax import testing
+from vescale_jax.optim.owners import ns_macs, split_macs
 
 STEPS = 10
 MDN = optax.contrib.MuonDimensionNumbers
@@ -158,22 +159,43 @@ def _abstract(shapes):
     return {f"l{i}": jax.ShapeDtypeStruct(s, jnp.float32) for i, s in enumerate(shapes)}
 
 
-def test_owners_balanced_and_batched():
-    # 24 matrices of 3 shapes cut across 8 devices element-wise: LPT balances NS cost within 1.25x of the mean,
-    # and same-shape matrices on one owner share one batched work array (transposes share a class).
+def test_owners_slots_and_batching():
+    # 24 matrices of 3 shapes cut across 8 devices element-wise. Every device runs K_c slots of class c (SPMD),
+    # K_c = ceil(n_c / m) unless splitting the leftovers is cheaper; same-shape matrices on one owner share one
+    # batched work array (transposes share a class); the reported balance is what every device computes.
     shapes = [(64, 48)] * 8 + [(48, 64)] * 4 + [(32, 96)] * 6 + [(96, 32)] * 6
     params = _abstract(shapes)
     plan = vj.plan(params, make_mesh(8), units=lambda path, leaf: "all")
     routing = vjo.muon_routing(plan)
-    loads = np.array(routing.loads)
-    assert loads.max() <= 1.25 * loads.sum() / 8, routing.summary()
     assert sorted((p, q) for p, q, _ in routing.classes) == [(32, 96), (48, 64)]
+    assert routing.splits == ()  # 4 leftovers of each class: one more slot is cheaper than 4 split matrices
     counts = {}
     for r in routing.matrices:
         counts[(r.owner, r.shape)] = counts.get((r.owner, r.shape), 0) + 1
     for p, q, k in routing.classes:
-        assert k == max(c for (o, sh), c in counts.items() if sh == (p, q))
+        assert k == 2 == max(c for (o, sh), c in counts.items() if sh == (p, q))
+        assert 4 * split_macs(p, q, 8) >= ns_macs(p, q)
+    assert routing.slot_cost == 2 * ns_macs(48, 64) + 2 * ns_macs(32, 96)
+    assert max(routing.loads) <= routing.slot_cost
     assert sum(r.transposed for r in routing.matrices) == 8 + 6  # the tall ones (p > q)
+
+
+def test_leftover_matrices_are_split_by_columns():
+    # 9 matrices of 64 x 256 on 8 devices: 8 owners, and the ninth split by columns (32 per device) instead of
+    # a second slot everywhere; the update matches optax on the logical tree.
+    params = {f"l{i}": jnp.asarray(np.random.default_rng(i).standard_normal((64, 256)), jnp.float32)
+              for i in range(9)}
+    plan = vj.plan(params, make_mesh(8), units=lambda path, leaf: "all")
+    routing = vjo.muon_routing(plan)
+    assert routing.classes == ((64, 256, 1),) and routing.splits == ((64, 256, 1),)
+    assert sum(r.owner == -1 for r in routing.matrices) == 1
+    assert routing.balance == pytest.approx(8 * (ns_macs(64, 256) + split_macs(64, 256, 8)) / (9 * ns_macs(64, 256)))
+    assert routing.balance <= 1.25
+    grads = [jax.tree.map(lambda x, s=s: x * (1 + s), params) for s in range(3)]
+    kw = dict(learning_rate=0.05, ns_steps=3)
+    got, *_ = run_sharded(params, grads, plan, **kw)
+    for g, r in zip(got, reference("split", params, grads, **kw), strict=True):
+        assert_close(g, r)
 
 
 def test_owners_whole_stays_put():

@@ -35,7 +35,10 @@ from vescale_jax.optim.leaves import abstract_params, check_sharded, leaf_mask, 
 from vescale_jax.optim.owners import Routing, build_routing, route_newton_schulz
 from vescale_jax.plan import Plan
 
-__all__ = ["MuonDimensionNumbers", "MuonState", "muon", "muon_routing", "scale_by_muon", "scale_by_shape"]
+__all__ = [
+    "MuonDimensionNumbers", "MuonState", "muon", "muon_routing", "newton_schulz_split", "scale_by_muon",
+    "scale_by_shape",
+]
 
 MuonDimensionNumbers = optax_muon.MuonDimensionNumbers
 _is_dims = lambda x: x is None or isinstance(x, MuonDimensionNumbers)
@@ -98,13 +101,41 @@ def _coeffs(ns_coeffs: Any, ns_steps: int) -> np.ndarray:
 _ROUTING_CACHE: dict[Any, Routing] = {}
 
 
-def muon_routing(plan: Plan, weight_dimension_numbers: Any = None) -> Routing:
-    """The owner routing :func:`scale_by_muon` uses for ``plan`` (owners, classes, loads; see ``.summary()``)."""
+def muon_routing(plan: Plan, weight_dimension_numbers: Any = None, *, split: bool = True) -> Routing:
+    """The owner routing :func:`scale_by_muon` uses for ``plan`` (owners, classes, loads; see ``.summary()``).
+
+    ``split``: let leftover matrices of a shape class be split by columns over all devices (Frobenius
+    preconditioning only; :func:`scale_by_muon` decides)."""
     dims = resolve_dimension_numbers(plan, weight_dimension_numbers)
-    key = (plan, tuple(None if d is None else (_hashable(d[0]), _hashable(d[1])) for d in dims))
+    key = (plan, tuple(None if d is None else (_hashable(d[0]), _hashable(d[1])) for d in dims), split)
     if key not in _ROUTING_CACHE:
-        _ROUTING_CACHE[key] = build_routing(plan, dims)
+        _ROUTING_CACHE[key] = build_routing(plan, dims, split=split)
     return _ROUTING_CACHE[key]
+
+
+def newton_schulz_split(x: jax.Array, axis: Any, coeffs: np.ndarray, ns_steps: int, eps: float) -> jax.Array:
+    """Newton–Schulz (Frobenius preconditioning) on matrices whose columns are spread over ``axis``.
+
+    Args:
+      x: ``(r, p, q_local)``, this device's columns of ``r`` matrices (``p <= q``); zero columns pad.
+      axis: the mesh axis the columns are spread over (inside ``shard_map``).
+      coeffs: ``(3,)`` or ``(n, 3)`` coefficients as in ``optax.contrib``.
+      ns_steps: iterations when ``coeffs`` is ``(3,)``.
+      eps: added to the Frobenius norm.
+
+    Returns:
+      This device's columns of the result: ``optax``'s ``X <- a X + (b A + c A A) X`` with ``A = X X^T``
+      summed over devices (one ``(r, p, p)`` all-reduce per iteration).
+    """
+    norm = jnp.sqrt(jax.lax.psum(jnp.sum(x * x, axis=(1, 2)), axis))
+    x = x / (norm + eps)[:, None, None]
+    rows = [coeffs] * ns_steps if coeffs.ndim == 1 else list(coeffs)
+    for c in rows:
+        c = jnp.asarray(c).astype(x.dtype)
+        a = jax.lax.psum(jnp.einsum("rik,rjk->rij", x, x), axis)
+        b = c[1] * a + c[2] * jnp.matmul(a, a)
+        x = c[0] * x + jnp.matmul(b, x)
+    return x
 
 
 def _hashable(axes: Any) -> Any:
@@ -144,7 +175,10 @@ def scale_by_muon(
     coeffs = _coeffs(ns_coeffs, ns_steps)
     if preconditioning not in optax_muon._PRECONDITIONINGS:
         raise ValueError(f"Unknown preconditioning {preconditioning}")
-    routing = muon_routing(plan, weight_dimension_numbers)
+    routing = muon_routing(plan, weight_dimension_numbers, split=preconditioning == "frobenius")
+
+    def orthogonalize_split(x, axis):
+        return newton_schulz_split(x, axis, coeffs, ns_steps, eps)
 
     def orthogonalize(x_kpq):
         c = jnp.asarray(coeffs).astype(x_kpq.dtype)
@@ -171,7 +205,8 @@ def scale_by_muon(
             )
         else:
             mu_hat = optax.tree.bias_correction(mu, beta, count_inc)
-        out = route_newton_schulz(mu_hat.buffers, plan, routing, orthogonalize, adaptive=adaptive)
+        out = route_newton_schulz(mu_hat.buffers, plan, routing, orthogonalize,
+                                  orthogonalize_split=orthogonalize_split, adaptive=adaptive)
         mu = optax.tree.cast(mu, mu_dtype)
         return ShardedParams(out, plan), MuonState(count=count_inc, mu=mu)
 

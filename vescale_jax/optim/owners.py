@@ -49,9 +49,25 @@ def matrix_indices(shape: Sequence[int], reduction_axis: Any, output_axis: Any) 
     return idx.reshape(dims(batch), dims(red), dims(out))
 
 
+def ns_macs(p: int, q: int) -> int:
+    """Multiply-adds of one Newton–Schulz iteration on a ``(p, q)`` matrix, ``p <= q``: ``X X^T``, ``A A``
+    and ``B X``."""
+    return 2 * p * p * q + p**3
+
+
+def split_macs(p: int, q: int, m: int) -> int:
+    """Per-device multiply-adds of one iteration on a matrix split by columns over ``m`` devices (the Gram
+    products are split, ``A A`` is repeated on every device)."""
+    return 2 * p * p * -(-q // m) + p**3
+
+
 @dataclasses.dataclass(frozen=True)
 class MatrixRoute:
-    """One matrix: its leaf, batch index, stored shape ``(p, q)`` (``p <= q``), owner and slot."""
+    """One matrix: its leaf, batch index, stored shape ``(p, q)`` (``p <= q``), owner and slot.
+
+    ``owner == -1`` marks a *split* matrix: its columns are spread over every device, which run its
+    Newton–Schulz together (one ``p x p`` all-reduce per iteration). ``slot`` then indexes the split class.
+    """
 
     leaf: int
     batch: int
@@ -63,8 +79,7 @@ class MatrixRoute:
 
     @property
     def cost(self) -> int:
-        p, q = self.shape
-        return p * q * min(p, q)
+        return ns_macs(*self.shape)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -75,7 +90,9 @@ class Routing:
     Attributes:
       buckets: buckets whose local shards are concatenated (in this order) into the local vector ``X``.
       local_size: ``T``, the length of ``X``.
-      classes: ``((p, q, K), ...)`` work classes.
+      classes: ``((p, q, K), ...)`` owner work classes: ``K`` matrices of ``(p, q)`` on every device.
+      splits: ``((p, q, r), ...)`` split classes: ``r`` matrices of ``(p, q)`` whose columns are cut into
+        ``ceil(q / m)``-wide pieces, one per device (zero columns pad).
       work_size: elements of all work arrays of one device.
       width: ``W``, elements per message of the padded all-to-all (0: no communication needed).
       send: ``(m, m, W)`` indices into ``X + [0]``: what device ``k`` sends to each owner.
@@ -84,12 +101,17 @@ class Routing:
       back_gather: ``(m, T)`` indices into ``work + received + [0]``: how a device refills ``X``.
       matrix_leaf: ``(m, sum K)`` leaf index of each work matrix (``num_leaves`` for padding).
       matrices: every :class:`MatrixRoute`.
-      loads: Newton–Schulz cost (``sum p*q*min(p, q)``) per device.
+      loads: real Newton–Schulz multiply-adds per iteration per device (:func:`ns_macs`; split matrices
+        count :func:`split_macs` on every device).
+      slot_cost: what every device computes, zero padding slots included (SPMD runs the same shapes on
+        every device): ``sum K * ns_macs(p, q) + sum r * split_macs(p, q, m)``.
+      total_cost: ``sum ns_macs`` over all matrices (one device doing everything).
     """
 
     buckets: tuple[int, ...]
     local_size: int
     classes: tuple[tuple[int, int, int], ...]
+    splits: tuple[tuple[int, int, int], ...]
     work_size: int
     width: int
     send: np.ndarray
@@ -99,17 +121,28 @@ class Routing:
     matrix_leaf: np.ndarray
     matrices: tuple[MatrixRoute, ...]
     loads: tuple[int, ...]
+    slot_cost: int
+    total_cost: int
     num_leaves: int
+
+    @property
+    def balance(self) -> float:
+        """Per-device Newton–Schulz work (padding slots included) over the total divided by ``m``."""
+        m = len(self.loads)
+        return self.slot_cost * m / self.total_cost if self.total_cost else 1.0
 
     def summary(self) -> str:
         m = len(self.loads)
         total = sum(self.loads)
-        moved = sum(1 for r in self.matrices if r.devices != (r.owner,))
+        moved = sum(1 for r in self.matrices if r.devices != (r.owner,) and r.owner >= 0)
+        split = sum(r for _, _, r in self.splits)
         lines = [
-            f"{len(self.matrices)} matrices in {len(self.classes)} shape classes over {m} devices; "
-            f"{moved} gathered to an owner; all-to-all width {self.width}",
-            "NS cost per device / (total / m): "
+            f"{len(self.matrices)} matrices over {m} devices: {len(self.classes)} owner classes, "
+            f"{len(self.splits)} split classes; {moved} gathered to an owner, {split} split by columns over all "
+            f"devices; all-to-all width {self.width}",
+            "real NS work per device / (total / m): "
             + " ".join(f"{x / (total / m):.2f}" if total else "0" for x in self.loads),
+            f"NS work every device runs (padding slots included) / (total / m): {self.balance:.3f}",
         ]
         return "\n".join(lines)
 
@@ -131,14 +164,24 @@ def _element_positions(plan: Plan, leaf: int, bases: dict[int, int]) -> tuple[np
     return dev, local
 
 
-def build_routing(plan: Plan, dims: Sequence[tuple[Any, Any] | None], *, fixed_whole: bool = True) -> Routing:
+def build_routing(
+    plan: Plan, dims: Sequence[tuple[Any, Any] | None], *, fixed_whole: bool = True, split: bool = True
+) -> Routing:
     """Chooses owners and builds the tables.
+
+    Every device runs ``K_c`` Newton–Schulz slots of each shape class ``c`` (SPMD shapes are uniform), so a
+    class of ``n_c`` matrices costs ``ceil(n_c / m)`` slots everywhere. When the ``r = n_c mod m`` leftover
+    matrices are cheaper to share than a whole extra slot (``r * split_macs < ns_macs``), they are *split*:
+    each device takes a ``ceil(q / m)``-column piece and the devices run their Newton–Schulz together.
 
     Args:
       plan: the plan.
       dims: per leaf (flattening order) ``(reduction_axis, output_axis)`` or ``None`` for a non-Muon leaf.
-      fixed_whole: a matrix that lies whole on one device is orthogonalised there (no communication); the
-        others go to the least-loaded device, largest cost first (ties: the device holding most of it).
+      fixed_whole: a matrix of a ``vj.whole()`` leaf is orthogonalised where the plan put it (no
+        communication). Other matrices whole on a device stay there while it has a free slot of their class;
+        the rest go, largest first, to the least-loaded device with a free slot (ties: the one holding most
+        of their elements).
+      split: allow splitting leftover matrices (needs Frobenius preconditioning; see above).
 
     Returns:
       A :class:`Routing`.
@@ -165,64 +208,115 @@ def build_routing(plan: Plan, dims: Sequence[tuple[Any, Any] | None], *, fixed_w
             md, ml = dev[idx[b]], local[idx[b]]
             devices, counts = np.unique(md, return_counts=True)
             mats.append((leaf, b, idx.shape[1:], transposed, tuple(int(x) for x in devices), counts))
-            elems.append((md.reshape(-1), ml.reshape(-1)))
-
-    # 2. Owners: whole-on-one-device matrices stay; the rest LPT to the least-loaded device.
-    loads = [0] * m
-    owners = [-1] * len(mats)
-    cost = [p * q * min(p, q) for _, _, (p, q), _, _, _ in mats]
-    for j, (_, _, _, _, devices, _) in enumerate(mats):
-        if fixed_whole and len(devices) == 1:
-            owners[j] = devices[0]
-            loads[devices[0]] += cost[j]
-    # Zero matrices pad each class to its busiest owner's count (K_c), and they cost real FLOPs: cap each
-    # device at ceil(n_c / m) matrices of class c (or what whole matrices already put there).
+            elems.append((md, ml))
     shape_of = [tuple(int(x) for x in mt[2]) for mt in mats]
-    per_class: dict[tuple[int, int], int] = {}
+    cost = [ns_macs(*c) for c in shape_of]
+
+    # 2. Slots per class. A matrix of a vj.whole() leaf stays where the plan put it. K_c = max(those on one
+    #    device, floor(n_c / m)); the r leftovers either take one more slot everywhere or are split.
+    owners = [-1] * len(mats)
     held_c: dict[tuple[int, tuple[int, int]], int] = {}
-    for j, c in enumerate(shape_of):
-        per_class[c] = per_class.get(c, 0) + 1
-        if owners[j] >= 0:
-            held_c[(owners[j], c)] = held_c.get((owners[j], c), 0) + 1
-    cap = {c: max([-(-n // m)] + [v for (k, cc), v in held_c.items() if cc == c]) for c, n in per_class.items()}
-    for j in sorted((j for j in range(len(mats)) if owners[j] < 0), key=lambda j: (-cost[j], j)):
+
+    def take(j: int, k: int) -> None:
+        owners[j] = k
+        held_c[(k, shape_of[j])] = held_c.get((k, shape_of[j]), 0) + 1
+
+    for j, (leaf, _, _, _, devices, _) in enumerate(mats):
+        if fixed_whole and len(devices) == 1 and plan.leaves[leaf].granularity.kind == "whole":
+            take(j, devices[0])
+    class_keys = sorted(set(shape_of))
+    cap, to_split = {}, set()
+    for c in class_keys:
+        members = [j for j in range(len(mats)) if shape_of[j] == c]
+        movable = [j for j in members if owners[j] < 0]
+        k0 = max([len(members) // m] + [held_c.get((k, c), 0) for k in range(m)])
+        room = sum(k0 - held_c.get((k, c), 0) for k in range(m))
+        r = len(movable) - room
+        if r <= 0:
+            cap[c] = k0
+        elif split and m > 1 and r * split_macs(*c, m) < ns_macs(*c):
+            cap[c] = k0
+            # Split the most scattered ones: they have to move anyway.
+            to_split |= set(sorted(movable, key=lambda j: (-len(mats[j][4]), j))[:r])
+        else:
+            cap[c] = k0 + 1
+    # Every device runs cap[c] slots whatever the assignment, so the assignment only decides communication:
+    # a matrix whole on a device with a free slot stays; the others go to the least-loaded device with a free
+    # slot (spreading the messages keeps the padded all-to-all narrow), ties to the one holding most of them.
+    rest = [j for j in range(len(mats)) if owners[j] < 0 and j not in to_split]
+    for j in rest:
+        devices = mats[j][4]
+        if len(devices) == 1 and held_c.get((devices[0], shape_of[j]), 0) < cap[shape_of[j]]:
+            take(j, devices[0])
+    loads = [0] * m
+    for j, k in enumerate(owners):
+        if k >= 0:
+            loads[k] += cost[j]
+    for j in sorted((j for j in rest if owners[j] < 0), key=lambda j: (-cost[j], j)):
         held = dict(zip(mats[j][4], mats[j][5].tolist(), strict=True))
         c = shape_of[j]
-        room = [k for k in range(m) if held_c.get((k, c), 0) < cap[c]] or list(range(m))
-        owners[j] = min(room, key=lambda k: (loads[k], -held.get(k, 0), k))
+        room = [k for k in range(m) if held_c.get((k, c), 0) < cap[c]]
+        take(j, min(room, key=lambda k: (loads[k], -held.get(k, 0), k)))
         loads[owners[j]] += cost[j]
-        held_c[(owners[j], c)] = held_c.get((owners[j], c), 0) + 1
+    for j in to_split:
+        for k in range(m):
+            loads[k] += split_macs(*shape_of[j], m)
 
-    # 3. Classes and slots.
-    class_keys = sorted({tuple(int(x) for x in mt[2]) for mt in mats})
+    # 3. Work layout: owner classes (K_c, p, q), then split classes (r_c, p, ceil(q / m)).
     counts = {(k, c): 0 for k in range(m) for c in class_keys}
+    split_counts = dict.fromkeys(class_keys, 0)
     slots = []
-    for j, mt in enumerate(mats):
-        key = (owners[j], tuple(int(x) for x in mt[2]))
-        slots.append(counts[key])
-        counts[key] += 1
-    classes, class_base, mat_base, work_size, n_mats = [], {}, {}, 0, 0
+    for j in range(len(mats)):
+        c = shape_of[j]
+        if j in to_split:
+            slots.append(split_counts[c])
+            split_counts[c] += 1
+        else:
+            slots.append(counts[(owners[j], c)])
+            counts[(owners[j], c)] += 1
+    classes, splits, class_base, split_base, mat_base, split_mat_base = [], [], {}, {}, {}, {}
+    work_size = n_mats = 0
     for c in class_keys:
         k_c = max(counts[(k, c)] for k in range(m))
-        classes.append((c[0], c[1], k_c))
-        class_base[c], mat_base[c] = work_size, n_mats
-        work_size += k_c * c[0] * c[1]
-        n_mats += k_c
+        if k_c:
+            classes.append((c[0], c[1], k_c))
+            class_base[c], mat_base[c] = work_size, n_mats
+            work_size += k_c * c[0] * c[1]
+            n_mats += k_c
+    for c in class_keys:
+        r = split_counts[c]
+        if r:
+            splits.append((c[0], c[1], r))
+            split_base[c], split_mat_base[c] = work_size, n_mats
+            work_size += r * c[0] * -(-c[1] // m)
+            n_mats += r
+    slot_cost = sum(k * ns_macs(p, q) for p, q, k in classes) + sum(r * split_macs(p, q, m) for p, q, r in splits)
 
     num_leaves = len(plan.leaves)
     matrix_leaf = np.full((m, n_mats), num_leaves, np.int32)
     routes = []
     src_dev, src_pos, dst_dev, dst_pos = [], [], [], []
-    for j, (leaf, b, shape, transposed, devices, _) in enumerate(mats):
-        c = tuple(int(x) for x in shape)
-        routes.append(MatrixRoute(leaf, b, c, transposed, devices, owners[j], slots[j]))
-        matrix_leaf[owners[j], mat_base[c] + slots[j]] = leaf
-        n = c[0] * c[1]
+    for j, (leaf, b, _, transposed, devices, _) in enumerate(mats):
+        c = shape_of[j]
+        p, q = c
         md, ml = elems[j]
-        src_dev.append(md)
-        src_pos.append(ml)
-        dst_dev.append(np.full(n, owners[j], np.int64))
-        dst_pos.append(class_base[c] + slots[j] * n + np.arange(n, dtype=np.int64))
+        if j in to_split:
+            qs = -(-q // m)
+            routes.append(MatrixRoute(leaf, b, c, transposed, devices, -1, slots[j]))
+            matrix_leaf[:, split_mat_base[c] + slots[j]] = leaf
+            cols = np.arange(q, dtype=np.int64)[None, :]
+            rows = np.arange(p, dtype=np.int64)[:, None]
+            dd = np.broadcast_to(cols // qs, (p, q))
+            dp = split_base[c] + slots[j] * p * qs + rows * qs + cols % qs
+        else:
+            routes.append(MatrixRoute(leaf, b, c, transposed, devices, owners[j], slots[j]))
+            matrix_leaf[owners[j], mat_base[c] + slots[j]] = leaf
+            dd = np.full((p, q), owners[j], np.int64)
+            dp = class_base[c] + slots[j] * p * q + np.arange(p * q, dtype=np.int64).reshape(p, q)
+        src_dev.append(md.reshape(-1))
+        src_pos.append(ml.reshape(-1))
+        dst_dev.append(dd.reshape(-1))
+        dst_pos.append(dp.reshape(-1))
     cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64)
     src_dev, src_pos, dst_dev, dst_pos = cat(src_dev), cat(src_pos), cat(dst_dev), cat(dst_pos)
 
@@ -253,8 +347,8 @@ def build_routing(plan: Plan, dims: Sequence[tuple[Any, Any] | None], *, fixed_w
     back_gather[sd, sp] = work_size + dd * width + w
 
     return Routing(
-        buckets, local_size, tuple(classes), work_size, width, send, gather, back_send, back_gather,
-        matrix_leaf, tuple(routes), tuple(loads), num_leaves,
+        buckets, local_size, tuple(classes), tuple(splits), work_size, width, send, gather, back_send, back_gather,
+        matrix_leaf, tuple(routes), tuple(loads), slot_cost, sum(cost), num_leaves,
     )
 
 
@@ -268,6 +362,7 @@ def route_newton_schulz(
     routing: Routing,
     orthogonalize: Callable[[jax.Array], jax.Array],
     *,
+    orthogonalize_split: Callable[[jax.Array, Any], jax.Array] | None = None,
     leaf_scale: np.ndarray | None = None,
     adaptive: bool = False,
     dtype: Any = None,
@@ -279,6 +374,9 @@ def route_newton_schulz(
       plan: the plan.
       routing: from :func:`build_routing`.
       orthogonalize: ``(K, p, q) -> (K, p, q)`` batched Newton–Schulz, ``p <= q``.
+      orthogonalize_split: ``(x, axis) -> x`` for split classes: ``x`` is ``(r, p, q_local)``, this device's
+        columns of ``r`` matrices; sums over columns need ``psum`` over ``axis``. Required if the routing
+        has split classes.
       leaf_scale: optional ``(num_leaves,)`` factor per leaf applied on the owner.
       adaptive: multiply each leaf's result by ``sum(input * result)`` over the leaf (``optax``'s adaptive).
       dtype: working dtype (default: the promoted dtype of the routed buckets).
@@ -289,6 +387,9 @@ def route_newton_schulz(
     """
     axis = plan.axis
     rt = routing
+    m = plan.num_devices
+    if rt.splits and orthogonalize_split is None:
+        raise ValueError("route_newton_schulz: the routing splits matrices; pass orthogonalize_split")
     if dtype is None:
         dtypes = [jnp.dtype(plan.buckets[b].dtype) for b in rt.buckets] or [jnp.dtype(jnp.float32)]
         dtype = functools.reduce(jnp.promote_types, dtypes)
@@ -311,6 +412,11 @@ def route_newton_schulz(
             w_out = orthogonalize(w_in)
             outs.append((w_in, w_out))
             base += kc * p * q
+        for p, q, r in rt.splits:
+            qs = -(-q // m)
+            w_in = jnp.reshape(work[base : base + r * p * qs], (r, p, qs))
+            outs.append((w_in, orthogonalize_split(w_in, axis)))
+            base += r * p * qs
         leaf_of = _const(rt.matrix_leaf)[k]
         factor = jnp.take(_const(scale).astype(dtype), leaf_of)
         if adaptive:
@@ -319,7 +425,7 @@ def route_newton_schulz(
             per_leaf = jax.lax.psum(per_leaf, axis)
             factor = factor * jnp.take(per_leaf, leaf_of)
         scaled, n0 = [], 0
-        for (_, _, kc), (_, b) in zip(rt.classes, outs, strict=True):
+        for (_, _, kc), (_, b) in zip(rt.classes + rt.splits, outs, strict=True):
             scaled.append(jnp.reshape(b * factor[n0 : n0 + kc, None, None], (-1,)))
             n0 += kc
         result = jnp.concatenate([*scaled, zero])
