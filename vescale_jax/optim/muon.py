@@ -36,7 +36,7 @@ from vescale_jax.optim.owners import Routing, build_routing, route_newton_schulz
 from vescale_jax.plan import Plan
 
 __all__ = [
-    "MuonDimensionNumbers", "MuonState", "muon", "muon_routing", "newton_schulz_split", "scale_by_muon",
+    "MuonDimensionNumbers", "MuonState", "muon", "muon_routing", "newton_schulz", "scale_by_muon",
     "scale_by_shape",
 ]
 
@@ -113,28 +113,38 @@ def muon_routing(plan: Plan, weight_dimension_numbers: Any = None, *, split: boo
     return _ROUTING_CACHE[key]
 
 
-def newton_schulz_split(x: jax.Array, axis: Any, coeffs: np.ndarray, ns_steps: int, eps: float) -> jax.Array:
-    """Newton–Schulz (Frobenius preconditioning) on matrices whose columns are spread over ``axis``.
+def newton_schulz(
+    x: jax.Array, coeffs: np.ndarray, ns_steps: int, eps: float, *, axis: Any = None, unroll: bool = False
+) -> jax.Array:
+    """Batched Newton–Schulz with Frobenius preconditioning, ``optax.contrib``'s iteration
+    ``X <- a X + (b A + c A A) X``, ``A = X X^T``, in a loop (one carried ``X``: temp memory stays at a few
+    copies of the batch however many steps run).
 
     Args:
-      x: ``(r, p, q_local)``, this device's columns of ``r`` matrices (``p <= q``); zero columns pad.
-      axis: the mesh axis the columns are spread over (inside ``shard_map``).
+      x: ``(r, p, q)`` matrices with ``p <= q`` (zero matrices stay zero). With ``axis``, this device's
+        columns of ``r`` matrices spread over that mesh axis (zero columns pad): the Frobenius norm and ``A``
+        are summed over it (one ``(r, p, p)`` all-reduce per iteration; inside ``shard_map``).
       coeffs: ``(3,)`` or ``(n, 3)`` coefficients as in ``optax.contrib``.
       ns_steps: iterations when ``coeffs`` is ``(3,)``.
       eps: added to the Frobenius norm.
+      axis: see ``x``.
+      unroll: unroll the loop (XLA may overlap iterations, and its cost analysis counts every iteration; a
+        rolled loop is counted once) at the price of more temp memory.
 
     Returns:
-      This device's columns of the result: ``optax``'s ``X <- a X + (b A + c A A) X`` with ``A = X X^T``
-      summed over devices (one ``(r, p, p)`` all-reduce per iteration).
+      The result, laid out like ``x``.
     """
-    norm = jnp.sqrt(jax.lax.psum(jnp.sum(x * x, axis=(1, 2)), axis))
+    total = (lambda v: jax.lax.psum(v, axis)) if axis is not None else (lambda v: v)
+    norm = jnp.sqrt(total(jnp.sum(x * x, axis=(1, 2))))
     x = x / (norm + eps)[:, None, None]
-    rows = [coeffs] * ns_steps if coeffs.ndim == 1 else list(coeffs)
-    for c in rows:
-        c = jnp.asarray(c).astype(x.dtype)
-        a = jax.lax.psum(jnp.einsum("rik,rjk->rij", x, x), axis)
+    rows = np.broadcast_to(coeffs, (ns_steps, 3)) if coeffs.ndim == 1 else coeffs
+
+    def step(x, c):
+        a = total(jnp.einsum("rik,rjk->rij", x, x))
         b = c[1] * a + c[2] * jnp.matmul(a, a)
-        x = c[0] * x + jnp.matmul(b, x)
+        return c[0] * x + jnp.matmul(b, x), None
+
+    x, _ = jax.lax.scan(step, x, jnp.asarray(rows).astype(x.dtype), unroll=bool(unroll))
     return x
 
 
@@ -154,6 +164,7 @@ def scale_by_muon(
     adaptive: bool = False,
     preconditioning: str = "frobenius",
     weight_dimension_numbers: Any = None,
+    ns_unroll: bool = False,
 ) -> optax.GradientTransformation:
     """Momentum, then Newton–Schulz orthogonalisation of each Muon matrix on its owner device.
 
@@ -164,6 +175,7 @@ def scale_by_muon(
       ns_coeffs, ns_steps, beta, eps, mu_dtype, nesterov, adaptive, preconditioning: as in optax.
       plan: the plan the params are sharded with.
       weight_dimension_numbers: see :func:`resolve_dimension_numbers`.
+      ns_unroll: unroll the Newton–Schulz loop (see :func:`newton_schulz`).
 
     Returns:
       An ``optax.GradientTransformation`` over :class:`~vescale_jax.ShardedParams`.
@@ -178,9 +190,11 @@ def scale_by_muon(
     routing = muon_routing(plan, weight_dimension_numbers, split=preconditioning == "frobenius")
 
     def orthogonalize_split(x, axis):
-        return newton_schulz_split(x, axis, coeffs, ns_steps, eps)
+        return newton_schulz(x, coeffs, ns_steps, eps, axis=axis, unroll=ns_unroll)
 
     def orthogonalize(x_kpq):
+        if preconditioning == "frobenius":
+            return newton_schulz(x_kpq, coeffs, ns_steps, eps, unroll=ns_unroll)
         c = jnp.asarray(coeffs).astype(x_kpq.dtype)
         ns = lambda x: optax_muon.orthogonalize_via_newton_schulz(x, c, ns_steps, preconditioning, eps)
         return jax.vmap(ns)(x_kpq)
@@ -290,12 +304,14 @@ def muon(
     adam_learning_rate: optax.ScalarOrSchedule | None = None,
     muon_weight_dimension_numbers: Any = None,
     consistent_rms: float | None = None,
+    ns_unroll: bool = False,
 ) -> optax.GradientTransformation:
     """Muon (momentum orthogonalised by Newton–Schulz) for Muon leaves, AdamW for the rest, over ShardedParams.
 
     Arguments follow ``optax.contrib.muon``; ``plan`` is the plan the params are sharded with.
     ``muon_weight_dimension_numbers``: see :func:`resolve_dimension_numbers` (default: per-layer 2-D leaves).
     ``weight_decay_mask``: a (prefix) tree of bools over the logical tree, or a callable of it.
+    ``ns_unroll``: unroll the Newton–Schulz loop (more temp memory; see :func:`newton_schulz`).
 
     Returns:
       An ``optax.GradientTransformation``; its ``update`` takes and returns :class:`~vescale_jax.ShardedParams`.
@@ -310,7 +326,8 @@ def muon(
     is_muon = np.array([d is not None for d in dims] + [False])
     muon_tx = optax.chain(
         scale_by_muon(ns_coeffs, ns_steps, beta, eps, mu_dtype, plan=plan, nesterov=nesterov, adaptive=adaptive,
-                      preconditioning=preconditioning, weight_dimension_numbers=muon_weight_dimension_numbers),
+                      preconditioning=preconditioning, weight_dimension_numbers=muon_weight_dimension_numbers,
+                      ns_unroll=ns_unroll),
         scale_by_shape(plan=plan, weight_dimension_numbers=muon_weight_dimension_numbers,
                        consistent_rms=consistent_rms),
         _masked_decay(plan, weight_decay, weight_decay_mask) if weight_decay else optax.identity(),
