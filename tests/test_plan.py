@@ -115,6 +115,36 @@ def test_whole_granularity_puts_each_leaf_on_one_device(mesh):
             assert plan.shard_of(spec.path).owner is not None, spec.path
 
 
+def test_whole_where_cheap_releases_the_largest_leaves_first():
+    # 4 matrices of 64x32 fill one device each; a 256x32 one kept whole would force S >= 8192 (75 % padding).
+    # whole(max_padding=0.05) releases the big one to element() (it spans the other 4 devices) and keeps the
+    # small ones whole.
+    tree = {f"m{i}": jax.ShapeDtypeStruct((64, 32), jnp.float32) for i in range(4)}
+    tree["big"] = jax.ShapeDtypeStruct((256, 32), jnp.float32)
+    units = lambda path, leaf: "all"
+    always = vj.plan(tree, make_mesh(8), units=units, granularity=vj.whole())
+    assert always.padding_fraction > 0.5
+    plan = vj.plan(tree, make_mesh(8), units=units, granularity=vj.whole(max_padding=0.05))
+    assert plan.padding_fraction <= 0.05
+    assert plan.leaf("big").granularity == vj.element()
+    for i in range(4):
+        spec = plan.leaf(f"m{i}")
+        assert spec.granularity == vj.whole(max_padding=0.05)
+        assert plan.shard_of(spec.path).owner is not None
+    assert plan.shard_of("big").owner is None
+    # Muon orthogonalises the whole ones where they are: no elements move for them.
+    routing = vj.optim.muon_routing(plan)
+    for r in routing.matrices:
+        if plan.leaves[r.leaf].path != "big":
+            assert r.devices == (r.owner,)
+    # A budget that holds with everything whole releases nothing.
+    loose = vj.plan(tree, make_mesh(8), units=units, granularity=vj.whole(max_padding=0.9))
+    assert all(s.granularity.kind == "whole" for s in loose.leaves)
+    assert repr(vj.whole(max_padding=0.05)) == "whole(max_padding=0.05)"
+    with pytest.raises(ValueError, match="max_padding"):
+        vj.whole(max_padding=1.5)
+
+
 def test_buckets_group_units_and_never_mix_dtypes(mesh):
     tree = random_tree(5)
     plan = vj.plan(tree, mesh)

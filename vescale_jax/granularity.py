@@ -2,6 +2,10 @@
 
 ``vj.element()`` (block 1), ``vj.rows(k)`` (``k * shape[-1]`` elements for ndim >= 2, else ``k``) and
 ``vj.whole()`` (the whole tensor). A device boundary of the flat buffer never cuts a block.
+
+``vj.whole(max_padding=x)`` asks for the whole tensor *where that is cheap*: the planner keeps such leaves
+whole while their bucket pads at most ``x`` of its buffer, releasing the largest ones to ``vj.element()``
+first (a Muon matrix whole on one device is orthogonalised there with no communication).
 """
 
 from __future__ import annotations
@@ -20,16 +24,24 @@ class Granularity:
     Attributes:
       kind: ``"element"``, ``"rows"`` or ``"whole"``.
       k: rows per block for ``"rows"``.
+      max_padding: for ``"whole"``: ``None`` (always whole) or the bucket padding fraction up to which the
+        planner keeps the leaf whole (else it plans it as ``element()``).
     """
 
     kind: str
     k: int = 1
+    max_padding: float | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("element", "rows", "whole"):
             raise ValueError(f"unknown granularity kind {self.kind!r}; use vj.element(), vj.rows(k), vj.whole()")
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
             raise ValueError(f"vj.rows(k) needs an integer k >= 1, got {self.k!r}")
+        if self.max_padding is not None:
+            if self.kind != "whole":
+                raise ValueError("max_padding applies to vj.whole() only")
+            if isinstance(self.max_padding, bool) or not 0 <= float(self.max_padding) <= 1:
+                raise ValueError(f"vj.whole(max_padding=x) needs 0 <= x <= 1, got {self.max_padding!r}")
 
     def block(self, shape: Sequence[int]) -> int:
         """Block size in elements for a leaf of ``shape`` (at least 1)."""
@@ -41,7 +53,11 @@ class Granularity:
         return self.k * shape[-1] if len(shape) >= 2 and shape[-1] else self.k
 
     def __repr__(self) -> str:
-        return f"rows({self.k})" if self.kind == "rows" else f"{self.kind}()"
+        if self.kind == "rows":
+            return f"rows({self.k})"
+        if self.max_padding is not None:
+            return f"whole(max_padding={self.max_padding})"
+        return f"{self.kind}()"
 
 
 def element() -> Granularity:
@@ -54,6 +70,11 @@ def rows(k: int = 1) -> Granularity:
     return Granularity("rows", k)
 
 
-def whole() -> Granularity:
-    """The whole tensor is one block: it lives on exactly one device."""
-    return Granularity("whole")
+def whole(*, max_padding: float | None = None) -> Granularity:
+    """The whole tensor is one block: it lives on exactly one device.
+
+    Args:
+      max_padding: keep it whole only while its bucket pads at most this fraction of the buffer; the planner
+        releases such leaves (largest first) to ``element()`` until the bucket fits. ``None``: always whole.
+    """
+    return Granularity("whole", max_padding=max_padding)

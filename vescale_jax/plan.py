@@ -64,7 +64,8 @@ class LeafSpec:
       dtype: dtype name.
       bucket: index of its bucket in ``Plan.buckets``.
       slot: its index inside that bucket's layout.
-      granularity: the block policy it was planned with.
+      granularity: the block policy it was planned with (``element()`` for a ``whole(max_padding=...)`` leaf
+        the planner released).
     """
 
     path: str
@@ -339,12 +340,21 @@ def plan(
             layers = infos[indices[0]][1][0]
         per_layer = [infos[i][1][1:] if layers is not None else infos[i][1] for i in indices]
         sizes = [math.prod(s) for s in per_layer]
-        blocks = [infos[i][4].block(s) for i, s in zip(indices, per_layer, strict=True)]
+        grans = [infos[i][4] for i in indices]
+        blocks = [g.block(s) for g, s in zip(grans, per_layer, strict=True)]
         align = max(1, align_bytes // np.dtype(dtype_name).itemsize)
         layout = plan_bucket(sizes, blocks, m, align=align)
+        # vj.whole(max_padding=x): release the largest such leaves to element() until the bucket fits.
+        soft = sorted((j for j, g in enumerate(grans) if g.max_padding is not None), key=lambda j: -sizes[j])
+        budget = min((grans[j].max_padding for j in soft), default=1.0)
+        for j in soft:
+            if layout.padding_fraction <= budget:
+                break
+            grans[j], blocks[j] = element(), 1
+            layout = plan_bucket(sizes, blocks, m, align=align)
         b = len(buckets)
         buckets.append(Bucket(f"{unit}:{dtype_name}", unit, dtype_name, layout, tuple(indices), layers))
         for slot, i in enumerate(indices):
-            path, shape, _, _, g = infos[i]
-            specs[i] = LeafSpec(path_str(path), shape, dtype_name, b, slot, g)
+            path, shape = infos[i][:2]
+            specs[i] = LeafSpec(path_str(path), shape, dtype_name, b, slot, grans[slot])
     return Plan(treedef, tuple(specs), tuple(buckets), mesh, axis)
