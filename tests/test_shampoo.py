@@ -12,6 +12,7 @@ from shampoo_reference import reference_shampoo
 import vescale_jax as vj
 import vescale_jax.optim as vjo
 from vescale_jax import testing
+from vescale_jax.plan import path_str
 
 STEPS = 10
 BLOCK = 4
@@ -175,3 +176,45 @@ def test_inverse_root_matches_numpy():
     w, v = np.linalg.eigh(a)
     ref = (v * (w + 1e-3)[:, None, :] ** -0.25) @ np.swapaxes(v, 1, 2)
     np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-5)
+
+
+def test_shampoo_inside_a_vj_fsdp_step_matches_the_reference():
+    import os
+    import sys
+
+    from flax import nnx
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    from gpt import GPTConfig, abstract_model, init_params, loss_fn
+    from test_fsdp import assert_trees_close, batches
+
+    cfg = GPTConfig(vocab=67, max_len=16, d_model=20, num_heads=2, num_layers=2, d_ff=52)
+    graphdef, shapes = abstract_model(cfg)
+    plan = vj.plan(shapes, make_mesh(3), stacked=("blocks",), granularity=vj.rows(BLOCK))
+    params = init_params(cfg, jax.random.key(0))
+    stacked = jax.tree_util.tree_map_with_path(lambda path, _: path_str(path).startswith("blocks/"),
+                                               params)
+    kw = dict(learning_rate=3e-3, block_size=BLOCK, weight_decay=0.1, preconditioning_compute_steps=2)
+    ref_tx = reference_shampoo(is_stacked=stacked, **kw)
+    tx = vjo.shampoo(plan=plan, **kw)
+    data = list(batches(4, batch=12))
+    loss_of = lambda p, batch: loss_fn(nnx.merge(graphdef, p)(batch["x"] % 67), batch["y"] % 67)
+    grad_fn = jax.jit(jax.value_and_grad(loss_of))
+
+    @vj.fsdp(plan=plan)
+    def step(p, state, batch):
+        loss, g = jax.value_and_grad(lambda p: loss_fn(vj.flax.nnx_apply(graphdef, p, batch["x"] % 67),
+                                                       batch["y"] % 67))(p)
+        u, state = tx.update(g, state, p)
+        return optax.apply_updates(p, u), state, loss
+
+    ref, ref_state = params, ref_tx.init(params)
+    sp = vj.shard(params, plan)
+    state = vj.init_opt_state(tx, sp)
+    for batch in data:
+        ref_loss, g = grad_fn(ref, batch)
+        u, ref_state = ref_tx.update(g, ref_state, ref)
+        ref = optax.apply_updates(ref, u)
+        sp, state, loss = step(sp, state, batch)
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    assert_trees_close(vj.unshard(sp), ref, rtol=1e-4)
