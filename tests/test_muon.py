@@ -129,9 +129,18 @@ def test_parity_element(m):
     # Optimizer state is sharded like the params: every bucket-shaped state leaf has its bucket's sharding.
     by_shape = {b.shape: s for b, s in zip(plan.buckets, plan.shardings(), strict=True)}
     bucket_leaves = [x for x in jax.tree.leaves(state) if x.shape in by_shape]
-    assert len(bucket_leaves) == 3 * len(plan.buckets)  # muon mu, adam mu and nu
+    assert len(bucket_leaves) == len(plan.buckets)  # Muon's momentum
     for x in bucket_leaves:
         assert x.sharding.is_equivalent_to(by_shape[x.shape], x.ndim), (x.shape, x.sharding)
+    # AdamW's moments cover the non-Muon leaves only, each device keeping those it holds.
+    adam = [x.value for x in jax.tree.leaves(state.adam, is_leaf=lambda x: isinstance(x, vj.buffer.PerDevice))
+            if isinstance(x, vj.buffer.PerDevice)]
+    dims = vjo.resolve_dimension_numbers(plan, dims_tree)
+    non_muon = sum(s.size for s, d in zip(plan.leaves, dims, strict=True) if d is None)
+    assert len(adam) == 2
+    for x in adam:
+        assert non_muon <= x.size <= m * non_muon and (m > 1 or x.size == non_muon)
+        assert x.sharding.spec == jax.sharding.PartitionSpec(plan.axis)
     if m == 8:
         with jax.set_mesh(plan.mesh):
             compiled = step.lower(sp, state, sp).compile()

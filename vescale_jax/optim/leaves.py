@@ -12,11 +12,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from vescale_jax.buffer import ShardedParams
 from vescale_jax.plan import Plan
 
-__all__ = ["abstract_params", "check_sharded", "leaf_mask", "per_element", "prefix_per_leaf"]
+__all__ = ["abstract_params", "check_sharded", "leaf_mask", "masked_decay", "per_element", "prefix_per_leaf"]
 
 
 def abstract_params(plan: Plan) -> Any:
@@ -89,3 +90,18 @@ def leaf_mask(plan: Plan, mask: Any, default: bool = True) -> np.ndarray:
         values = [True] * len(plan.leaves) if isinstance(tree, bool) else prefix_per_leaf(
             tree, abstract, lambda x: isinstance(x, bool | np.bool_))
     return np.array([*map(bool, values), False])
+
+
+def masked_decay(plan: Plan, weight_decay: float, table: np.ndarray) -> optax.GradientTransformation:
+    """Adds ``weight_decay * param`` to the updates of the leaves with ``table[leaf]`` (a per-leaf bool table
+    with a final ``False`` for padding); other elements are unchanged."""
+
+    def update_fn(updates, state, params=None):
+        if params is None:
+            raise ValueError("weight decay needs the params: call tx.update(grads, state, params).")
+        on = per_element(plan, updates.buffers, table)
+        out = [jnp.where(o, u + weight_decay * p, u) for u, p, o in zip(updates.buffers, params.buffers, on,
+                                                                        strict=True)]
+        return ShardedParams(out, plan), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update_fn)

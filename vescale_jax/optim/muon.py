@@ -31,7 +31,15 @@ import optax
 from optax.contrib import _muon as optax_muon
 
 from vescale_jax.buffer import ShardedParams
-from vescale_jax.optim.leaves import abstract_params, check_sharded, leaf_mask, per_element, prefix_per_leaf
+from vescale_jax.optim.compact import on_leaves
+from vescale_jax.optim.leaves import (
+    abstract_params,
+    check_sharded,
+    leaf_mask,
+    masked_decay,
+    per_element,
+    prefix_per_leaf,
+)
 from vescale_jax.optim.owners import Routing, build_routing, route_newton_schulz
 from vescale_jax.plan import Plan
 
@@ -260,24 +268,9 @@ def scale_by_shape(
     return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
-def _masked_decay(plan: Plan, weight_decay: float, mask: Any) -> optax.GradientTransformation:
-    table = leaf_mask(plan, mask)
-
-    def update_fn(updates, state, params=None):
-        if params is None:
-            raise ValueError(optax_muon.base.NO_PARAMS_MSG)
-        on = per_element(plan, updates.buffers, table)
-        out = [
-            jnp.where(o, u + weight_decay * p, u)
-            for u, p, o in zip(updates.buffers, params.buffers, on, strict=True)
-        ]
-        return ShardedParams(out, plan), state
-
-    return optax.GradientTransformation(optax.init_empty_state, update_fn)
-
-
 class SelectState(NamedTuple):
-    """State of :func:`muon`: the Muon branch's and the AdamW branch's."""
+    """State of :func:`muon`: the Muon branch's (sharded like the params) and the AdamW branch's (over the
+    non-Muon leaves' elements only, ``PerDevice``; see :func:`vescale_jax.optim.compact.on_leaves`)."""
 
     muon: Any
     adam: Any
@@ -330,11 +323,14 @@ def muon(
                       ns_unroll=ns_unroll),
         scale_by_shape(plan=plan, weight_dimension_numbers=muon_weight_dimension_numbers,
                        consistent_rms=consistent_rms),
-        _masked_decay(plan, weight_decay, weight_decay_mask) if weight_decay else optax.identity(),
+        masked_decay(plan, weight_decay, leaf_mask(plan, weight_decay_mask) & is_muon) if weight_decay
+        else optax.identity(),
         optax.scale_by_learning_rate(learning_rate),
     )
-    adam_tx = optax.adamw(adam_learning_rate, b1=adam_b1, b2=adam_b2, eps=eps, eps_root=adam_eps_root,
-                          weight_decay=adam_weight_decay, mu_dtype=mu_dtype, nesterov=nesterov)
+    adam_tx = on_leaves(
+        optax.adamw(adam_learning_rate, b1=adam_b1, b2=adam_b2, eps=eps, eps_root=adam_eps_root,
+                    weight_decay=adam_weight_decay, mu_dtype=mu_dtype, nesterov=nesterov),
+        plan, ~is_muon[:-1])
     has_adam = not bool(is_muon[:-1].all())
 
     def init_fn(params):
@@ -347,8 +343,9 @@ def muon(
         if not has_adam:
             return u_muon, SelectState(s_muon, state.adam)
         u_adam, s_adam = adam_tx.update(updates, state.adam, params)
-        mask = per_element(plan, updates.buffers, is_muon)
-        out = [jnp.where(k, a, b) for k, a, b in zip(mask, u_muon.buffers, u_adam.buffers, strict=True)]
+        # Disjoint supports: Muon's updates are zero off its matrices, AdamW's off the other leaves.
+        out = [(a + b).astype(g.dtype) for a, b, g in zip(u_muon.buffers, u_adam.buffers, updates.buffers,
+                                                          strict=True)]
         return ShardedParams(out, plan), SelectState(s_muon, s_adam)
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -38,7 +38,8 @@ from vescale_jax.optim.blocks import (
     scatter_blocks,
     split_local,
 )
-from vescale_jax.optim.leaves import check_sharded, per_element
+from vescale_jax.optim.compact import on_leaves
+from vescale_jax.optim.leaves import check_sharded, masked_decay
 from vescale_jax.plan import Plan
 
 __all__ = ["ShampooState", "inverse_root", "scale_by_shampoo", "shampoo", "shampoo_blocks"]
@@ -241,7 +242,8 @@ def _momentum(beta1: float, nesterov: bool) -> optax.GradientTransformation:
 
 
 class SplitState(NamedTuple):
-    """State of :func:`shampoo`: the Shampoo branch's (matrix leaves) and the AdamW branch's (the rest)."""
+    """State of :func:`shampoo`: the Shampoo branch's (matrix leaves) and the AdamW branch's (the other leaves'
+    elements only, ``PerDevice``; see :func:`vescale_jax.optim.compact.on_leaves`)."""
 
     shampoo: Any
     adam: Any
@@ -282,8 +284,9 @@ def shampoo(
       An ``optax.GradientTransformation``; its ``update`` takes and returns ShardedParams.
 
     Sharding:
-      Momentum, graft and AdamW moments are sharded like the params; block statistics and roots stay on the
-      device holding the block (:func:`shampoo_blocks` reports the max/mean blocks per device).
+      Momentum and graft moments are sharded like the params; AdamW's moments cover the non-matrix elements
+      only, per device; block statistics and roots stay on the device holding the block
+      (:func:`shampoo_blocks` reports the max/mean blocks per device).
     """
     tables = shampoo_blocks(plan, block_size)
     is_matrix = np.array([*tables.matrix_leaves, False])
@@ -293,10 +296,11 @@ def shampoo(
                          preconditioning_compute_steps=preconditioning_compute_steps, graft_type=graft_type,
                          graft_beta2=graft_beta2, exponent_override=exponent_override),
         _momentum(beta1, nesterov),
-        optax.add_decayed_weights(weight_decay) if weight_decay else optax.identity(),
+        masked_decay(plan, weight_decay, is_matrix) if weight_decay else optax.identity(),
         optax.scale_by_learning_rate(learning_rate),
     )
-    adam = optax.adamw(learning_rate, b1=beta1, b2=beta2, eps=diagonal_epsilon, weight_decay=weight_decay)
+    adam = on_leaves(optax.adamw(learning_rate, b1=beta1, b2=beta2, eps=diagonal_epsilon, weight_decay=weight_decay),
+                     plan, ~is_matrix[:-1])
     has_adam = not bool(is_matrix[:-1].all())
 
     def init_fn(params):
@@ -309,11 +313,11 @@ def shampoo(
             raise ValueError("vj.optim.shampoo: weight_decay needs params: call tx.update(grads, state, params).")
         u_s, s_s = branch.update(updates, state.shampoo, params)
         if not has_adam:
-            return u_s, SplitState(s_s, state.adam)
+            return ShardedParams([u.astype(g.dtype) for u, g in zip(u_s.buffers, updates.buffers, strict=True)],
+                                 plan), SplitState(s_s, state.adam)
         u_a, s_a = adam.update(updates, state.adam, params)
-        mask = per_element(plan, updates.buffers, is_matrix)
-        out = [jnp.where(k, a, b).astype(g.dtype)
-               for k, a, b, g in zip(mask, u_s.buffers, u_a.buffers, updates.buffers, strict=True)]
+        # Disjoint supports: Shampoo's updates are zero off the matrix leaves, AdamW's off the others.
+        out = [(a + b).astype(g.dtype) for a, b, g in zip(u_s.buffers, u_a.buffers, updates.buffers, strict=True)]
         return ShardedParams(out, plan), SplitState(s_s, s_a)
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,156 @@
+"""Run an element-wise Optax transformation on a subset of leaves only, with state for those elements only.
+
+Muon and Shampoo hand their non-matrix leaves (norm scales, biases, embeddings by choice) to AdamW. Those
+leaves are usually a sliver of the parameters but sit inside the same buckets as the matrices, so running
+AdamW on whole buckets would keep two moments for every parameter. :func:`on_leaves` instead gathers, on
+each device, the elements of the chosen leaves from its local shards into one compact vector (static range
+tables from the plan; no communication), runs the transformation there, and scatters the updates back.
+The state is ``PerDevice``: each device keeps the moments of the elements it holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from vescale_jax.buffer import PerDevice, ShardedParams
+from vescale_jax.plan import Plan
+
+__all__ = ["CompactTables", "build_compact", "on_leaves"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class CompactTables:
+    """Where the chosen leaves' elements sit in each device's local vector ``X`` (its bucket shards,
+    flattened and concatenated in bucket order).
+
+    Attributes:
+      size: ``n``, compact elements per device (the most any device holds; the others pad with zeros).
+      counts: chosen elements per device.
+      start, length, position: ``(m, R)`` int32 runs: ``X[start + i]`` is compact element ``position + i``
+        for ``i < length`` (runs sorted by ``position``; unused runs have length 0).
+      local_size: length of ``X``.
+    """
+
+    size: int
+    counts: tuple[int, ...]
+    start: np.ndarray
+    length: np.ndarray
+    position: np.ndarray
+    local_size: int
+
+
+def build_compact(plan: Plan, chosen: Sequence[bool]) -> CompactTables:
+    """Range tables for the leaves with ``chosen[i]`` (flattening order)."""
+    m = plan.num_devices
+    bases, cursor = [], 0
+    for b in plan.buckets:
+        bases.append(cursor)
+        cursor += math.prod(b.local_shape)
+    runs: list[list[tuple[int, int]]] = [[] for _ in range(m)]
+    for index, spec in enumerate(plan.leaves):
+        if not chosen[index] or not spec.size:
+            continue
+        bucket = plan.buckets[spec.bucket]
+        s, offset, n = bucket.layout.shard_size, bucket.layout.offsets[spec.slot], bucket.layout.sizes[spec.slot]
+        for layer in range(bucket.layers or 1):
+            for k in range(offset // s, (offset + n - 1) // s + 1):
+                lo, hi = max(offset, k * s), min(offset + n, (k + 1) * s)
+                runs[k].append((bases[spec.bucket] + layer * s + lo - k * s, hi - lo))
+    width = max((len(r) for r in runs), default=0)
+    start = np.zeros((m, max(width, 1)), np.int32)
+    length = np.zeros_like(start)
+    position = np.zeros_like(start)
+    counts = []
+    for k, rs in enumerate(runs):
+        rs.sort()
+        pos = 0
+        for j, (st, ln) in enumerate(rs):
+            start[k, j], length[k, j], position[k, j] = st, ln, pos
+            pos += ln
+        position[k, len(rs):] = pos
+        counts.append(pos)
+    return CompactTables(max(counts, default=0), tuple(counts), start, length, position, cursor)
+
+
+def _source_index(tables: CompactTables, k: jax.Array) -> jax.Array:
+    """For each compact position on device ``k``: its index in ``X`` (``local_size`` past the end)."""
+    pos = jnp.arange(tables.size, dtype=jnp.int32)
+    position, start, length = (jnp.asarray(t)[k] for t in (tables.position, tables.start, tables.length))
+    r = jnp.clip(jnp.searchsorted(position, pos, side="right") - 1, 0, position.shape[0] - 1)
+    i = pos - position[r]
+    return jnp.where(i < length[r], start[r] + i, tables.local_size)
+
+
+def _mapped(plan: Plan, tables: CompactTables, fn, in_compact: int, in_buckets: int, out_compact: bool):
+    specs = tuple(plan.partition_spec(b) for b in plan.buckets)
+    per_device = jax.sharding.PartitionSpec(plan.axis)
+    in_specs = (per_device,) * in_compact + specs * in_buckets
+    out_specs = per_device if out_compact else specs
+    return jax.shard_map(fn, mesh=plan.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def compact(buffers: Sequence[jax.Array], plan: Plan, tables: CompactTables) -> jax.Array:
+    """``(m * n,)`` global array: each device's chosen elements of ``buffers``, zero-padded."""
+
+    dtype = jnp.result_type(*[b.dtype for b in buffers]) if buffers else jnp.float32
+
+    def local(*shards):
+        k = jax.lax.axis_index(plan.axis)
+        x = jnp.concatenate([jnp.reshape(s, (-1,)).astype(dtype) for s in shards])
+        return jnp.take(x, _source_index(tables, k), mode="fill", fill_value=0)
+
+    return _mapped(plan, tables, local, 0, 1, True)(*buffers)
+
+
+def expand(values: jax.Array, like: Sequence[jax.Array], plan: Plan, tables: CompactTables) -> list[jax.Array]:
+    """Inverse of :func:`compact`: buffers shaped like ``like`` with ``values`` at the chosen elements, zero
+    elsewhere."""
+
+    def local(v, *shards):
+        k = jax.lax.axis_index(plan.axis)
+        x = jnp.zeros((tables.local_size,), v.dtype).at[_source_index(tables, k)].set(v, mode="drop")
+        out, base = [], 0
+        for s in shards:
+            n = math.prod(s.shape)
+            out.append(jnp.reshape(x[base: base + n], s.shape).astype(s.dtype))
+            base += n
+        return tuple(out)
+
+    return list(_mapped(plan, tables, local, 1, 1, False)(values, *like))
+
+
+def on_leaves(tx: optax.GradientTransformation, plan: Plan, chosen: Sequence[bool]) -> optax.GradientTransformation:
+    """``tx`` (element-wise) applied to the chosen leaves only, over :class:`~vescale_jax.ShardedParams`.
+
+    Args:
+      tx: an element-wise Optax transformation (e.g. ``optax.adamw``).
+      plan: the plan.
+      chosen: per leaf (flattening order), whether ``tx`` handles it.
+
+    Returns:
+      A transformation whose updates are ``tx``'s at the chosen leaves' elements and zero elsewhere.
+
+    Sharding:
+      ``tx``'s state is built over a ``PerDevice`` compact vector: each device keeps state for the chosen
+      elements it holds (``max`` over devices of their count), nothing for the others.
+    """
+    tables = build_compact(plan, chosen)
+
+    def wrap(buffers):
+        return PerDevice(compact(buffers, plan, tables), plan)
+
+    def init_fn(params):
+        return tx.init(wrap(params.buffers))
+
+    def update_fn(updates, state, params=None):
+        u, state = tx.update(wrap(updates.buffers), state, None if params is None else wrap(params.buffers))
+        return ShardedParams(expand(u.value, updates.buffers, plan, tables), plan), state
+
+    return optax.GradientTransformation(init_fn, update_fn)
