@@ -99,7 +99,8 @@ def _mapped(plan: Plan, tables: CompactTables, fn, in_compact: int, in_buckets: 
 def compact(buffers: Sequence[jax.Array], plan: Plan, tables: CompactTables) -> jax.Array:
     """``(m * n,)`` global array: each device's chosen elements of ``buffers``, zero-padded."""
 
-    dtype = jnp.result_type(*[b.dtype for b in buffers]) if buffers else jnp.float32
+    # The widest bucket dtype (buckets of one plan are floating; strict promotion has no bf16/f32 path).
+    dtype = max((jnp.dtype(b.dtype) for b in buffers), key=lambda d: d.itemsize, default=jnp.dtype(jnp.float32))
 
     def local(*shards):
         k = jax.lax.axis_index(plan.axis)
