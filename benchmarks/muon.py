@@ -107,6 +107,8 @@ def main() -> int:
     print(f"GPT-like tree: {L} stacked layers, d={D}, ff={F}, vocab={V}; {M} devices")
     print(routing.summary())
     print(f"optax.contrib.muon on one device (the total): {total_flops / 1e9:.3f} GFLOP")
+    print(f"index constants baked into the update (run tables): {routing.index_bytes / 2**20:.2f} MiB per device "
+          f"for {sum(r.shape[0] * r.shape[1] for r in routing.matrices) / 2**20:.2f} M Muon elements")
     for r in rows:
         print("  ".join(x.ljust(22) for x in r))
     print("temp memory as the device count grows; 'owned' = one device's Newton-Schulz work arrays (the matrices")

@@ -268,3 +268,130 @@ def test_muon_inside_a_vj_fsdp_step_matches_optax_unsharded():
         sp, state, loss = step(sp, state, batch)
         np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     assert_trees_close(vj.unshard(sp), ref)
+
+
+# --- run tables ------------------------------------------------------------------------------------------------
+
+RUN_SHAPES = {
+    "tall": (40, 12),  # stored transposed (12, 40)
+    "wide": (12, 40),
+    "layers": {"w": (3, 20, 52), "t": (3, 52, 20), "b": (3, 52)},  # stacked; "t" is tall
+    "nd": (6, 4, 5),  # reduction over two axes: (24, 5), tall
+    "perm": (6, 5, 7),  # reduction 1, output 0: 7 matrices (5, 6) whose rows are strided
+    "mixed": (4, 6, 5),  # output over axes 0 and 2: rows are not one arithmetic progression
+    "split": {f"s{i}": (16, 64) for i in range(4)},  # leftovers of one class: split by columns
+    "vec": (11,),
+}
+RUN_DIMS = {
+    "tall": MDN(), "wide": MDN(), "layers": {"w": MDN(1, 2), "t": MDN(1, 2), "b": None},
+    "nd": MDN(reduction_axis=(0, 1), output_axis=2), "perm": MDN(reduction_axis=1, output_axis=0),
+    "mixed": MDN(reduction_axis=1, output_axis=(0, 2)), "split": {f"s{i}": MDN() for i in range(4)}, "vec": None,
+}
+
+
+def _brute_force_matrices(shape, dims):
+    """(batch, p, q) arrangement of a leaf's flat indices as optax reshapes it, tall ones transposed."""
+    ndim = len(shape)
+    norm = lambda a: tuple(x % ndim for x in ((a,) if isinstance(a, int) else a))
+    red, out = norm(dims.reduction_axis), norm(dims.output_axis)
+    batch = tuple(a for a in range(ndim) if a not in red + out)
+    idx = np.arange(int(np.prod(shape))).reshape(shape).transpose(batch + red + out)
+    size = lambda axes: int(np.prod([shape[a] for a in axes]))
+    mats = idx.reshape(size(batch), size(red), size(out))
+    tall = mats.shape[1] > mats.shape[2]
+    return (mats.transpose(0, 2, 1) if tall else mats), tall
+
+
+def _simulate_routing(plan, routing, dims_tree):
+    """Moves element ids (1-based, 0 = nothing) through the dense form of the run tables exactly as
+    route_newton_schulz moves values, and checks every step against a brute-force construction: the local
+    vectors X from vj.pack and the devices' shards, the work arrays from the matrices' owners and slots."""
+    m = plan.num_devices
+    shapes = [leaf.shape for leaf in plan.leaves]
+    sizes = [int(np.prod(s)) for s in shapes]
+    bases = np.cumsum([1, *sizes[:-1]])
+    ids = [jnp.asarray(b + np.arange(n).reshape(s), jnp.float32) for b, n, s in zip(bases, sizes, shapes, strict=True)]
+    bufs = [jax.device_put(x, s) for x, s in zip(vj.pack(ids, plan), plan.shardings(), strict=True)]
+    devices = list(plan.mesh.devices.flat)
+    local = [[None] * m for _ in bufs]
+    for b, buf in enumerate(bufs):
+        for shard in buf.addressable_shards:
+            local[b][devices.index(shard.device)] = np.asarray(shard.data).reshape(-1).astype(np.int64)
+    x = [np.concatenate([local[b][k] for b in routing.buckets]) for k in range(m)]
+    assert all(len(xk) == routing.local_size for xk in x)
+
+    # The work arrays every device should hold: owner classes, then split classes (column pieces).
+    dims = jax.tree.leaves(dims_tree, is_leaf=lambda d: isinstance(d, MDN) or d is None)
+    expected = np.zeros((m, routing.work_size), np.int64)
+    muon = set()
+    class_base, split_base, base = {}, {}, 0
+    for p, q, kc in routing.classes:
+        class_base[(p, q)], base = base, base + kc * p * q
+    for p, q, r in routing.splits:
+        split_base[(p, q)], base = base, base + r * p * -(-q // m)
+    assert base == routing.work_size
+    for route in routing.matrices:
+        mats, tall = _brute_force_matrices(shapes[route.leaf], dims[route.leaf])
+        mat = bases[route.leaf] + mats[route.batch]
+        assert mat.shape == route.shape and route.transposed == tall
+        muon |= set(mat.ravel().tolist())
+        p, q = route.shape
+        if route.owner >= 0:
+            at = class_base[(p, q)] + route.slot * p * q
+            expected[route.owner, at : at + p * q] = mat.ravel()
+        else:
+            qs = -(-q // m)
+            padded = np.zeros((p, qs * m), np.int64)
+            padded[:, :q] = mat
+            at = split_base[(p, q)] + route.slot * p * qs
+            for k in range(m):
+                expected[k, at : at + p * qs] = padded[:, k * qs : (k + 1) * qs].ravel()
+
+    dense = routing.dense()
+    rows = [np.append(x[k], 0)[dense["send"][k]] for k in range(m)]  # (m, W): to each owner
+    received = [np.stack([rows[s][k] for s in range(m)]).reshape(-1) for k in range(m)]
+    work = [np.concatenate([x[k], received[k], [0]])[dense["gather"][k]] for k in range(m)]
+    np.testing.assert_array_equal(np.stack(work), expected)
+    rows = [np.append(work[k], 0)[dense["back_send"][k]] for k in range(m)]
+    received = [np.stack([rows[o][k] for o in range(m)]).reshape(-1) for k in range(m)]
+    back = [np.concatenate([work[k], received[k], [0]])[dense["back_gather"][k]] for k in range(m)]
+    for k in range(m):
+        np.testing.assert_array_equal(back[k], np.where(np.isin(x[k], list(muon)), x[k], 0))
+    return dense
+
+
+@pytest.mark.parametrize("m,granularity", [(3, None), (3, vj.rows(2)), (8, None), (8, vj.rows(2))])
+def test_run_tables_match_brute_force(m, granularity, monkeypatch):
+    from vescale_jax.optim import owners
+
+    shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), RUN_SHAPES,
+                          is_leaf=lambda x: isinstance(x, tuple))
+    plan = vj.plan(shapes, make_mesh(m), stacked=["layers"], granularity=granularity)
+    routing = vjo.muon_routing(plan, RUN_DIMS)
+    assert routing.splits and any(r.transposed for r in routing.matrices) and routing.width
+    dense = _simulate_routing(plan, routing, RUN_DIMS)
+
+    # The devices expand the lookups into exactly the dense tables (several chunks per loop here).
+    monkeypatch.setattr(owners, "_CHUNK", 64)
+    w, t = routing.width, routing.local_size
+    for name, n in (("send", m * w), ("gather", routing.work_size), ("back_send", m * w), ("back_gather", t)):
+        lookup = routing.lookups[name]
+        expand = jax.jit(jax.vmap(lambda k, lookup=lookup, n=n: owners.run_indices(lookup, k, n, jnp.zeros(1))))
+        got = np.asarray(expand(jnp.arange(m, dtype=jnp.int32)))
+        np.testing.assert_array_equal(got, dense[name].reshape(m, n), err_msg=name)
+
+
+def test_run_tables_are_small_for_the_benchmark_model():
+    # The dense index tables were ~4 x (all Muon elements) int32; the run tables are a few entries per row.
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import muon as bench
+
+    plan = vj.plan(bench.model(), make_mesh(8), stacked=["layers"])
+    routing = vjo.muon_routing(plan, bench.DIMS)
+    elements = sum(r.shape[0] * r.shape[1] for r in routing.matrices)
+    runs = sum(getattr(routing, name).size for name in ("send", "gather", "back_send", "back_gather"))
+    assert runs < 0.05 * elements
+    assert routing.index_bytes < 0.05 * 4 * elements

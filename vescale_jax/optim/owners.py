@@ -1,15 +1,25 @@
-"""Owner routing for distributed Muon: which device orthogonalises which matrix, and the static index tables
+"""Owner routing for distributed Muon: which device orthogonalises which matrix, and the static run tables
 that move each matrix's elements from the devices that hold them to its owner and back.
 
-Everything here is NumPy over the :class:`~vescale_jax.plan.Plan`, built once per plan (the tables are baked
-into the compiled update as constants). :func:`route_newton_schulz` is the device side: one ``shard_map``
-with at most two padded all-to-alls (there and back) around batched Newton–Schulz on the owners.
+Everything here is NumPy over the :class:`~vescale_jax.plan.Plan`, built once per plan. :func:`route_newton_schulz`
+is the device side: one ``shard_map`` with at most two padded all-to-alls (there and back) around batched
+Newton–Schulz on the owners.
 
 Terms: a *matrix* is one ``(p, q)`` slice of a Muon leaf after the leaf's dimension numbers are applied
 (a stacked ``(L, p, q)`` leaf is ``L`` matrices). Matrices are stored on their owner with ``p <= q`` (the
-transpose is folded into the index tables, as Newton–Schulz transposes tall matrices anyway), grouped by
+transpose is folded into the routing, as Newton–Schulz transposes tall matrices anyway), grouped by
 ``(p, q)`` *class* into ``(K_c, p, q)`` work arrays, ``K_c`` the most matrices of that class on any device
 (zero matrices pad the rest; Newton–Schulz maps zero to zero).
+
+Run tables: the element mapping is piecewise arithmetic (a stored row piece of a matrix on one device is a
+*run*: consecutive positions on one side whose indices on the other side form an arithmetic progression,
+stride 1 for a matrix stored as it is, the stored row length or the original's for a transposed one). Each
+of the four index tables (``send``, ``gather``, ``back_send``, ``back_gather``; :class:`Routing`) is kept as
+``(m, 4, R)`` int32 runs ``(start, value, stride, length)`` sorted by ``start`` and padded to the most runs
+``R`` of any device: ``O(m * rows)`` instead of the ``O(m * elements)`` of dense index tables. What is
+baked into the update is their :class:`RunLookup` form (segments covering every position plus a block
+table); each device expands its row into the index array of one gather just before that gather
+(:func:`run_indices`: a short loop over chunks, ``probes + 3`` small-table lookups per position).
 """
 
 from __future__ import annotations
@@ -26,7 +36,10 @@ import numpy as np
 
 from vescale_jax.plan import Plan
 
-__all__ = ["MatrixRoute", "Routing", "build_routing", "matrix_indices", "route_newton_schulz"]
+__all__ = [
+    "MatrixRoute", "Routing", "RunLookup", "build_routing", "expand_runs", "matrix_indices",
+    "route_newton_schulz", "run_indices",
+]
 
 
 def _normalize(ndim: int, axes: Any) -> tuple[int, ...]:
@@ -84,8 +97,10 @@ class MatrixRoute:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Routing:
-    """Static tables for one plan (see the module docstring). Index tables are ``(m, ...)``, row ``k`` for
-    device ``k``; the last index of each source is a zero sentinel.
+    """Static tables for one plan (see the module docstring). Run tables are ``(m, 4, R)`` int32, row ``k``
+    for device ``k``: run ``r`` maps the positions ``start[r] + i``, ``0 <= i < length[r]``, to the indices
+    ``value[r] + i * stride[r]``; positions outside every run map to the sentinel, the last index of what
+    they index (a zero appended there).
 
     Attributes:
       buckets: buckets whose local shards are concatenated (in this order) into the local vector ``X``.
@@ -95,10 +110,14 @@ class Routing:
         ``ceil(q / m)``-wide pieces, one per device (zero columns pad).
       work_size: elements of all work arrays of one device.
       width: ``W``, elements per message of the padded all-to-all (0: no communication needed).
-      send: ``(m, m, W)`` indices into ``X + [0]``: what device ``k`` sends to each owner.
-      gather: ``(m, work_size)`` indices into ``X + received + [0]``: how the owner fills its work arrays.
-      back_send: ``(m, m, W)`` indices into ``work + [0]``: what an owner returns to each device.
-      back_gather: ``(m, T)`` indices into ``work + received + [0]``: how a device refills ``X``.
+      send: runs over the ``m * W`` positions ``(owner, w)`` of the outgoing messages: indices into
+        ``X + [0]`` (what device ``k`` sends to each owner).
+      gather: runs over the ``work_size`` positions of the work arrays: indices into ``X + received + [0]``
+        (``received``: the ``m * W`` incoming elements, ``(source, w)``): how the owner fills its work arrays.
+      back_send: runs over the ``m * W`` positions ``(device, w)``: indices into ``work + [0]``: what an
+        owner returns to each device.
+      back_gather: runs over the ``T`` positions of ``X``: indices into ``work + received + [0]``: how a
+        device refills ``X`` (runs follow the original rows, stride the stored row length when transposed).
       matrix_leaf: ``(m, sum K)`` leaf index of each work matrix (``num_leaves`` for padding).
       matrices: every :class:`MatrixRoute`.
       loads: real Newton–Schulz multiply-adds per iteration per device (:func:`ns_macs`; split matrices
@@ -125,6 +144,29 @@ class Routing:
     total_cost: int
     num_leaves: int
 
+    def _extents(self) -> dict[str, tuple[int, int]]:
+        """Per table: (positions, sentinel)."""
+        m, w, t, n = len(self.loads), self.width, self.local_size, self.work_size
+        return {"send": (m * w, t), "gather": (n, t + m * w), "back_send": (m * w, n), "back_gather": (t, n + m * w)}
+
+    @functools.cached_property
+    def lookups(self) -> dict[str, RunLookup]:
+        """What is baked into the update: each run table as a :class:`RunLookup`."""
+        return {name: RunLookup.build(getattr(self, name), *ext) for name, ext in self._extents().items()}
+
+    @property
+    def index_bytes(self) -> int:
+        """Bytes of the index constants baked into the update (:attr:`lookups` and ``matrix_leaf``)."""
+        return sum(x.nbytes for x in self.lookups.values()) + self.matrix_leaf.nbytes
+
+    def dense(self) -> dict[str, np.ndarray]:
+        """The run tables expanded in NumPy: ``send`` and ``back_send`` ``(m, m, W)``, ``gather``
+        ``(m, work_size)``, ``back_gather`` ``(m, T)`` (for tests and inspection: ``O(m * elements)``)."""
+        m, w = len(self.loads), self.width
+        out = {name: _expand_np(getattr(self, name), *ext) for name, ext in self._extents().items()}
+        out["send"], out["back_send"] = out["send"].reshape(m, m, w), out["back_send"].reshape(m, m, w)
+        return out
+
     @property
     def balance(self) -> float:
         """Per-device Newton–Schulz work (padding slots included) over the total divided by ``m``."""
@@ -145,6 +187,167 @@ class Routing:
             f"NS work every device runs (padding slots included) / (total / m): {self.balance:.3f}",
         ]
         return "\n".join(lines)
+
+
+_NO_RUN = np.iinfo(np.int32).max  # start of the padding runs (after every position)
+_PROBES = 4  # most run starts inside one block of a RunLookup (more probes stop XLA fusing the lookups)
+
+
+def _runs(key: np.ndarray, pos: np.ndarray, val: np.ndarray, m: int) -> np.ndarray:
+    """Run table ``(m, 4, R)`` of the entries ``(key, pos) -> val`` (device, position, index), listed in an
+    order in which the positions of a run follow each other. Greedy, vectorised: an entry continues the
+    previous one's run when it has the same device, the next position and (from a run's third entry on)
+    the same step of values; anything else, a non-arithmetic row included, just starts more runs."""
+    n = len(pos)
+    if n == 0:
+        return np.array([[[_NO_RUN], [0], [0], [0]]] * m, np.int32)
+    brk = np.empty(n, bool)  # i cannot continue i - 1's run
+    brk[0] = True
+    np.not_equal(key[1:], key[:-1], out=brk[1:])
+    brk[1:] |= pos[1:] - pos[:-1] != 1
+    step = val[1:] - val[:-1]
+    c = brk.copy()  # ... or its step differs from the one into i - 1
+    c[2:] |= step[1:] != step[:-1]
+    # start[i] = brk[i] or (c[i] and not start[i-1]) (a one-entry run takes any step): in a stretch of
+    # consecutive c entries the starts alternate from the stretch's first entry (or a brk).
+    first = c.copy()
+    first[1:] &= brk[1:] | ~c[:-1]
+    i = np.arange(n, dtype=np.int32 if n < 2**31 else np.int64)
+    origin = np.where(first, i, 0)
+    np.maximum.accumulate(origin, out=origin)
+    s = np.flatnonzero(c & ((i - origin) & 1 == 0))
+    length = np.diff(np.append(s, n))
+    stride = np.where(length > 1, step[np.minimum(s, n - 2)], 0) if n > 1 else np.zeros(1, val.dtype)
+    k, start, value = key[s], pos[s], val[s]
+    order = np.lexsort((start, k))
+    k, cols = k[order], np.stack([start, value, stride, length])[:, order]
+    counts = np.bincount(k, minlength=m)
+    r = max(int(counts.max()), 1)
+    slot = np.arange(len(k)) - np.repeat(np.cumsum(counts) - counts, counts)
+    out = np.zeros((m, 4, r), np.int64)
+    out[:, 0] = _NO_RUN
+    out[k, :, slot] = cols.T
+    last = out[:, 1] + out[:, 2] * np.maximum(out[:, 3] - 1, 0)
+    if min(out[:, 1].min(), last.min()) < 0 or max(np.abs(out[:, 1:]).max(), last.max()) >= _NO_RUN:
+        raise ValueError("Muon routing: indices exceed int32")
+    return out.astype(np.int32)
+
+
+def _expand_np(runs: np.ndarray, n: int, sentinel: int) -> np.ndarray:
+    """A run table ``(m, 4, R)`` as the ``(m, n)`` indices of positions ``0 .. n-1`` (NumPy; what the devices
+    compute): ``value + (i - start) * stride`` for ``i`` in a run, ``sentinel`` elsewhere."""
+    pos = np.arange(n, dtype=np.int64)
+    out = np.full((runs.shape[0], n), sentinel, np.int64)
+    for k, (start, value, stride, length) in enumerate(runs.astype(np.int64)):
+        r = np.maximum(np.searchsorted(start, pos, side="right") - 1, 0)
+        off = pos - start[r]
+        ok = (off >= 0) & (off < length[r])
+        out[k, ok] = (value[r] + off * stride[r])[ok]
+    return out
+
+
+def _wrap32(x: np.ndarray) -> np.ndarray:
+    """int64 -> int32 modulo 2**32 (what int32 arithmetic on the device does)."""
+    return ((x + 2**31) % 2**32 - 2**31).astype(np.int32)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RunLookup:
+    """A run table in the form the devices expand (:func:`expand_runs`).
+
+    The positions ``0 .. n-1`` of device ``k`` are covered by segments: its runs, and stride-0 segments of
+    the sentinel in between. Position ``i`` lies in segment ``r0 + #{u = 1..probes: starts[r0 + u] <= i}``,
+    ``r0 = blocks[k, i >> shift]`` the segment holding the start of ``i``'s block of ``2**shift`` positions
+    (``shift`` is chosen so that no block has more than ``probes`` segment starts inside it), and maps to
+    ``base + i * stride`` of that segment (``base = value - start * stride``, modulo ``2**32`` like the
+    device's int32 arithmetic, which makes the sum exact).
+
+    Attributes:
+      blocks: ``(m, ceil(n / 2**shift))`` int32.
+      segments: ``(m, 3, S + probes)`` int32 rows ``starts`` (padding: ``2**31 - 1``), ``base``, ``stride``.
+      shift, probes: see above.
+    """
+
+    blocks: np.ndarray
+    segments: np.ndarray
+    shift: int
+    probes: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.nbytes + self.segments.nbytes
+
+    @classmethod
+    def build(cls, runs: np.ndarray, n: int, sentinel: int) -> RunLookup:
+        m = runs.shape[0]
+        segs = []
+        for start, value, stride, length in runs.astype(np.int64):
+            real = (length > 0) & (start < _NO_RUN)
+            start, value, stride, length = start[real], value[real], stride[real], length[real]
+            gap = np.append(0, start + length)
+            gap_len = np.append(start, n) - gap
+            s = np.concatenate([start, gap[gap_len > 0]])
+            v = np.concatenate([value, np.full(int((gap_len > 0).sum()), sentinel)])
+            st = np.concatenate([stride, np.zeros(int((gap_len > 0).sum()), np.int64)])
+            order = np.argsort(s, kind="stable")
+            segs.append((s[order], v[order], st[order]))
+        most = max(len(s) for s, _, _ in segs)
+        # The smallest blocks table no longer than the segments, then smaller blocks while a block holds more
+        # than _PROBES segment starts.
+        shift = max(0, math.ceil(math.log2(max(n, 1) / max(most, 1))))
+
+        def probes(shift: int) -> int:
+            inner = [s[s & ((1 << shift) - 1) != 0] >> shift for s, _, _ in segs]
+            return max([int(np.bincount(x).max()) for x in inner if len(x)] + [0])
+
+        while shift > 0 and probes(shift) > _PROBES:
+            shift -= 1
+        c = probes(shift)
+        nb = max(-(-n // (1 << shift)), 1)
+        blocks = np.zeros((m, nb), np.int32)
+        segments = np.zeros((m, 3, most + c), np.int32)
+        segments[:, 0] = _NO_RUN
+        for k, (s, v, st) in enumerate(segs):
+            blocks[k] = np.maximum(np.searchsorted(s, np.arange(nb) << shift, side="right") - 1, 0)
+            segments[k, :, : len(s)] = s, _wrap32(v - s * st), _wrap32(st)
+        return cls(blocks, segments, shift, c)
+
+
+def expand_runs(lookup: RunLookup, k: jax.Array, pos: jax.Array) -> jax.Array:
+    """Device ``k``'s int32 indices at the int32 positions ``pos`` of a :class:`RunLookup`: elementwise
+    arithmetic and ``probes + 3`` lookups in small tables."""
+    nb, ns = lookup.blocks.shape[1], lookup.segments.shape[2]
+    blocks, segments = _const(lookup.blocks.reshape(-1)), _const(lookup.segments.reshape(-1))
+    take = functools.partial(jnp.take, mode="clip")  # every index is in bounds
+    r0 = take(blocks, k * nb + (pos >> lookup.shift)) + k * (3 * ns)
+    r = r0
+    for u in range(1, lookup.probes + 1):
+        r = r + (pos >= take(segments, r0 + u)).astype(jnp.int32)
+    return take(segments, r + ns) + pos * take(segments, r + 2 * ns)
+
+
+_CHUNK = 1 << 16  # least positions per step of run_indices
+
+
+def run_indices(lookup: RunLookup, k: jax.Array, n: int, after: jax.Array) -> jax.Array:
+    """Device ``k``'s ``(n,)`` int32 indices of the positions ``0 .. n - 1`` of a run table.
+
+    A loop over chunks of at least ``_CHUNK`` positions (at most 32 steps) writing into one index array:
+    whatever XLA fuses, the temporaries are one chunk. The array starts from ``after`` (any value, every
+    entry is overwritten) so that it cannot be computed, and held, before the data it indexes exists.
+    """
+    tie = jnp.ravel(after)[0] if after.size else 0
+    init = jnp.broadcast_to(jax.lax.convert_element_type(tie, jnp.int32), (n,))
+    if n == 0:
+        return init
+    chunk = min(n, max(_CHUNK, -(-n // 32)))
+
+    def step(i, out):
+        at = jnp.minimum(i * chunk, n - chunk)  # the last chunk overlaps the one before
+        idx = expand_runs(lookup, k, at + jax.lax.iota(jnp.int32, chunk))
+        return jax.lax.dynamic_update_slice(out, idx, (at,))
+
+    return jax.lax.fori_loop(0, -(-n // chunk), step, init)
 
 
 def _element_positions(plan: Plan, leaf: int, bases: dict[int, int]) -> tuple[np.ndarray, np.ndarray]:
@@ -317,34 +520,40 @@ def build_routing(
         src_pos.append(ml.reshape(-1))
         dst_dev.append(dd.reshape(-1))
         dst_pos.append(dp.reshape(-1))
-    cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, np.int64)
+    if max(local_size, work_size) >= 2**31:
+        raise ValueError("Muon routing: indices exceed int32")
+    cat = lambda xs: np.concatenate(xs).astype(np.int32) if xs else np.zeros(0, np.int32)
     src_dev, src_pos, dst_dev, dst_pos = cat(src_dev), cat(src_pos), cat(dst_dev), cat(dst_pos)
 
-    # 4. Tables. Elements that stay on their device skip the all-to-all.
-    home = src_dev == dst_dev
-    away = ~home
-    pair = src_dev[away] * m + dst_dev[away]
-    order = np.argsort(pair, kind="stable")
-    pair_sorted = pair[order]
-    starts = np.searchsorted(pair_sorted, pair_sorted, side="left")
-    w_sorted = np.arange(len(pair_sorted)) - starts
-    w = np.empty_like(w_sorted)
-    w[order] = w_sorted
-    width = int(w.max()) + 1 if len(w) else 0
+    # 4. Tables. Elements that stay on their device skip the all-to-all; a message (source, owner) carries its
+    #    elements in the order of their positions in the source's X (a transposed matrix then moves by
+    #    original rows: long runs on the source, at most two per stored row and source on the owner).
+    n_el = len(src_dev)
+    ids = np.int32 if n_el < 2**31 else np.int64
+    at = np.full(m * local_size, -1, ids)
+    at[src_dev.astype(np.int64) * local_size + src_pos] = np.arange(n_el, dtype=ids)
+    by_pos = at[at >= 0]  # elements in (device, position in X) order
+    away = src_dev != dst_dev
+    moving = by_pos[away[by_pos]]
+    pair = src_dev[moving] * m + dst_dev[moving]
+    order = np.argsort(pair.astype(np.int16) if m * m < 2**15 else pair, kind="stable")  # radix for int16
+    msg, pair = moving[order], pair[order]  # elements in message order
+    first = np.flatnonzero(np.r_[True, pair[1:] != pair[:-1]])
+    w_msg = np.arange(len(msg), dtype=np.int32) - np.repeat(first, np.diff(np.append(first, len(msg))))
+    width = int(w_msg.max()) + 1 if len(msg) else 0
+    if max(local_size, work_size) + m * width >= 2**31:
+        raise ValueError("Muon routing: indices exceed int32")
+    w = np.zeros(n_el, np.int32)
+    w[msg] = w_msg
 
-    send = np.full((m, m, width), local_size, np.int32)
-    back_send = np.full((m, m, width), work_size, np.int32)
-    gather = np.full((m, work_size), local_size + m * width, np.int32)
-    back_gather = np.full((m, local_size), work_size + m * width, np.int32)
-
-    sd, sp, dd, dp = src_dev[home], src_pos[home], dst_dev[home], dst_pos[home]
-    gather[dd, dp] = sp
-    back_gather[sd, sp] = dp
-    sd, sp, dd, dp = src_dev[away], src_pos[away], dst_dev[away], dst_pos[away]
-    send[sd, dd, w] = sp
-    gather[dd, dp] = local_size + sd * width + w
-    back_send[dd, sd, w] = dp
-    back_gather[sd, sp] = work_size + dd * width + w
+    # Runs of (device, position) -> index, from the entries listed in an order in which each table's positions
+    # run consecutively: message order for the all-to-all tables, element order (stored rows) for the work
+    # arrays, position order for X.
+    send = _runs(src_dev[msg], dst_dev[msg] * width + w_msg, src_pos[msg], m)
+    back_send = _runs(dst_dev[msg], src_dev[msg] * width + w_msg, dst_pos[msg], m)
+    gather = _runs(dst_dev, dst_pos, np.where(away, local_size + src_dev * width + w, src_pos), m)
+    index = np.where(away, work_size + dst_dev * width + w, dst_pos)
+    back_gather = _runs(src_dev[by_pos], src_pos[by_pos], index[by_pos], m)
 
     return Routing(
         buckets, local_size, tuple(classes), tuple(splits), work_size, width, send, gather, back_send, back_gather,
@@ -395,6 +604,7 @@ def route_newton_schulz(
         dtype = functools.reduce(jnp.promote_types, dtypes)
     scale = np.ones(rt.num_leaves + 1, np.float32) if leaf_scale is None else np.append(leaf_scale, 0.0)
     scale[-1] = 0.0
+    lookups = rt.lookups
 
     def local(*shards):
         k = jax.lax.axis_index(axis)
@@ -402,10 +612,11 @@ def route_newton_schulz(
         x = jnp.concatenate([jnp.reshape(shards[b], (-1,)).astype(dtype) for b in rt.buckets] + [zero])
         parts = [x[:-1]]
         if rt.width:
-            rows = jnp.take(x, _const(rt.send)[k], axis=0)  # (m, W)
+            idx = run_indices(lookups["send"], k, m * rt.width, shards[rt.buckets[0]])
+            rows = jnp.reshape(jnp.take(x, idx, axis=0), (m, rt.width))
             parts.append(jnp.reshape(jax.lax.all_to_all(rows, axis, 0, 0, tiled=False), (-1,)))
         src = jnp.concatenate([*parts, zero])
-        work = jnp.take(src, _const(rt.gather)[k], axis=0)
+        work = jnp.take(src, run_indices(lookups["gather"], k, rt.work_size, parts[-1]), axis=0)
         outs, base = [], 0
         for p, q, kc in rt.classes:
             w_in = jnp.reshape(work[base : base + kc * p * q], (kc, p, q))
@@ -431,9 +642,11 @@ def route_newton_schulz(
         result = jnp.concatenate([*scaled, zero])
         parts = [result[:-1]]
         if rt.width:
-            rows = jnp.take(result, _const(rt.back_send)[k], axis=0)
+            idx = run_indices(lookups["back_send"], k, m * rt.width, outs[-1][1])
+            rows = jnp.reshape(jnp.take(result, idx, axis=0), (m, rt.width))
             parts.append(jnp.reshape(jax.lax.all_to_all(rows, axis, 0, 0, tiled=False), (-1,)))
-        back = jnp.take(jnp.concatenate([*parts, zero]), _const(rt.back_gather)[k], axis=0)
+        idx = run_indices(lookups["back_gather"], k, rt.local_size, parts[-1])
+        back = jnp.take(jnp.concatenate([*parts, zero]), idx, axis=0)
         out, base = [], 0
         for i, s in enumerate(shards):
             if i in rt.buckets:
