@@ -12,6 +12,7 @@ vescale_jax.optim.owners, padding slots included) exceed 1.25x the total / m.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -61,7 +62,12 @@ def figures(compiled):
     return testing.cost(compiled)["flops"], wire, mem.temp
 
 
-def compile_pair(m, *, ns_unroll=False):
+def per_device_bytes(tree):
+    """Bytes of one device's shard of every leaf (ShapeDtypeStructs with shardings)."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def compile_pair(m, *, ns_unroll=False, states=False):
     """(routing, compiled vj update, compiled optax baseline) with the plan on the first m devices."""
     mesh = jax.make_mesh((m,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:m])
     abstract = model()
@@ -86,23 +92,25 @@ def compile_pair(m, *, ns_unroll=False):
         bstate = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
             x.shape, x.dtype, sharding=NamedSharding(mesh, even_spec(x.shape, m))), bstate)
         base = jax.jit(base_tx.update, donate_argnums=(1,)).lower(ap, bstate, ap).compile()
-    return routing, ours, base
+    return (routing, ours, base, state, bstate) if states else (routing, ours, base)
 
 
 def main() -> int:
-    routing, ours, base = compile_pair(M)
+    routing, ours, base, ours_state, base_state = compile_pair(M, states=True)
     # XLA's cost analysis counts a rolled loop's body once: FLOPs come from the same update with the
     # Newton–Schulz loop unrolled (identical arithmetic), memory from the default rolled one.
     _, ours_unrolled, _ = compile_pair(M, ns_unroll=True)
     _, _, single = compile_pair(1)  # optax on one device: the total work
     total_flops = testing.cost(single)["flops"]
 
-    rows = [("", "flops/dev", "flops/dev / (total/m)", "wire bytes/dev", "temp MiB")]
+    state_bytes = {"vj.optim.muon": per_device_bytes(ours_state), "optax muon (JAX FSDP)": per_device_bytes(base_state)}
+    rows = [("", "flops/dev", "flops/dev / (total/m)", "wire bytes/dev", "temp MiB", "state MiB/dev")]
     for name, c, fc in (("vj.optim.muon", ours, ours_unrolled), ("optax muon (JAX FSDP)", base, base)):
         _, wire, temp = figures(c)
         fl = figures(fc)[0]
+        state = state_bytes[name]
         rows.append((name, f"{fl / 1e9:.3f} G", f"{fl / (total_flops / M):.3f}", f"{wire / 2**20:.2f} MiB",
-                     f"{temp / 2**20:.2f}"))
+                     f"{temp / 2**20:.2f}", f"{state / 2**20:.2f}"))
     ratio = testing.cost(ours_unrolled)["flops"] / (total_flops / M)
     print(f"GPT-like tree: {L} stacked layers, d={D}, ff={F}, vocab={V}; {M} devices")
     print(routing.summary())
@@ -110,7 +118,7 @@ def main() -> int:
     print(f"index constants baked into the update (run tables): {routing.index_bytes / 2**20:.2f} MiB per device "
           f"for {sum(r.shape[0] * r.shape[1] for r in routing.matrices) / 2**20:.2f} M Muon elements")
     for r in rows:
-        print("  ".join(x.ljust(22) for x in r))
+        print("  ".join(x.ljust(21) for x in r))
     print("temp memory as the device count grows; 'owned' = one device's Newton-Schulz work arrays (the matrices")
     print("it owns plus its column pieces of split ones):")
     for m, (rt, o, b) in ((2, compile_pair(2)), (4, compile_pair(4)), (M, (routing, ours, base))):
