@@ -9,6 +9,8 @@ import os
 _N = int(os.environ.get("VESCALE_JAX_TEST_DEVICES", "8"))
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={_N}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Simulated devices are threads of one process: one OpenBLAS thread per LAPACK call (eigendecompositions).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

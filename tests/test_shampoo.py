@@ -218,3 +218,41 @@ def test_shampoo_inside_a_vj_fsdp_step_matches_the_reference():
         sp, state, loss = step(sp, state, batch)
         np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     assert_trees_close(vj.unshard(sp), ref, rtol=1e-4)
+
+
+def test_large_blocks_on_eight_cpu_devices_do_not_deadlock():
+    # A batched CPU eigh splits its batch over XLA's intra-op pool; eight simulated devices doing that at once
+    # on a small machine used to exhaust the pool and hang. inverse_root maps over the slots on CPU.
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    examples = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples")
+    code = textwrap.dedent(f"""
+        import os, sys
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+        sys.path.insert(0, {examples!r})
+        import jax, jax.numpy as jnp, optax
+        import vescale_jax as vj
+        from gpt import GPTConfig, abstract_model, init_params
+        from train_gpt import shampoo_plan
+        cfg = GPTConfig(vocab=256, max_len=128, d_model=128, num_heads=4, num_layers=4, d_ff=512)
+        plan = shampoo_plan(abstract_model(cfg)[1], jax.make_mesh((8,), ("fsdp",)), 64)
+        tx = vj.optim.shampoo(1e-3, plan=plan, block_size=64)
+        params = vj.init_sharded(lambda key: init_params(cfg, key), plan, jax.random.key(0))
+        state = vj.init_opt_state(tx, params)
+
+        @jax.jit
+        def step(p, s):
+            u, s = tx.update(jax.tree.map(lambda x: 0.01 * jnp.sin(7 * x) + 1e-3, p), s, p)
+            return optax.apply_updates(p, u), s
+
+        for _ in range(2):
+            params, state = step(params, state)
+        jax.block_until_ready(params)
+        print("done", vj.optim.shampoo_blocks(plan, 64).slots)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("done")

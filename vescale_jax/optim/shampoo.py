@@ -80,11 +80,22 @@ def shampoo_blocks(plan: Plan, block_size: int) -> BlockTables:
 def inverse_root(a: jax.Array, *, exponent: float, epsilon: float) -> jax.Array:
     """``(A + eps I)^(-1/exponent)`` of symmetric PSD ``(..., n, n)`` matrices by eigendecomposition (fp32).
 
-    Eigenvalues are clipped at zero before ``epsilon`` is added, so rounding cannot make them negative.
+    Eigenvalues are clipped at zero before ``epsilon`` is added, so rounding cannot make them negative. On
+    CPU the matrices go through LAPACK one at a time (``lax.map``): a batched CPU ``eigh`` splits its batch
+    over XLA's intra-op thread pool, which several simulated devices on few cores can exhaust and deadlock.
     """
-    w, v = jnp.linalg.eigh(a.astype(jnp.float32))
-    w = (jnp.maximum(w, 0.0) + epsilon) ** (-1.0 / exponent)
-    return jnp.matmul(v * w[..., None, :], jnp.swapaxes(v, -1, -2), precision=_HIGHEST)
+
+    def roots(x):
+        w, v = jnp.linalg.eigh(x)
+        w = (jnp.maximum(w, 0.0) + epsilon) ** (-1.0 / exponent)
+        return jnp.matmul(v * w[..., None, :], jnp.swapaxes(v, -1, -2), precision=_HIGHEST)
+
+    a = a.astype(jnp.float32)
+    if a.ndim < 3 or a.shape[0] == 0:
+        return roots(a)
+    flat = jnp.reshape(a, (-1, *a.shape[-2:]))
+    out = jax.lax.platform_dependent(flat, cpu=lambda x: jax.lax.map(roots, x), default=roots)
+    return jnp.reshape(out, a.shape)
 
 
 def _graft(graft_type: str, g: jax.Array, v: Any, t: jax.Array, beta2: float, eps: float) -> tuple[jax.Array, Any]:
