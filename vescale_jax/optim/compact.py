@@ -138,6 +138,9 @@ def on_leaves(tx: optax.GradientTransformation, plan: Plan, chosen: Sequence[boo
     Returns:
       A transformation whose updates are ``tx``'s at the chosen leaves' elements and zero elsewhere.
 
+    ``tx.init`` sees zeros of the compact vector's shape (true of element-wise transformations, whose state
+    starts from the shapes).
+
     Sharding:
       ``tx``'s state is built over a ``PerDevice`` compact vector: each device keeps state for the chosen
       elements it holds (``max`` over devices of their count), nothing for the others.
@@ -148,7 +151,10 @@ def on_leaves(tx: optax.GradientTransformation, plan: Plan, chosen: Sequence[boo
         return PerDevice(compact(buffers, plan, tables), plan)
 
     def init_fn(params):
-        return tx.init(wrap(params.buffers))
+        # The state's shape and dtype, from zeros: element-wise transformations initialise from shapes (and
+        # ``jax.eval_shape(tx.init, abstract_params)`` then works without shardings).
+        dtype = max((jnp.dtype(b.dtype) for b in params.buffers), key=lambda d: d.itemsize)
+        return tx.init(PerDevice(jnp.zeros((plan.num_devices * tables.size,), dtype), plan))
 
     def update_fn(updates, state, params=None):
         u, state = tx.update(wrap(updates.buffers), state, None if params is None else wrap(params.buffers))
