@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -20,9 +21,10 @@ import numpy as np
 import optax
 
 from vescale_jax.buffer import PerDevice, ShardedParams
+from vescale_jax.optim.leaves import check_sharded
 from vescale_jax.plan import Plan
 
-__all__ = ["CompactTables", "build_compact", "on_leaves"]
+__all__ = ["CompactTables", "build_compact", "on_leaves", "split_leaves"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -159,5 +161,48 @@ def on_leaves(tx: optax.GradientTransformation, plan: Plan, chosen: Sequence[boo
     def update_fn(updates, state, params=None):
         u, state = tx.update(wrap(updates.buffers), state, None if params is None else wrap(params.buffers))
         return ShardedParams(expand(u.value, updates.buffers, plan, tables), plan), state
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def split_leaves(
+    main: optax.GradientTransformation,
+    other: optax.GradientTransformation,
+    *,
+    plan: Plan,
+    main_leaves: Sequence[bool],
+    state: Callable[[Any, Any], Any],
+    what: str,
+) -> optax.GradientTransformation:
+    """``main`` for the leaves with ``main_leaves`` (its updates must be zero elsewhere) and ``other`` for the
+    rest through :func:`on_leaves` (state for those elements only), over :class:`~vescale_jax.ShardedParams`.
+
+    Args:
+      main: the transformation of the main leaves (e.g. Muon's or Shampoo's chain).
+      other: an element-wise transformation for the other leaves (e.g. ``optax.adamw``).
+      plan: the plan.
+      main_leaves: per leaf (flattening order), whether ``main`` handles it.
+      state: builds the state from ``(main's state, other's state)`` (a NamedTuple class).
+      what: the optimizer's name for error messages.
+
+    Returns:
+      The combined transformation; updates are cast to the gradients' dtypes.
+    """
+    rest = [not x for x in main_leaves]
+    other = on_leaves(other, plan, rest) if any(rest) else None
+
+    def init_fn(params):
+        check_sharded(params, plan, what)
+        return state(main.init(params), other.init(params) if other else optax.EmptyState())
+
+    def update_fn(updates, opt_state, params=None):
+        check_sharded(updates, plan, what)
+        u, s_main = main.update(updates, opt_state[0], params)
+        out, s_other = list(u.buffers), opt_state[1]
+        if other:
+            v, s_other = other.update(updates, s_other, params)
+            out = [a + b for a, b in zip(out, v.buffers, strict=True)]  # disjoint supports
+        out = [x.astype(g.dtype) for x, g in zip(out, updates.buffers, strict=True)]
+        return ShardedParams(out, plan), state(s_main, s_other)
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -31,7 +31,7 @@ import optax
 from optax.contrib import _muon as optax_muon
 
 from vescale_jax.buffer import ShardedParams
-from vescale_jax.optim.compact import on_leaves
+from vescale_jax.optim.compact import split_leaves
 from vescale_jax.optim.leaves import (
     abstract_params,
     check_sharded,
@@ -327,25 +327,6 @@ def muon(
         else optax.identity(),
         optax.scale_by_learning_rate(learning_rate),
     )
-    adam_tx = on_leaves(
-        optax.adamw(adam_learning_rate, b1=adam_b1, b2=adam_b2, eps=eps, eps_root=adam_eps_root,
-                    weight_decay=adam_weight_decay, mu_dtype=mu_dtype, nesterov=nesterov),
-        plan, ~is_muon[:-1])
-    has_adam = not bool(is_muon[:-1].all())
-
-    def init_fn(params):
-        check_sharded(params, plan, "muon")
-        return SelectState(muon_tx.init(params), adam_tx.init(params) if has_adam else optax.EmptyState())
-
-    def update_fn(updates, state, params=None):
-        check_sharded(updates, plan, "muon")
-        u_muon, s_muon = muon_tx.update(updates, state.muon, params)
-        if not has_adam:
-            return u_muon, SelectState(s_muon, state.adam)
-        u_adam, s_adam = adam_tx.update(updates, state.adam, params)
-        # Disjoint supports: Muon's updates are zero off its matrices, AdamW's off the other leaves.
-        out = [(a + b).astype(g.dtype) for a, b, g in zip(u_muon.buffers, u_adam.buffers, updates.buffers,
-                                                          strict=True)]
-        return ShardedParams(out, plan), SelectState(s_muon, s_adam)
-
-    return optax.GradientTransformation(init_fn, update_fn)
+    adam_tx = optax.adamw(adam_learning_rate, b1=adam_b1, b2=adam_b2, eps=eps, eps_root=adam_eps_root,
+                          weight_decay=adam_weight_decay, mu_dtype=mu_dtype, nesterov=nesterov)
+    return split_leaves(muon_tx, adam_tx, plan=plan, main_leaves=is_muon[:-1], state=SelectState, what="muon")

@@ -38,7 +38,7 @@ from vescale_jax.optim.blocks import (
     scatter_blocks,
     split_local,
 )
-from vescale_jax.optim.compact import on_leaves
+from vescale_jax.optim.compact import split_leaves
 from vescale_jax.optim.leaves import check_sharded, masked_decay
 from vescale_jax.plan import Plan
 
@@ -310,25 +310,5 @@ def shampoo(
         masked_decay(plan, weight_decay, is_matrix) if weight_decay else optax.identity(),
         optax.scale_by_learning_rate(learning_rate),
     )
-    adam = on_leaves(optax.adamw(learning_rate, b1=beta1, b2=beta2, eps=diagonal_epsilon, weight_decay=weight_decay),
-                     plan, ~is_matrix[:-1])
-    has_adam = not bool(is_matrix[:-1].all())
-
-    def init_fn(params):
-        check_sharded(params, plan, "shampoo")
-        return SplitState(branch.init(params), adam.init(params) if has_adam else optax.EmptyState())
-
-    def update_fn(updates, state, params=None):
-        check_sharded(updates, plan, "shampoo")
-        if weight_decay and params is None:
-            raise ValueError("vj.optim.shampoo: weight_decay needs params: call tx.update(grads, state, params).")
-        u_s, s_s = branch.update(updates, state.shampoo, params)
-        if not has_adam:
-            return ShardedParams([u.astype(g.dtype) for u, g in zip(u_s.buffers, updates.buffers, strict=True)],
-                                 plan), SplitState(s_s, state.adam)
-        u_a, s_a = adam.update(updates, state.adam, params)
-        # Disjoint supports: Shampoo's updates are zero off the matrix leaves, AdamW's off the others.
-        out = [(a + b).astype(g.dtype) for a, b, g in zip(u_s.buffers, u_a.buffers, updates.buffers, strict=True)]
-        return ShardedParams(out, plan), SplitState(s_s, s_a)
-
-    return optax.GradientTransformation(init_fn, update_fn)
+    adam = optax.adamw(learning_rate, b1=beta1, b2=beta2, eps=diagonal_epsilon, weight_decay=weight_decay)
+    return split_leaves(branch, adam, plan=plan, main_leaves=is_matrix[:-1], state=SplitState, what="shampoo")
