@@ -174,12 +174,6 @@ def _indices(tables: BlockTables, k: jax.Array) -> jax.Array:
     return jnp.where(valid, idx, tables.local_size)
 
 
-def local_vector(shards: Sequence[jax.Array], tables: BlockTables, dtype: jax.typing.DTypeLike) -> jax.Array:
-    """``X``: the local shards of ``tables.buckets`` flattened and concatenated (inside ``shard_map``)."""
-    parts = [jnp.reshape(shards[b], (-1,)).astype(dtype) for b in tables.buckets]
-    return jnp.concatenate(parts) if parts else jnp.zeros((0,), dtype)
-
-
 def gather_blocks(x: jax.Array, tables: BlockTables, k: jax.Array) -> jax.Array:
     """Device ``k``'s blocks of the local vector ``x`` as ``(B, b, b)``, zero-padded (inside ``shard_map``)."""
     return jnp.take(x, _indices(tables, k), mode="fill", fill_value=0)
@@ -190,16 +184,3 @@ def scatter_blocks(blocks: jax.Array, tables: BlockTables, k: jax.Array) -> jax.
     elsewhere (padding of the blocks is dropped)."""
     out = jnp.zeros((tables.local_size,), blocks.dtype)
     return out.at[_indices(tables, k)].set(blocks, mode="drop")
-
-
-def split_local(x: jax.Array, shards: Sequence[jax.Array], tables: BlockTables) -> list[jax.Array]:
-    """Cuts a local vector back into one local shard per bucket (zeros for buckets without blocks)."""
-    out, base = [], 0
-    for i, s in enumerate(shards):
-        if i in tables.buckets:
-            n = math.prod(s.shape)
-            out.append(jnp.reshape(x[base: base + n], s.shape).astype(s.dtype))
-            base += n
-        else:
-            out.append(jnp.zeros_like(s))
-    return out

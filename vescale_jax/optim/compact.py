@@ -21,7 +21,7 @@ import numpy as np
 import optax
 
 from vescale_jax.buffer import PerDevice, ShardedParams
-from vescale_jax.optim.leaves import check_sharded
+from vescale_jax.optim.leaves import check_sharded, local_vector, split_local
 from vescale_jax.plan import Plan
 
 __all__ = ["CompactTables", "build_compact", "on_leaves", "split_leaves"]
@@ -106,7 +106,7 @@ def compact(buffers: Sequence[jax.Array], plan: Plan, tables: CompactTables) -> 
 
     def local(*shards):
         k = jax.lax.axis_index(plan.axis)
-        x = jnp.concatenate([jnp.reshape(s, (-1,)).astype(dtype) for s in shards])
+        x = local_vector(shards, range(len(shards)), dtype)
         return jnp.take(x, _source_index(tables, k), mode="fill", fill_value=0)
 
     return _mapped(plan, tables, local, 0, 1, True)(*buffers)
@@ -119,12 +119,7 @@ def expand(values: jax.Array, like: Sequence[jax.Array], plan: Plan, tables: Com
     def local(v, *shards):
         k = jax.lax.axis_index(plan.axis)
         x = jnp.zeros((tables.local_size,), v.dtype).at[_source_index(tables, k)].set(v, mode="drop")
-        out, base = [], 0
-        for s in shards:
-            n = math.prod(s.shape)
-            out.append(jnp.reshape(x[base: base + n], s.shape).astype(s.dtype))
-            base += n
-        return tuple(out)
+        return tuple(split_local(x, shards, range(len(shards))))
 
     return list(_mapped(plan, tables, local, 1, 1, False)(values, *like))
 

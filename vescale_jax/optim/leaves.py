@@ -6,6 +6,7 @@ entries); :func:`per_element` spreads it over the sharded buffers, computing eac
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,7 +18,10 @@ import optax
 from vescale_jax.buffer import ShardedParams
 from vescale_jax.plan import Plan
 
-__all__ = ["abstract_params", "check_sharded", "leaf_mask", "masked_decay", "per_element", "prefix_per_leaf"]
+__all__ = [
+    "abstract_params", "check_sharded", "leaf_mask", "local_vector", "masked_decay", "per_element", "prefix_per_leaf",
+    "split_local",
+]
 
 
 def abstract_params(plan: Plan) -> Any:
@@ -105,3 +109,24 @@ def masked_decay(plan: Plan, weight_decay: float, table: np.ndarray) -> optax.Gr
         return ShardedParams(out, plan), state
 
     return optax.GradientTransformation(optax.init_empty_state, update_fn)
+
+
+def local_vector(shards: Sequence[jax.Array], buckets: Sequence[int], dtype: Any) -> jax.Array:
+    """``X``: the local shards of ``buckets`` (indices into ``shards``) flattened and concatenated in that order,
+    cast to ``dtype`` (inside ``shard_map``)."""
+    parts = [jnp.reshape(shards[b], (-1,)).astype(dtype) for b in buckets]
+    return jnp.concatenate(parts) if parts else jnp.zeros((0,), dtype)
+
+
+def split_local(x: jax.Array, shards: Sequence[jax.Array], buckets: Sequence[int]) -> list[jax.Array]:
+    """Inverse of :func:`local_vector`: one array per shard, shaped and typed like it, cut from ``x`` for
+    ``buckets`` and zero for the others (inside ``shard_map``)."""
+    out, base = [], 0
+    for i, s in enumerate(shards):
+        if i in buckets:
+            n = math.prod(s.shape)
+            out.append(jnp.reshape(x[base: base + n], s.shape).astype(s.dtype))
+            base += n
+        else:
+            out.append(jnp.zeros_like(s))
+    return out

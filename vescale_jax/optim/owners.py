@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vescale_jax.optim.leaves import local_vector, split_local
 from vescale_jax.plan import Plan
 
 __all__ = [
@@ -609,7 +610,7 @@ def route_newton_schulz(
     def local(*shards):
         k = jax.lax.axis_index(axis)
         zero = jnp.zeros((1,), dtype)
-        x = jnp.concatenate([jnp.reshape(shards[b], (-1,)).astype(dtype) for b in rt.buckets] + [zero])
+        x = jnp.concatenate([local_vector(shards, rt.buckets, dtype), zero])
         parts = [x[:-1]]
         if rt.width:
             idx = run_indices(lookups["send"], k, m * rt.width, shards[rt.buckets[0]])
@@ -647,15 +648,7 @@ def route_newton_schulz(
             parts.append(jnp.reshape(jax.lax.all_to_all(rows, axis, 0, 0, tiled=False), (-1,)))
         idx = run_indices(lookups["back_gather"], k, rt.local_size, parts[-1])
         back = jnp.take(jnp.concatenate([*parts, zero]), idx, axis=0)
-        out, base = [], 0
-        for i, s in enumerate(shards):
-            if i in rt.buckets:
-                n = math.prod(s.shape)
-                out.append(jnp.reshape(back[base : base + n], s.shape).astype(s.dtype))
-                base += n
-            else:
-                out.append(jnp.zeros_like(s))
-        return tuple(out)
+        return tuple(split_local(back, shards, rt.buckets))
 
     specs = tuple(plan.partition_spec(b) for b in plan.buckets)
     mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=specs, out_specs=specs, check_vma=False)

@@ -34,12 +34,10 @@ from vescale_jax.optim.blocks import (
     BlockTables,
     build_blocks,
     gather_blocks,
-    local_vector,
     scatter_blocks,
-    split_local,
 )
 from vescale_jax.optim.compact import split_leaves
-from vescale_jax.optim.leaves import check_sharded, masked_decay
+from vescale_jax.optim.leaves import check_sharded, local_vector, masked_decay, split_local
 from vescale_jax.plan import Plan
 
 __all__ = ["ShampooState", "inverse_root", "scale_by_shampoo", "shampoo", "shampoo_blocks"]
@@ -173,8 +171,8 @@ def scale_by_shampoo(
             g_shards, d_shards = args[:n], args[n:2 * n]
             left, right, root_l, root_r, refresh, use = args[2 * n:]
             k = jax.lax.axis_index(axis)
-            g = gather_blocks(local_vector(g_shards, tables, jnp.float32), tables, k)
-            d = gather_blocks(local_vector(d_shards, tables, jnp.float32), tables, k)
+            g = gather_blocks(local_vector(g_shards, tables.buckets, jnp.float32), tables, k)
+            d = gather_blocks(local_vector(d_shards, tables.buckets, jnp.float32), tables, k)
             gram = lambda x, y: jnp.einsum("sij,skj->sik", x, y, precision=_HIGHEST)
             left = beta2 * left + (1 - beta2) * gram(g, g)
             gt = jnp.swapaxes(g, -1, -2)
@@ -189,7 +187,7 @@ def scale_by_shampoo(
             norm = lambda x: jnp.sqrt(jnp.sum(x * x, axis=(1, 2), keepdims=True))
             grafted = pre * (norm(d) / (norm(pre) + 1e-16))
             u = jnp.where(use, grafted, d)
-            out = split_local(scatter_blocks(u, tables, k), g_shards, tables)
+            out = split_local(scatter_blocks(u, tables, k), g_shards, tables.buckets)
             return (*out, left, right, root_l, root_r)
 
         blocked = P(axis)
