@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vescale_jax.guards import check_children
 from vescale_jax.plan import Bucket, Plan
 from vescale_jax.planner import BucketLayout
 
@@ -48,6 +49,7 @@ class _Buffers:
 
     @classmethod
     def tree_unflatten(cls, plan, buffers):
+        check_children(plan, buffers)  # a per-leaf mask/label mapped over the bucket buffers raises here
         return cls(buffers, plan)
 
 

@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 from vescale_jax.buffer import GatheredParams, PerDevice, ShardedParams, pack_bucket, unpack
 from vescale_jax.gather import gather_bucket
 from vescale_jax.layers import LayerShard
+from vescale_jax.padding import zero_padding
 from vescale_jax.plan import Plan
 from vescale_jax.precision import MixedPrecision, reduce_scatter_cast
 from vescale_jax.unpacking import kernel_mode
@@ -447,6 +448,7 @@ def fsdp(
     def traced(params, opt_state, batch, *rest):
         with _options(opts):
             out = step(params, opt_state, batch, *rest)
+        out = zero_padding(out)  # the padding invariant: params and optimizer moments keep exactly zero padding
         if auto:  # Explicit axes carry shardings in the types; Auto ones need a hint on the outputs.
             out = _constrain_outputs(out, plan)
         return out

@@ -2,6 +2,16 @@
 their primitives."""
 
 from vescale_jax.optim.blocks import BlockTables, build_blocks
+from vescale_jax.optim.logical import (
+    adamw,
+    add_decayed_weights,
+    leaf_labels,
+    leaf_table,
+    masked,
+    multi_transform,
+    partition,
+    select_leaves,
+)
 from vescale_jax.optim.muon import (
     MuonDimensionNumbers,
     MuonState,
@@ -12,6 +22,17 @@ from vescale_jax.optim.muon import (
     scale_by_shape,
 )
 from vescale_jax.optim.owners import Routing, build_routing
+from vescale_jax.optim.segments import (
+    clip_by_block_rms,
+    clip_by_global_norm,
+    lamb,
+    leaf_norms,
+    leaf_sums,
+    scale_by_param_block_norm,
+    scale_by_param_block_rms,
+    scale_by_trust_ratio,
+    scale_leaves,
+)
 from vescale_jax.optim.shampoo import ShampooState, inverse_root, scale_by_shampoo, shampoo, shampoo_blocks
 
 __all__ = [
@@ -20,15 +41,32 @@ __all__ = [
     "MuonState",
     "Routing",
     "ShampooState",
+    "adamw",
+    "add_decayed_weights",
     "build_blocks",
     "build_routing",
+    "clip_by_block_rms",
+    "clip_by_global_norm",
     "inverse_root",
+    "lamb",
+    "leaf_labels",
+    "leaf_norms",
+    "leaf_sums",
+    "leaf_table",
+    "masked",
+    "multi_transform",
     "muon",
     "muon_routing",
+    "partition",
     "resolve_dimension_numbers",
     "scale_by_muon",
+    "scale_by_param_block_norm",
+    "scale_by_param_block_rms",
     "scale_by_shampoo",
     "scale_by_shape",
+    "scale_by_trust_ratio",
+    "scale_leaves",
+    "select_leaves",
     "shampoo",
     "shampoo_blocks",
 ]

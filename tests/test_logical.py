@@ -1,0 +1,211 @@
+"""Optax over ShardedParams: masks / labels over the logical tree, per-leaf segment reductions, clear errors for
+per-leaf logic mapped over the flat buckets, and the element-wise transforms that are safe as they are."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import make_mesh
+
+import vescale_jax as vj
+from vescale_jax.guards import PerLeafOnBucketsError
+
+STEPS = 3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def standard_promotion():
+    # optax's bias corrections mix float and int32 counts: not clean under strict promotion.
+    with jax.numpy_dtype_promotion("standard"):
+        yield
+
+
+def tree():
+    """Matrices, vectors and a stacked group whose widths no device count divides (padding in every bucket)."""
+    rng = np.random.default_rng(0)
+    arr = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+    return {"embed": {"w": arr(13, 7), "b": arr(7)}, "layers": {"w": arr(3, 9, 5), "b": arr(3, 5)},
+            "head": {"scale": arr(10), "w": arr(4, 6)}}
+
+
+@functools.cache
+def setup(m):
+    params = tree()
+    plan = vj.plan(params, make_mesh(m), stacked=["layers"])
+    grads = [jax.tree.map(lambda x, k=k: jnp.sin((k + 2) * x) + 0.1 * k, params) for k in range(STEPS)]
+    return params, plan, grads
+
+
+@functools.cache
+def sharded(m):
+    params, plan, grads = setup(m)
+    shard = jax.jit(lambda xs: vj.buffer.pack(xs, plan), out_shardings=plan.shardings())  # one compile
+    return [vj.ShardedParams(shard(jax.tree.leaves(t)), plan) for t in [params, *grads]]
+
+
+def _step(tx):
+    def step(p, s, g):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    return jax.jit(step)
+
+
+def run_pair(tx_ref, tx, m, steps=STEPS):
+    """``steps`` updates of ``tx_ref`` on the logical tree and of ``tx`` on its ShardedParams (jitted)."""
+    params, plan, grads = setup(m)
+    sp, *sgrads = sharded(m)
+    p_ref, s_ref, ref_step = params, tx_ref.init(params), _step(tx_ref)
+    with jax.set_mesh(plan.mesh):
+        s, step = vj.init_opt_state(tx, sp), _step(tx)
+        for g, sg in zip(grads[:steps], sgrads, strict=False):
+            p_ref, s_ref = ref_step(p_ref, s_ref, g)
+            sp, s = step(sp, s, sg)
+    return p_ref, vj.unshard(sp), params
+
+
+def max_rel_diff(ref, got):
+    out = {}
+    for (path, r), g in zip(jax.tree_util.tree_flatten_with_path(ref)[0], jax.tree.leaves(got), strict=True):
+        r, g = np.asarray(r, np.float64), np.asarray(g, np.float64)
+        out[jax.tree_util.keystr(path)] = float(np.max(np.abs(r - g)) / max(np.max(np.abs(r)), 1e-30))
+    return out
+
+
+def assert_close(ref, got, rtol=1e-5):
+    diffs = max_rel_diff(ref, got)
+    assert max(diffs.values()) <= rtol, diffs
+
+
+no_bias_decay = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)
+labels_fn = lambda p: jax.tree.map(lambda x: "matrix" if x.ndim >= 2 else "vector", p)
+
+
+# --- Per-leaf logic mapped over the buckets: a clear error, not a wrong answer -----------------------------------
+
+
+def test_shape_based_masks_and_labels_on_sharded_params_raise():
+    _, plan, _ = setup(3)
+    sp, g = sharded(3)[:2]
+    with jax.set_mesh(plan.mesh):
+        with pytest.raises(PerLeafOnBucketsError,
+                           match=r"optax\.masked.*'embed:float32' \(\d+,\) -> False.*vj\.optim\.adamw"):
+            tx = optax.adamw(0.1, mask=no_bias_decay)
+            tx.update(g, tx.init(sp), sp)
+        with pytest.raises(PerLeafOnBucketsError, match=r"partition.*vj\.optim\.partition"):
+            tx = optax.partition({"matrix": optax.adam(0.1), "vector": optax.sgd(0.1)}, labels_fn)
+            tx.update(g, tx.init(sp), sp)
+        with pytest.raises(PerLeafOnBucketsError, match=r"optax\.contrib\.muon.*vj\.optim\.muon"):
+            tx = optax.contrib.muon(0.1)
+            tx.update(g, tx.init(sp), sp)
+        with pytest.raises(PerLeafOnBucketsError, match=r"'head:float32' \(\d+,\) -> False.*'layers:float32' "
+                           r"\(3, \d+\) -> True.*vj\.optim\.masked"):
+            jax.tree.map(lambda x: x.ndim >= 2, sp)
+
+
+def test_optax_lamb_and_masked_adamw_differ_from_the_logical_run_on_buckets():
+    """What the vj.optim versions fix: optax's own, on ShardedParams, compute something else (or raise)."""
+    ref, got, _ = run_pair(optax.lamb(0.1), optax.lamb(0.1), 3)
+    assert max(max_rel_diff(ref, got).values()) > 1e-3  # per-bucket trust ratios
+
+
+def test_a_logical_mask_tree_that_does_not_match_names_the_plan_leaves():
+    sp = sharded(1)[0]
+    tx = vj.optim.masked(optax.sgd(0.1), {"embed": True, "head": False})  # "layers" missing
+    with pytest.raises(ValueError, match=r"does not match the plan's logical tree.*embed/w"):
+        tx.init(sp)
+    tx = vj.optim.partition({"matrix": optax.sgd(0.1)}, labels_fn)
+    with pytest.raises(ValueError, match=r"leaf 'embed/b' has label 'vector'.*no transformation"):
+        tx.init(sp)
+
+
+# --- Masks, labels and per-leaf reductions match optax on the logical tree ----------------------------------------
+
+
+@pytest.mark.parametrize("m", [1, 3, 8], ids=lambda m: f"m{m}")
+def test_masks_partition_and_lamb_match_optax_on_the_logical_tree(m):
+    mask_tree = {"embed": {"w": True, "b": False}, "layers": True, "head": False}  # a prefix tree
+    label_tree = {"embed": "matrix", "layers": {"w": "matrix", "b": "vector"}, "head": "vector"}
+    cases = {
+        "adamw(mask=fn)": (optax.adamw(0.1, weight_decay=0.5, mask=no_bias_decay),
+                           vj.optim.adamw(0.1, weight_decay=0.5, mask=no_bias_decay)),
+        "lamb(mask=tree)": (optax.lamb(0.1, weight_decay=0.2, mask=mask_tree),
+                            vj.optim.lamb(0.1, weight_decay=0.2, mask=mask_tree)),
+        "masked(adam)": (optax.masked(optax.adam(0.1), mask_tree), vj.optim.masked(optax.adam(0.1), mask_tree)),
+        "partition(fn)": (optax.partition({"matrix": optax.adam(0.1), "vector": optax.sgd(0.05, 0.9)}, labels_fn),
+                          vj.optim.partition({"matrix": optax.adam(0.1), "vector": optax.sgd(0.05, 0.9)}, labels_fn)),
+        "partition(tree, compact)": (
+            optax.partition({"matrix": optax.adam(0.1), "vector": optax.lion(0.05)}, label_tree),
+            vj.optim.partition({"matrix": optax.adam(0.1), "vector": optax.lion(0.05)}, label_tree, compact=True)),
+        "partition(lamb, clip)": (
+            optax.partition({"matrix": optax.lamb(0.1), "vector": optax.chain(optax.clip_by_global_norm(0.3),
+                                                                              optax.sgd(0.1))}, labels_fn),
+            vj.optim.partition({"matrix": vj.optim.lamb(0.1), "vector": optax.chain(
+                optax.clip_by_global_norm(0.3), optax.sgd(0.1))}, labels_fn)),
+    }
+    for name, (tx_ref, tx) in cases.items():
+        ref, got, params = run_pair(tx_ref, tx, m)
+        assert_close(ref, got)
+        assert max(max_rel_diff(params, got).values()) > 1e-2, name  # the step moved the params
+
+
+def test_per_leaf_reductions_match_optax():
+    cases = {
+        "trust_ratio": (optax.chain(optax.sgd(0.1), optax.scale_by_trust_ratio(min_norm=0.1, eps=1e-3)),
+                        optax.chain(optax.sgd(0.1), vj.optim.scale_by_trust_ratio(min_norm=0.1, eps=1e-3))),
+        "block_norm_rms": (
+            optax.chain(optax.clip_by_block_rms(0.4), optax.scale_by_param_block_rms(), optax.scale(-0.1)),
+            optax.chain(vj.optim.clip_by_block_rms(0.4), vj.optim.scale_by_param_block_rms(), optax.scale(-0.1))),
+        "block_norm": (optax.chain(optax.scale_by_param_block_norm(), optax.scale(-0.01)),
+                       optax.chain(vj.optim.scale_by_param_block_norm(), optax.scale(-0.01))),
+    }
+    for tx_ref, tx in cases.values():
+        ref, got, _ = run_pair(tx_ref, tx, 3)
+        assert_close(ref, got)
+    params, plan, _ = setup(8)
+    sp = sharded(8)[0]
+    with jax.set_mesh(plan.mesh):
+        norms = vj.optim.leaf_norms(sp)
+    for (path, x), n in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(norms), strict=True):
+        np.testing.assert_allclose(float(n), float(jnp.linalg.norm(x)), rtol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+# --- Element-wise optax transforms: safe on ShardedParams as they are (the list docs/optax.md gives) --------------
+
+
+ELEMENTWISE = {
+    "sgd": lambda: optax.sgd(0.1),
+    "sgd(momentum, nesterov)": lambda: optax.sgd(0.1, momentum=0.9, nesterov=True),
+    "adam": lambda: optax.adam(0.1),
+    "adamw": lambda: optax.adamw(0.1, weight_decay=0.1),
+    "nadamw": lambda: optax.nadamw(0.1),
+    "adamax": lambda: optax.adamax(0.1),
+    "amsgrad": lambda: optax.amsgrad(0.1),
+    "adabelief": lambda: optax.adabelief(0.1),
+    "adagrad": lambda: optax.adagrad(0.1),
+    "adadelta": lambda: optax.adadelta(0.1),
+    "rmsprop": lambda: optax.rmsprop(0.1, momentum=0.5),
+    "yogi": lambda: optax.yogi(0.1),
+    "lion": lambda: optax.lion(0.1),
+    "sign_sgd": lambda: optax.sign_sgd(0.1),
+    "rprop": lambda: optax.rprop(0.1),
+    "clip + zero_nans + ema": lambda: optax.chain(optax.zero_nans(), optax.clip(0.5), optax.ema(0.9),
+                                                  optax.scale(-0.1)),
+    "clip_by_global_norm + adamw": lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(0.1)),
+    "apply_if_finite(adam)": lambda: optax.apply_if_finite(optax.adam(0.1), 3),
+    "MultiSteps(adam)": lambda: optax.MultiSteps(optax.adam(0.1), 2),
+    "schedule_free_adamw": lambda: optax.contrib.schedule_free_adamw(0.1),
+}
+
+
+def test_elementwise_transforms_match_optax_as_they_are():
+    bad = {}
+    for name, make in ELEMENTWISE.items():
+        ref, got, _ = run_pair(make(), make(), 3)
+        worst = max(max_rel_diff(ref, got).values())
+        if worst > 1e-5:
+            bad[name] = worst
+    assert not bad, bad

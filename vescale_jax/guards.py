@@ -1,0 +1,86 @@
+"""Catches per-leaf logic mapped over the flat bucket buffers of a :class:`~vescale_jax.ShardedParams`.
+
+``jax.tree.map(lambda x: x.ndim >= 2, sp)`` sees one flat buffer per bucket, not the model's leaves, so a
+shape-based mask or label (Optax's "no weight decay for biases", ``optax.contrib.muon``'s ``'muon'`` /
+``'adam'`` labels) would silently give every bucket the same answer. Such a map builds a ``ShardedParams``
+whose children are Python bools or strings; no JAX or Optax transformation legitimately does that with a
+parameter tree, so :func:`check_children` (called from ``ShardedParams.tree_unflatten``) raises there, naming
+the bucket and the optax code involved and pointing to the logical-tree replacement.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["PerLeafOnBucketsError", "check_children"]
+
+
+class PerLeafOnBucketsError(TypeError):
+    """A per-leaf (shape-based) mask or label function was mapped over the bucket buffers of a
+    ``ShardedParams``."""
+
+
+# optax module -> (what it is, the vescale_jax replacement)
+_REPLACEMENTS = (
+    ("optax.contrib._muon", "optax.contrib.muon", "vj.optim.muon(learning_rate, plan=plan, ...)"),
+    ("optax.transforms._masking", "optax.masked (or the mask= of optax.adamw / add_decayed_weights / lamb)",
+     "vj.optim.masked(inner, mask), vj.optim.adamw(..., mask=mask) or vj.optim.add_decayed_weights(wd, mask)"),
+    ("optax.transforms._combining", "optax.partition / optax.multi_transform",
+     "vj.optim.partition(transforms, param_labels)"),
+)
+
+
+def _optax_caller() -> tuple[str, str, str] | None:
+    """The outermost-but-nearest optax frame on the stack: (module, what it is, its replacement)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        for prefix, what, fix in _REPLACEMENTS:
+            if module.startswith(prefix):
+                return f"{module}:{frame.f_code.co_name} line {frame.f_lineno}", what, fix
+        frame = frame.f_back
+    return None
+
+
+def check_children(plan: Any, children: Sequence[Any]) -> None:
+    """Raises :class:`PerLeafOnBucketsError` if a ``ShardedParams`` is being built from bools or strings.
+
+    Args:
+      plan: the ``ShardedParams``' plan (its aux data).
+      children: the children handed to ``tree_unflatten``.
+    """
+    bad = [i for i, child in enumerate(children) if isinstance(child, bool | np.bool_ | str)]
+    if not bad:
+        return
+    buckets = getattr(plan, "buckets", ())
+
+    def describe(i):
+        b = buckets[i] if i < len(buckets) else None
+        return f"{b.name!r} {b.shape} -> {children[i]!r}" if b else f"#{i} -> {children[i]!r}"
+
+    name = buckets[bad[0]].name if bad[0] < len(buckets) else f"#{bad[0]}"
+    shape = buckets[bad[0]].shape if bad[0] < len(buckets) else "?"
+    got = "; ".join(describe(i) for i in bad[:4]) + ("; ..." if len(bad) > 4 else "")
+    caller = _optax_caller()
+    if caller is not None and caller[1] == "optax.contrib.muon":
+        raise PerLeafOnBucketsError(
+            f"optax.contrib.muon was applied to a vj.ShardedParams: it labels leaves by ndim ('muon' for 2-D), but "
+            f"each bucket (e.g. {name!r}, shape {shape}) is a flat buffer, so no matrix would be orthogonalised. "
+            "Use vj.optim.muon(learning_rate, plan=plan, ...), which runs Newton-Schulz on each logical matrix "
+            f"(same arguments where they overlap). [raised in {caller[0]}]"
+        )
+    where = f" (from {caller[1]}, {caller[0]})" if caller else ""
+    fix = caller[2] if caller else (
+        "vj.optim.masked(inner, mask) / vj.optim.partition(transforms, labels), which take a mask or labels "
+        "written over the plan's logical tree (a tree of bools/labels or a callable called on the logical "
+        "abstract tree) and apply them per element")
+    raise PerLeafOnBucketsError(
+        f"a per-leaf function was mapped over a vj.ShardedParams{where}: it was called on the flat bucket buffers, "
+        f"not on the model's leaves (bucket (shape) -> result: {got}), so a shape-based mask or label would give "
+        f"every leaf of a bucket the same answer. Write the mask/labels over the logical tree "
+        f"instead and use {fix}."
+    )
