@@ -212,4 +212,4 @@ def global_norm(tree: Any) -> jax.Array:
     Sharding:
       Each device sums its own masked shard; the partitioner adds one scalar all-reduce.
     """
-    return optax.global_norm(zero_padding(tree))
+    return optax.tree.norm(zero_padding(tree))
