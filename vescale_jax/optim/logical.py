@@ -141,9 +141,10 @@ def select_leaves(plan: Plan, table: np.ndarray, on: Sequence[Any], off: Sequenc
     if not live:
         return list(on)
     specs = tuple(plan.partition_spec(plan.buckets[b]) for b in live)
-    t = jnp.asarray(table)
+    table = np.asarray(table)
 
     def local(*shards):
+        t = jnp.asarray(table)  # a constant of the manual region (closing over a traced array is not allowed)
         ons, offs = shards[:len(live)], shards[len(live):]
         out = []
         for j, b in enumerate(live):
