@@ -178,6 +178,10 @@ def test_per_leaf_reductions_match_optax():
         "block_norm_rms": (
             optax.chain(optax.clip_by_block_rms(0.4), optax.scale_by_param_block_rms(), optax.scale(-0.1)),
             optax.chain(vj.optim.clip_by_block_rms(0.4), vj.optim.scale_by_param_block_rms(), optax.scale(-0.1))),
+        "lars": (optax.lars(0.1, weight_decay=0.1, weight_decay_mask=no_bias_decay, trust_coefficient=0.01,
+                            trust_ratio_mask={"embed": True, "layers": False, "head": True}),
+                 vj.optim.lars(0.1, weight_decay=0.1, weight_decay_mask=no_bias_decay, trust_coefficient=0.01,
+                               trust_ratio_mask={"embed": True, "layers": False, "head": True})),
         "block_norm": (optax.chain(optax.scale_by_param_block_norm(), optax.scale(-0.01)),
                        optax.chain(vj.optim.scale_by_param_block_norm(), optax.scale(-0.01))),
     }

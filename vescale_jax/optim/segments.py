@@ -19,12 +19,12 @@ import numpy as np
 import optax
 
 from vescale_jax.buffer import ShardedParams
-from vescale_jax.optim.logical import _plan_of, add_decayed_weights
+from vescale_jax.optim.logical import _plan_of, add_decayed_weights, masked
 from vescale_jax.padding import global_norm, local_leaf_ids, zero_padding
 from vescale_jax.plan import Plan
 
 __all__ = [
-    "clip_by_block_rms", "clip_by_global_norm", "lamb", "leaf_norms", "leaf_sums", "scale_by_param_block_norm",
+    "clip_by_block_rms", "clip_by_global_norm", "lamb", "lars", "leaf_norms", "leaf_sums", "scale_by_param_block_norm",
     "scale_by_param_block_rms", "scale_by_trust_ratio", "scale_leaves",
 ]
 
@@ -180,6 +180,34 @@ def lamb(
         add_decayed_weights(weight_decay, mask, plan=plan),
         scale_by_trust_ratio(plan=plan),
         optax.scale_by_learning_rate(learning_rate),
+    )
+
+
+def lars(
+    learning_rate: optax.ScalarOrSchedule,
+    weight_decay: optax.ScalarOrSchedule = 0.0,
+    weight_decay_mask: Any = True,
+    trust_coefficient: jax.typing.ArrayLike = 0.001,
+    eps: jax.typing.ArrayLike = 0.0,
+    trust_ratio_mask: Any = True,
+    momentum: jax.typing.ArrayLike = 0.9,
+    nesterov: bool = False,
+    *,
+    plan: Plan | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """``optax.lars`` over :class:`~vescale_jax.ShardedParams`: trust ratios per logical leaf, both masks over
+    the logical tree. Same arguments as ``optax.lars``, plus ``plan`` (default: the params' plan).
+
+    Returns:
+      ``chain(add_decayed_weights(weight_decay, weight_decay_mask), masked(scale_by_trust_ratio,
+      trust_ratio_mask), scale_by_learning_rate, trace(momentum, nesterov))``.
+    """
+    return optax.chain(
+        add_decayed_weights(weight_decay, weight_decay_mask, plan=plan),
+        masked(scale_by_trust_ratio(trust_coefficient=trust_coefficient, eps=eps, plan=plan), trust_ratio_mask,
+               plan=plan),
+        optax.scale_by_learning_rate(learning_rate),
+        optax.trace(decay=momentum, nesterov=nesterov),
     )
 
 
