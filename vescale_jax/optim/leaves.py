@@ -19,8 +19,8 @@ from vescale_jax.buffer import ShardedParams
 from vescale_jax.plan import Plan
 
 __all__ = [
-    "abstract_params", "check_sharded", "leaf_mask", "local_vector", "masked_decay", "per_element", "prefix_per_leaf",
-    "split_local",
+    "abstract_params", "check_sharded", "is_placeholder", "leaf_mask", "local_vector", "masked_decay", "per_element",
+    "place_state", "prefix_per_leaf", "split_local", "state_sharding", "static_int",
 ]
 
 
@@ -96,19 +96,33 @@ def leaf_mask(plan: Plan, mask: Any, default: bool = True) -> np.ndarray:
     return np.array([*map(bool, values), False])
 
 
-def masked_decay(plan: Plan, weight_decay: float, table: np.ndarray) -> optax.GradientTransformation:
-    """Adds ``weight_decay * param`` to the updates of the leaves with ``table[leaf]`` (a per-leaf bool table
-    with a final ``False`` for padding); other elements are unchanged."""
+def static_int(value: Any, name: str, what: str) -> int:
+    """``value`` as a Python int, or a ValueError saying it must be static (e.g. under
+    ``optax.inject_hyperparams``, which traces every numeric argument unless listed in ``static_args``)."""
+    try:
+        return int(value)
+    except (jax.errors.ConcretizationTypeError, TypeError) as e:
+        raise ValueError(
+            f"vj.optim.{what}: {name} fixes array shapes and must be a static Python int, got {value!r}; with "
+            f"optax.inject_hyperparams pass static_args=({name!r},)."
+        ) from e
 
-    def update_fn(updates, state, params=None):
+
+def masked_decay(plan: Plan, weight_decay: Any, table: np.ndarray) -> optax.GradientTransformation:
+    """Adds ``weight_decay * param`` to the updates of the leaves with ``table[leaf]`` (a per-leaf bool table
+    with a final ``False`` for padding); other elements are unchanged. ``weight_decay`` may be traced."""
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del extra_args
         if params is None:
             raise ValueError("weight decay needs the params: call tx.update(grads, state, params).")
         on = per_element(plan, updates.buffers, table)
-        out = [jnp.where(o, u + weight_decay * p, u) for u, p, o in zip(updates.buffers, params.buffers, on,
-                                                                        strict=True)]
+        decay = jnp.asarray(weight_decay)
+        out = [jnp.where(o, u + decay.astype(p.dtype) * p, u)
+               for u, p, o in zip(updates.buffers, params.buffers, on, strict=True)]
         return ShardedParams(out, plan), state
 
-    return optax.GradientTransformation(optax.init_empty_state, update_fn)
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
 
 
 def local_vector(shards: Sequence[jax.Array], buckets: Sequence[int], dtype: Any) -> jax.Array:
@@ -130,3 +144,51 @@ def split_local(x: jax.Array, shards: Sequence[jax.Array], buckets: Sequence[int
         else:
             out.append(jnp.zeros_like(s))
     return out
+
+
+def is_placeholder(params: Any) -> bool:
+    """Whether ``params`` is the structure-only stand-in ``optax.tree.map_params`` passes to ``tx.init`` (a
+    pytree node with no leaves), rather than parameters."""
+    return not isinstance(params, ShardedParams) and not jax.tree.leaves(params)
+
+
+def state_sharding(x: Any, plan: Plan) -> jax.sharding.NamedSharding:
+    """The sharding of one optimizer-state array: a bucket-shaped one like its bucket, a ``PerDevice`` value
+    (``m * B`` rows) over the plan's axis on dim 0, anything else (counts, scalars) replicated."""
+    P = jax.sharding.PartitionSpec
+    shape = tuple(x.shape)
+    for b in plan.buckets:
+        if b.shape == shape:
+            return jax.sharding.NamedSharding(plan.mesh, plan.partition_spec(b))
+    return jax.sharding.NamedSharding(plan.mesh, P())
+
+
+def place_state(state: Any, plan: Plan) -> Any:
+    """``state`` with every array placed by :func:`state_sharding` (``PerDevice`` values split on dim 0).
+
+    Works eagerly (``device_put``) and under ``jit`` (a sharding constraint on Auto mesh axes, ``reshard`` on
+    Explicit ones), so ``tx.init(params)`` and ``jax.jit(tx.init)(params)`` give the same shardings as the
+    state ``tx.update`` returns: a jitted step then compiles once, and ``lax.cond``/``select`` over states
+    (``optax.MultiSteps``) sees matching shardings.
+    """
+    from vescale_jax.buffer import PerDevice
+
+    P = jax.sharding.PartitionSpec
+    auto = all(t == jax.sharding.AxisType.Auto for t in plan.mesh.axis_types)
+
+    def put(x, sharding):
+        if not isinstance(x, jax.Array):
+            return x
+        if isinstance(x, jax.core.Tracer):
+            return jax.lax.with_sharding_constraint(x, sharding) if auto else jax.sharding.reshard(x, sharding)
+        return jax.device_put(x, sharding)
+
+    def one(x):
+        if isinstance(x, PerDevice):
+            if not hasattr(x.value, "shape"):
+                return x
+            spec = P(plan.axis, *[None] * (len(x.value.shape) - 1))
+            return PerDevice(put(x.value, jax.sharding.NamedSharding(plan.mesh, spec)), x.plan)
+        return put(x, state_sharding(x, plan)) if hasattr(x, "shape") else x
+
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, PerDevice))
