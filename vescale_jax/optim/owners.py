@@ -337,7 +337,7 @@ def run_indices(lookup: RunLookup, k: jax.Array, n: int, after: jax.Array) -> ja
     whatever XLA fuses, the temporaries are one chunk. The array starts from ``after`` (any value, every
     entry is overwritten) so that it cannot be computed, and held, before the data it indexes exists.
     """
-    tie = jnp.ravel(after)[0] if after.size else 0
+    tie = jnp.real(jnp.ravel(after)[0]) if after.size else 0  # real: a complex tie would warn on the int cast
     init = jnp.broadcast_to(jax.lax.convert_element_type(tie, jnp.int32), (n,))
     if n == 0:
         return init
@@ -638,7 +638,7 @@ def route_newton_schulz(
         leaf_of = _const(rt.matrix_leaf)[k]
         factor = jnp.take(_const(scale).astype(dtype), leaf_of)
         if adaptive:
-            dots = jnp.concatenate([jnp.sum(a * b, axis=(1, 2)) for a, b in outs]) if outs else jnp.zeros((0,), dtype)
+            dots = jnp.concatenate([jnp.sum(jnp.conj(a) * b, axis=(1, 2)) for a, b in outs]) if outs else jnp.zeros((0,), dtype)
             per_leaf = jax.ops.segment_sum(dots, leaf_of, num_segments=rt.num_leaves + 1)
             per_leaf = jax.lax.psum(per_leaf, axis)
             factor = factor * jnp.take(per_leaf, leaf_of)
