@@ -99,6 +99,8 @@ def leaf_mask(plan: Plan, mask: Any, default: bool = True) -> np.ndarray:
 def static_int(value: Any, name: str, what: str) -> int:
     """``value`` as a Python int, or a ValueError saying it must be static (e.g. under
     ``optax.inject_hyperparams``, which traces every numeric argument unless listed in ``static_args``)."""
+    if not hasattr(value, "dtype") or not jnp.issubdtype(value.dtype, jnp.integer):
+        return value  # a Python value: validated where it is used
     try:
         return int(value)
     except (jax.errors.ConcretizationTypeError, TypeError) as e:

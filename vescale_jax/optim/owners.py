@@ -638,7 +638,8 @@ def route_newton_schulz(
         leaf_of = _const(rt.matrix_leaf)[k]
         factor = jnp.take(_const(scale).astype(dtype), leaf_of)
         if adaptive:
-            dots = jnp.concatenate([jnp.sum(jnp.conj(a) * b, axis=(1, 2)) for a, b in outs]) if outs else jnp.zeros((0,), dtype)
+            dots = [jnp.sum(jnp.conj(a) * b, axis=(1, 2)) for a, b in outs]  # <input, result>, conj for complex
+            dots = jnp.concatenate(dots) if outs else jnp.zeros((0,), dtype)
             per_leaf = jax.ops.segment_sum(dots, leaf_of, num_segments=rt.num_leaves + 1)
             per_leaf = jax.lax.psum(per_leaf, axis)
             factor = factor * jnp.take(per_leaf, leaf_of)

@@ -77,6 +77,13 @@ _BLOCKS_CACHE: dict[Any, BlockTables] = {}
 
 def shampoo_blocks(plan: Plan, block_size: int) -> BlockTables:
     """The block placement :func:`scale_by_shampoo` uses (see ``.summary()`` for the max/mean balance)."""
+    for spec in plan.leaves:
+        if jnp.issubdtype(np.dtype(spec.dtype), jnp.complexfloating):
+            raise ValueError(
+                f"vj.optim.shampoo: leaf {spec.path} is {np.dtype(spec.dtype).name}; Shampoo's statistics and "
+                "inverse roots are real, so complex parameters are not supported: optimise the real and imaginary "
+                "parts as separate real leaves, or use vj.optim.muon (complex-aware)."
+            )
     key = (plan, block_size)
     if key not in _BLOCKS_CACHE:
         _BLOCKS_CACHE[key] = build_blocks(plan, block_size, what="shampoo")
