@@ -100,6 +100,28 @@ def _check_params(params: Any, plan: Plan, what: str = "params") -> None:
             )
 
 
+def _check_not_donated(params: ShardedParams, opt_state: Any, *rest: Any) -> None:
+    """Raises, naming the bucket or state leaf, on an input whose buffers were deleted (donated to an earlier
+    step): executing a step on them crashes the process instead of raising."""
+    for bucket, buf in zip(params.plan.buckets, params.buffers, strict=True):
+        if isinstance(buf, jax.Array) and buf.is_deleted():
+            raise ValueError(
+                f"vj.fsdp: these params were donated to the last step; use the returned ones (the buffer of bucket "
+                f"{bucket.name!r} is deleted). The step donates params and opt_state: write "
+                "`params, opt_state, ... = step(params, opt_state, batch)`, or compile with donate=False to keep "
+                "the inputs."
+            )
+    for what, tree in (("opt_state", opt_state), ("batch", rest[0] if rest else None), ("extra argument", rest[1:])):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            if isinstance(leaf, jax.Array) and leaf.is_deleted():
+                raise ValueError(
+                    f"vj.fsdp: this {what} was donated to the last step; use the returned one ({what} leaf "
+                    f"{jax.tree_util.keystr(path) or '<root>'} is deleted). The step donates params and opt_state: "
+                    "write `params, opt_state, ... = step(params, opt_state, batch)`, or compile with "
+                    "donate=False to keep the inputs."
+                )
+
+
 def _check_precision(precision: MixedPrecision | None, plan: Plan) -> None:
     if precision is None or precision.master_dtype is None:
         return
@@ -455,6 +477,7 @@ def fsdp(
 
     def prepare(params, opt_state, batch, *rest):
         _check_params(params, plan)
+        _check_not_donated(params, opt_state, batch, *rest)
         batch = place_batch(batch, plan, axes, microbatches=microbatches)
         return params, opt_state, batch, *rest
 
