@@ -37,36 +37,57 @@ def prefix_per_leaf(prefix: Any, full: Any, is_leaf: Callable[[Any], bool]) -> l
     return out
 
 
-def _leaf_ids(plan: Plan) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Per bucket: sorted slot starts, ends and leaf indices, for element -> leaf lookups."""
+def _local_runs(plan: Plan) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per bucket: ``(m, R)`` int32 tables ``lo, hi, leaf`` of the leaf runs on each device, as offsets
+    *relative to the device's shard start* (``0 <= lo < hi <= S``, sorted by ``lo``; unused entries have
+    ``lo = hi = S``). Local offsets fit int32 whenever the shard does, however large the bucket (a global
+    element index ``k * S + i`` of a bucket past 2**31 elements would wrap in int32)."""
     out = []
     for b in plan.buckets:
-        order = sorted(range(len(b.leaves)), key=lambda s: b.layout.offsets[s])
-        starts = np.array([b.layout.offsets[s] for s in order], np.int64)
-        ends = np.array([b.layout.offsets[s] + b.layout.sizes[s] for s in order], np.int64)
-        leaves = np.array([b.leaves[s] for s in order], np.int32)
-        out.append((starts, ends, leaves))
+        m, size = plan.num_devices, b.layout.shard_size
+        if size >= 2**31:
+            raise ValueError(
+                f"vj.optim: bucket {b.name!r} has {size} elements per device, past int32 indices; split the unit "
+                "(units=...) or use more devices."
+            )
+        runs: list[list[tuple[int, int, int]]] = [[] for _ in range(m)]
+        for slot, leaf in enumerate(b.leaves):
+            o, n = b.layout.offsets[slot], b.layout.sizes[slot]
+            for k in range(o // size, (o + n - 1) // size + 1) if n else ():
+                runs[k].append((max(o - k * size, 0), min(o + n - k * size, size), leaf))
+        width = max(1, max(len(r) for r in runs))
+        lo = np.full((m, width), size, np.int64)
+        hi, leaf = lo.copy(), np.zeros((m, width), np.int64)
+        for k, rs in enumerate(runs):
+            for j, run in enumerate(sorted(rs)):
+                lo[k, j], hi[k, j], leaf[k, j] = run
+        out.append((lo.astype(np.int32), hi.astype(np.int32), leaf.astype(np.int32)))
     return out
 
 
-def per_element(plan: Plan, like: Sequence[jax.Array], table: np.ndarray) -> list[jax.Array]:
+def local_leaf(lo: jax.Array, hi: jax.Array, leaf: jax.Array, i: jax.Array, pad: int) -> jax.Array:
+    """The leaf of each local position ``i`` of one device (``pad`` for padding), from that device's row of
+    :func:`_local_runs`."""
+    slot = jnp.clip(jnp.searchsorted(lo, i, side="right") - 1, 0, lo.shape[0] - 1)
+    inside = (i >= lo[slot]) & (i < hi[slot])
+    return jnp.where(inside, leaf[slot], pad)
+
+
+def per_element(plan: Plan, like: Sequence[jax.Array], table: Any) -> list[jax.Array]:
     """Global buffers (sharded like ``like``) holding ``table[leaf]`` at each leaf's elements, ``table[-1]``
-    (``table`` has ``num_leaves + 1`` entries) at padding. Computed locally from ``axis_index``."""
-    ids = _leaf_ids(plan)
+    (``table`` has ``num_leaves + 1`` entries) at padding. Computed locally from ``axis_index``, with indices
+    relative to each device's shard (int32 for any bucket size whose shard fits int32)."""
+    runs = _local_runs(plan)
     axis = plan.axis
+    pad = len(plan.leaves)
 
     def local(*shards):
         k = jax.lax.axis_index(axis)
         out = []
-        for b, s, (starts, ends, leaves) in zip(plan.buckets, shards, ids, strict=True):
+        for b, s, (lo, hi, leaf_of) in zip(plan.buckets, shards, runs, strict=True):
             size = b.layout.shard_size
-            g = k * size + jnp.arange(size)
-            if len(starts):
-                slot = jnp.clip(jnp.searchsorted(jnp.asarray(starts), g, side="right") - 1, 0, len(starts) - 1)
-                inside = (g >= jnp.asarray(starts)[slot]) & (g < jnp.asarray(ends)[slot])
-                leaf = jnp.where(inside, jnp.asarray(leaves)[slot], len(plan.leaves))
-            else:
-                leaf = jnp.full((size,), len(plan.leaves), jnp.int32)
+            i = jnp.arange(size, dtype=jnp.int32)
+            leaf = local_leaf(*(jnp.asarray(t)[k] for t in (lo, hi, leaf_of)), i, pad)
             vals = jnp.take(jnp.asarray(table), leaf)
             out.append(jnp.broadcast_to(vals, s.shape))
         return tuple(out)
