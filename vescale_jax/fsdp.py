@@ -36,6 +36,7 @@ from vescale_jax.layers import LayerShard
 from vescale_jax.plan import Plan
 from vescale_jax.precision import MixedPrecision, reduce_scatter_cast
 from vescale_jax.unpacking import kernel_mode
+from vescale_jax.widen import widened
 
 __all__ = ["apply", "data_sharding", "fsdp", "init_opt_state", "place_batch"]
 
@@ -172,8 +173,30 @@ def _gather_flat(plan: Plan, buffers: Sequence[jax.Array], opts: _Options) -> di
     out = {}
     for bucket, local in zip(plan.buckets, buffers, strict=True):
         if bucket.layers is None:
-            leaves = gather_bucket(local, bucket, plan, precision=opts.precision, vary_axes=opts.replica_axes)
+            leaves = gather_bucket(local, bucket, plan, precision=opts.precision, vary_axes=opts.replica_axes,
+                                   widen=_widens(bucket, opts))
             out.update(zip(bucket.leaves, leaves, strict=True))
+    return out
+
+
+def _widens(bucket: Any, opts: _Options) -> bool:
+    """Whether a non-stacked bucket of low-precision parameters is gathered wide: its gradient reduces in a
+    wider dtype (fp32 by default), and the model's per-device partial sums reach it unrounded (see
+    :mod:`vescale_jax.widen`). fp32 masters computing in bf16 keep the bf16 gathered copy (no fp32 copy)."""
+    policy = opts.precision or MixedPrecision()
+    gather, grad = policy.gather_dtype(bucket.dtype), policy.grad_dtype(bucket.dtype)
+    return (bucket.layers is None and jnp.issubdtype(gather, jnp.floating) and np.dtype(bucket.dtype).itemsize < 4
+            and grad.itemsize > gather.itemsize)
+
+
+def _narrow_leaves(plan: Plan, opts: _Options) -> list[Any]:
+    """Per leaf: the dtype the model sees for a leaf gathered wide (:func:`_widens`), else None."""
+    policy = opts.precision or MixedPrecision()
+    out: list[Any] = [None] * len(plan.leaves)
+    for bucket in plan.buckets:
+        if _widens(bucket, opts):
+            for i in bucket.leaves:
+                out[i] = policy.gather_dtype(bucket.dtype)
     return out
 
 
@@ -227,7 +250,7 @@ def _resharded(fn: Callable[..., Any], plan: Plan, opts: _Options) -> Callable[.
         for b, bucket in enumerate(plan.buckets):
             if bucket.layers is None:
                 policy = opts.precision
-                dtype = None if policy is None else policy.grad_dtype(bucket.dtype)
+                dtype = (policy or MixedPrecision()).grad_dtype(bucket.dtype)
                 packed = pack_bucket([grads[i] for i in bucket.leaves], bucket, dtype=dtype)
                 d_buffers[b] = d_buffers[b] + reduce_scatter_cast(
                     packed, plan.axis, policy, bucket.dtype, like=buffers[b]
@@ -292,6 +315,7 @@ def apply(
         in_specs = tuple(P(axes) for _ in args)
     out_specs = P(axes) if out_specs is None else out_specs
 
+    fn = widened(fn, _narrow_leaves(plan, opts), is_leaf=lambda x: isinstance(x, LayerShard))
     if opts.reshard_after_forward:
         local = _resharded(fn, plan, opts)
     else:
