@@ -35,8 +35,10 @@ def finish(proc: subprocess.Popen, within_s: float) -> tuple[int, str, float]:
     return proc.returncode, out, time.monotonic() - t0
 
 
-def test_default_timeout_is_60s():
-    assert inspect.signature(vj.distributed.initialize).parameters["timeout_s"].default == 60
+def test_default_timeout_ends_a_job_within_a_minute():
+    # 45 s of waiting plus the imports: measured 73 s from launch for examples/train_gpt.py with a 60 s
+    # timeout on a loaded 2-core machine (13 s of imports), 309 s with JAX's 300 s.
+    assert inspect.signature(vj.distributed.initialize).parameters["timeout_s"].default <= 45
 
 
 def test_missing_process_and_coordinator_are_named():

@@ -117,7 +117,7 @@ def initialize(
     local_device_count: int | None = None,
     local_device_ids: Sequence[int] | None = None,
     cpu_collectives: str | None = "gloo",
-    timeout_s: int = 60,
+    timeout_s: int = 45,
     heartbeat_timeout_s: int | None = 30,
     shutdown_timeout_s: int | None = None,
 ) -> bool:
@@ -143,7 +143,8 @@ def initialize(
         default all visible devices, or one per process under SLURM / Open MPI.
       cpu_collectives: cross-process collectives on CPU (``jax_cpu_collectives_implementation``): ``"gloo"``
         (default) or ``"mpi"``; ``None`` leaves JAX's setting alone.
-      timeout_s: seconds to wait for all processes to connect to the coordinator before failing (default 60).
+      timeout_s: seconds to wait for all processes to connect to the coordinator before failing (default 45,
+        so that a job with a missing process ends within a minute of its start, imports included).
         With an explicit ``coordinator_address`` every process first meets the others on that port (see
         :mod:`vescale_jax.rendezvous`), so a missing process is named in a Python error on every process that
         is waiting (process 0 names the missing ids; a process that cannot reach process 0 names the
