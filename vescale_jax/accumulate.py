@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from vescale_jax.buffer import GatheredParams, ShardedParams
+from vescale_jax.precision import MixedPrecision
 
 __all__ = ["accumulate"]
 
@@ -68,7 +69,7 @@ def accumulate(
         policy = _policy_and_axes(params.plan)[0]
         zeros = GatheredParams(
             [
-                jnp.zeros_like(x, dtype=b.dtype if policy is None else policy.grad_dtype(b.dtype))
+                jnp.zeros_like(x, dtype=(policy or MixedPrecision()).grad_dtype(b.dtype))
                 for x, b in zip(params.buffers, reduced.buffers, strict=True)
             ],
             params.plan,
@@ -120,7 +121,7 @@ def reduce_copies(grads: GatheredParams, like: ShardedParams) -> ShardedParams:
     def local(gs):
         out = []
         for g, bucket in zip(gs, plan.buckets, strict=True):
-            g = g if policy is None else g.astype(policy.grad_dtype(bucket.dtype))
+            g = g.astype((policy or MixedPrecision()).grad_dtype(bucket.dtype))
             out.append(jax.lax.psum_scatter(g, axis, scatter_dimension=g.ndim - 1, tiled=True).astype(bucket.dtype))
         return tuple(out)
 

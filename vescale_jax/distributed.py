@@ -117,8 +117,8 @@ def initialize(
     local_device_count: int | None = None,
     local_device_ids: Sequence[int] | None = None,
     cpu_collectives: str | None = "gloo",
-    timeout_s: int = 300,
-    heartbeat_timeout_s: int | None = None,
+    timeout_s: int = 45,
+    heartbeat_timeout_s: int | None = 30,
     shutdown_timeout_s: int | None = None,
 ) -> bool:
     """Joins (or starts) a multi-process JAX job; call it first, before anything touches JAX devices.
@@ -143,9 +143,15 @@ def initialize(
         default all visible devices, or one per process under SLURM / Open MPI.
       cpu_collectives: cross-process collectives on CPU (``jax_cpu_collectives_implementation``): ``"gloo"``
         (default) or ``"mpi"``; ``None`` leaves JAX's setting alone.
-      timeout_s: seconds to wait for all processes to connect to the coordinator before failing.
+      timeout_s: seconds to wait for all processes to connect to the coordinator before failing (default 45,
+        so that a job with a missing process ends within a minute of its start, imports included).
+        With an explicit ``coordinator_address`` every process first meets the others on that port (see
+        :mod:`vescale_jax.rendezvous`), so a missing process is named in a Python error on every process that
+        is waiting (process 0 names the missing ids; a process that cannot reach process 0 names the
+        coordinator address), within ``timeout_s``.
       heartbeat_timeout_s: seconds without a heartbeat after which a peer is declared dead and every process
-        of the job aborts (JAX's default: 100). Small values make a job fail fast when a peer dies.
+        of the job aborts, JAX reporting that another task died (default 30, JAX's own is 100; ``None`` keeps
+        JAX's). A killed process or coordinator thus ends the job within about this time.
       shutdown_timeout_s: seconds a finishing process waits at exit for its peers (JAX's default: 300).
 
     Returns:
@@ -197,6 +203,10 @@ def initialize(
             "computation (importing jax and vescale_jax is fine)."
         )
     _configure_cpu(local_device_count, cpu_collectives, multiprocess=True)
+    if coordinator_address is not None:
+        from vescale_jax.rendezvous import rendezvous
+
+        rendezvous(coordinator_address, num_processes, process_id, timeout_s=timeout_s)
     kwargs = _supported({
         "coordinator_address": coordinator_address,
         "num_processes": num_processes,

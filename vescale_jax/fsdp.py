@@ -37,6 +37,7 @@ from vescale_jax.padding import zero_padding
 from vescale_jax.plan import Plan
 from vescale_jax.precision import MixedPrecision, reduce_scatter_cast
 from vescale_jax.unpacking import kernel_mode
+from vescale_jax.widen import widened
 
 __all__ = ["apply", "data_sharding", "fsdp", "init_opt_state", "place_batch"]
 
@@ -101,6 +102,28 @@ def _check_params(params: Any, plan: Plan, what: str = "params") -> None:
             )
 
 
+def _check_not_donated(params: ShardedParams, opt_state: Any, *rest: Any) -> None:
+    """Raises, naming the bucket or state leaf, on an input whose buffers were deleted (donated to an earlier
+    step): executing a step on them crashes the process instead of raising."""
+    for bucket, buf in zip(params.plan.buckets, params.buffers, strict=True):
+        if isinstance(buf, jax.Array) and buf.is_deleted():
+            raise ValueError(
+                f"vj.fsdp: these params were donated to the last step; use the returned ones (the buffer of bucket "
+                f"{bucket.name!r} is deleted). The step donates params and opt_state: write "
+                "`params, opt_state, ... = step(params, opt_state, batch)`, or compile with donate=False to keep "
+                "the inputs."
+            )
+    for what, tree in (("opt_state", opt_state), ("batch", rest[0] if rest else None), ("extra argument", rest[1:])):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            if isinstance(leaf, jax.Array) and leaf.is_deleted():
+                raise ValueError(
+                    f"vj.fsdp: this {what} was donated to the last step; use the returned one ({what} leaf "
+                    f"{jax.tree_util.keystr(path) or '<root>'} is deleted). The step donates params and opt_state: "
+                    "write `params, opt_state, ... = step(params, opt_state, batch)`, or compile with "
+                    "donate=False to keep the inputs."
+                )
+
+
 def _check_precision(precision: MixedPrecision | None, plan: Plan) -> None:
     if precision is None or precision.master_dtype is None:
         return
@@ -151,8 +174,30 @@ def _gather_flat(plan: Plan, buffers: Sequence[jax.Array], opts: _Options) -> di
     out = {}
     for bucket, local in zip(plan.buckets, buffers, strict=True):
         if bucket.layers is None:
-            leaves = gather_bucket(local, bucket, plan, precision=opts.precision, vary_axes=opts.replica_axes)
+            leaves = gather_bucket(local, bucket, plan, precision=opts.precision, vary_axes=opts.replica_axes,
+                                   widen=_widens(bucket, opts))
             out.update(zip(bucket.leaves, leaves, strict=True))
+    return out
+
+
+def _widens(bucket: Any, opts: _Options) -> bool:
+    """Whether a non-stacked bucket of low-precision parameters is gathered wide: its gradient reduces in a
+    wider dtype (fp32 by default), and the model's per-device partial sums reach it unrounded (see
+    :mod:`vescale_jax.widen`). fp32 masters computing in bf16 keep the bf16 gathered copy (no fp32 copy)."""
+    policy = opts.precision or MixedPrecision()
+    gather, grad = policy.gather_dtype(bucket.dtype), policy.grad_dtype(bucket.dtype)
+    return (bucket.layers is None and jnp.issubdtype(gather, jnp.floating) and np.dtype(bucket.dtype).itemsize < 4
+            and grad.itemsize > gather.itemsize)
+
+
+def _narrow_leaves(plan: Plan, opts: _Options) -> list[Any]:
+    """Per leaf: the dtype the model sees for a leaf gathered wide (:func:`_widens`), else None."""
+    policy = opts.precision or MixedPrecision()
+    out: list[Any] = [None] * len(plan.leaves)
+    for bucket in plan.buckets:
+        if _widens(bucket, opts):
+            for i in bucket.leaves:
+                out[i] = policy.gather_dtype(bucket.dtype)
     return out
 
 
@@ -206,7 +251,7 @@ def _resharded(fn: Callable[..., Any], plan: Plan, opts: _Options) -> Callable[.
         for b, bucket in enumerate(plan.buckets):
             if bucket.layers is None:
                 policy = opts.precision
-                dtype = None if policy is None else policy.grad_dtype(bucket.dtype)
+                dtype = (policy or MixedPrecision()).grad_dtype(bucket.dtype)
                 packed = pack_bucket([grads[i] for i in bucket.leaves], bucket, dtype=dtype)
                 d_buffers[b] = d_buffers[b] + reduce_scatter_cast(
                     packed, plan.axis, policy, bucket.dtype, like=buffers[b]
@@ -271,6 +316,7 @@ def apply(
         in_specs = tuple(P(axes) for _ in args)
     out_specs = P(axes) if out_specs is None else out_specs
 
+    fn = widened(fn, _narrow_leaves(plan, opts), is_leaf=lambda x: isinstance(x, LayerShard))
     if opts.reshard_after_forward:
         local = _resharded(fn, plan, opts)
     else:
@@ -457,6 +503,7 @@ def fsdp(
 
     def prepare(params, opt_state, batch, *rest):
         _check_params(params, plan)
+        _check_not_donated(params, opt_state, batch, *rest)
         batch = place_batch(batch, plan, axes, microbatches=microbatches)
         return params, opt_state, batch, *rest
 

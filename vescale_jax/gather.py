@@ -29,6 +29,7 @@ def gather_bucket(
     *,
     precision: MixedPrecision | None = None,
     vary_axes: tuple[str, ...] = (),
+    widen: bool = False,
 ) -> list[jax.Array]:
     """All-gathers one bucket's local shard and unpacks its leaves (one layer for a stacked bucket).
 
@@ -40,6 +41,8 @@ def gather_bucket(
         the gradient in its reduce dtype).
       vary_axes: HSDP replica axes: the shard is marked varying over them before the gather, so the sum of the
         gradient over replicas happens on the shard (see ``vescale_jax.precision.vary``).
+      widen: return low-precision leaves upcast to their reduce dtype (fp32) so their cotangents arrive
+        unrounded (see ``vescale_jax.precision.all_gather_cast`` and :mod:`vescale_jax.widen`).
 
     Returns:
       The bucket's leaves in slot order, with their logical shapes (per-layer shapes for a stacked bucket).
@@ -54,7 +57,7 @@ def gather_bucket(
             f"got {tuple(local.shape)}; pass one layer's row for a stacked bucket, inside shard_map over "
             f"{plan.axis!r}."
         )
-    full = all_gather_cast(local, plan.axis, precision, vary_axes=vary_axes)
+    full = all_gather_cast(local, plan.axis, precision, vary_axes=vary_axes, widen=widen)
     return unpack_gathered(full, bucket.layout, [plan.layer_shape(plan.leaves[i]) for i in bucket.leaves])
 
 

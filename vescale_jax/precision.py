@@ -53,14 +53,20 @@ class MixedPrecision:
         return np.dtype(self.compute_dtype)
 
     def grad_dtype(self, dtype: Any) -> np.dtype:
-        """The dtype a bucket of ``dtype`` has its gradient reduce-scattered in."""
+        """The dtype a bucket of ``dtype`` has its gradient reduce-scattered in: ``reduce_dtype``, else
+        ``compute_dtype``, else fp32 for a master narrower than 32 bits (bf16 parameters sum their per-device
+        gradients in fp32 and round once, as the unsharded step does), else the master's."""
         dtype = np.dtype(dtype)
         if not jnp.issubdtype(dtype, jnp.floating):
             return dtype
-        return np.dtype(self.reduce_dtype or self.compute_dtype or dtype)
+        if self.reduce_dtype or self.compute_dtype:
+            return np.dtype(self.reduce_dtype or self.compute_dtype)
+        return np.dtype(np.float32) if dtype.itemsize < 4 else dtype
 
 
-def all_gather_cast(local: jax.Array, axis: Any, policy: MixedPrecision | None, *, vary_axes: Any = ()) -> jax.Array:
+def all_gather_cast(
+    local: jax.Array, axis: Any, policy: MixedPrecision | None, *, vary_axes: Any = (), widen: bool = False
+) -> jax.Array:
     """``all_gather(local.astype(gather dtype), tiled)`` whose transpose reduce-scatters in the reduce dtype.
 
     Args:
@@ -68,22 +74,29 @@ def all_gather_cast(local: jax.Array, axis: Any, policy: MixedPrecision | None, 
       axis: the mesh axis (or axes) to gather over.
       policy: the mixed-precision policy; None gathers and reduces in ``local``'s dtype.
       vary_axes: replica axes to mark the shard varying over first (see :func:`vary`).
+      widen: when the reduce dtype is wider than the gather dtype (a bf16 bucket reducing in fp32), return the
+        gathered buffer upcast to the reduce dtype (exact), so its cotangent arrives unrounded (see
+        :mod:`vescale_jax.widen`).
 
     Returns:
-      The ``(m*S,)`` buffer in the gather dtype. Its cotangent is cast to the reduce dtype, reduce-scattered and
-      cast back to ``local``'s dtype.
+      The ``(m*S,)`` buffer in the gather dtype (the reduce dtype with ``widen``). Its cotangent is cast to the
+      reduce dtype, reduce-scattered and cast back to ``local``'s dtype.
     """
-    if policy is None and not vary_axes:
+    policy = policy or MixedPrecision()
+    gather_dtype, grad_dtype = policy.gather_dtype(local.dtype), policy.grad_dtype(local.dtype)
+    if not vary_axes and gather_dtype == local.dtype == grad_dtype:
         return jax.lax.all_gather(local, axis, tiled=True)
-    return _gather(local, axis, policy or MixedPrecision(), tuple(vary_axes))
+    out_dtype = grad_dtype if widen and grad_dtype.itemsize > gather_dtype.itemsize else gather_dtype
+    return _gather(local, axis, policy, tuple(vary_axes), out_dtype)
 
 
-def _gather(local, axis, policy, vary_axes):
+def _gather(local, axis, policy, vary_axes, out_dtype):
     gather_dtype, grad_dtype = policy.gather_dtype(local.dtype), policy.grad_dtype(local.dtype)
 
     @jax.custom_vjp
     def gather(x):
-        return jax.lax.all_gather(vary(x, vary_axes).astype(gather_dtype), axis, tiled=True)
+        full = jax.lax.all_gather(vary(x, vary_axes).astype(gather_dtype), axis, tiled=True)
+        return full.astype(out_dtype)
 
     def fwd(x):
         return gather(x), None
@@ -125,8 +138,7 @@ def reduce_scatter_cast(
     gradient varies over but the shard does not: the replica axes of HSDP, where each replica saw other data.
     That all-reduce runs on the shard, after the reduce-scatter.
     """
-    if policy is not None:
-        packed = packed.astype(policy.grad_dtype(master))
+    packed = packed.astype((policy or MixedPrecision()).grad_dtype(master))
     out = jax.lax.psum_scatter(packed, axis, tiled=True)
     if like is not None:
         extra = varying_axes(out) - varying_axes(like)

@@ -21,7 +21,7 @@ import numpy as np
 import optax
 
 from vescale_jax.buffer import PerDevice, ShardedParams
-from vescale_jax.optim.leaves import check_sharded, local_vector, split_local
+from vescale_jax.optim.leaves import check_sharded, is_placeholder, local_vector, place_state, split_local
 from vescale_jax.plan import Plan
 
 __all__ = ["CompactTables", "build_compact", "on_leaves", "split_leaves"]
@@ -147,17 +147,26 @@ def on_leaves(tx: optax.GradientTransformation, plan: Plan, chosen: Sequence[boo
     def wrap(buffers):
         return PerDevice(compact(buffers, plan, tables), plan)
 
-    def init_fn(params):
-        # The state's shape and dtype, from zeros: element-wise transformations initialise from shapes (and
-        # ``jax.eval_shape(tx.init, abstract_params)`` then works without shardings).
-        dtype = max((jnp.dtype(b.dtype) for b in params.buffers), key=lambda d: d.itemsize)
+    # The widest bucket dtype, as in :func:`compact`.
+    dtype = max((jnp.dtype(b.dtype) for b in plan.buckets), key=lambda d: d.itemsize, default=jnp.dtype(jnp.float32))
+
+    def init_zeros():
         return tx.init(PerDevice(jnp.zeros((plan.num_devices * tables.size,), dtype), plan))
 
-    def update_fn(updates, state, params=None):
-        u, state = tx.update(wrap(updates.buffers), state, None if params is None else wrap(params.buffers))
+    def init_fn(params):
+        # The state's shape and dtype, from zeros: element-wise transformations initialise from shapes (and
+        # ``jax.eval_shape(tx.init, abstract_params)`` then works without shardings). For the structure-only
+        # stand-in of ``optax.tree.map_params`` the compact state is abstract (it holds no parameter tree).
+        if is_placeholder(params):
+            return jax.eval_shape(init_zeros)
+        return place_state(init_zeros(), plan)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        u, state = optax.with_extra_args_support(tx).update(
+            wrap(updates.buffers), state, None if params is None else wrap(params.buffers), **extra_args)
         return ShardedParams(expand(u.value, updates.buffers, plan, tables), plan), state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def split_leaves(
@@ -186,18 +195,22 @@ def split_leaves(
     rest = [not x for x in main_leaves]
     other = on_leaves(other, plan, rest) if any(rest) else None
 
-    def init_fn(params):
-        check_sharded(params, plan, what)
-        return state(main.init(params), other.init(params) if other else optax.EmptyState())
+    main = optax.with_extra_args_support(main)
 
-    def update_fn(updates, opt_state, params=None):
+    def init_fn(params):
+        if is_placeholder(params):  # optax.tree.map_params: the state's structure with params stand-ins
+            return state(main.init(params), other.init(params) if other else optax.EmptyState())
+        check_sharded(params, plan, what)
+        return place_state(state(main.init(params), other.init(params) if other else optax.EmptyState()), plan)
+
+    def update_fn(updates, opt_state, params=None, **extra_args):
         check_sharded(updates, plan, what)
-        u, s_main = main.update(updates, opt_state[0], params)
+        u, s_main = main.update(updates, opt_state[0], params, **extra_args)
         out, s_other = list(u.buffers), opt_state[1]
         if other:
-            v, s_other = other.update(updates, s_other, params)
+            v, s_other = other.update(updates, s_other, params, **extra_args)
             out = [a + b for a, b in zip(out, v.buffers, strict=True)]  # disjoint supports
         out = [x.astype(g.dtype) for x, g in zip(out, updates.buffers, strict=True)]
         return ShardedParams(out, plan), state(s_main, s_other)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

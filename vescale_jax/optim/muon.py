@@ -35,10 +35,13 @@ from vescale_jax.optim.compact import split_leaves
 from vescale_jax.optim.leaves import (
     abstract_params,
     check_sharded,
+    is_placeholder,
     leaf_mask,
     masked_decay,
     per_element,
+    place_state,
     prefix_per_leaf,
+    static_int,
 )
 from vescale_jax.optim.owners import Routing, build_routing, route_newton_schulz
 from vescale_jax.plan import Plan
@@ -143,12 +146,14 @@ def newton_schulz(
       The result, laid out like ``x``.
     """
     total = (lambda v: jax.lax.psum(v, axis)) if axis is not None else (lambda v: v)
-    norm = jnp.sqrt(total(jnp.sum(x * x, axis=(1, 2))))
-    x = x / (norm + eps)[:, None, None]
+    # Complex matrices: |x|^2 in the norm and X X^H in the Gram product (X stays X for real ones).
+    real = jnp.real(x * jnp.conj(x)) if jnp.iscomplexobj(x) else x * x
+    norm = jnp.sqrt(total(jnp.sum(real, axis=(1, 2))))
+    x = x / (norm + jnp.asarray(eps).astype(norm.dtype)).astype(x.dtype)[:, None, None]
     rows = np.broadcast_to(coeffs, (ns_steps, 3)) if coeffs.ndim == 1 else coeffs
 
     def step(x, c):
-        a = total(jnp.einsum("rik,rjk->rij", x, x))
+        a = total(jnp.einsum("rik,rjk->rij", x, jnp.conj(x)))
         b = c[1] * a + c[2] * jnp.matmul(a, a)
         return c[0] * x + jnp.matmul(b, x), None
 
@@ -192,15 +197,17 @@ def scale_by_muon(
       Momentum is sharded like the params. Newton–Schulz work per device is its owned matrices only.
     """
     mu_dtype = optax_muon.utils.canonicalize_dtype(mu_dtype)
+    ns_steps = static_int(ns_steps, "ns_steps", "scale_by_muon")
     coeffs = _coeffs(ns_coeffs, ns_steps)
     if preconditioning not in optax_muon._PRECONDITIONINGS:
         raise ValueError(f"Unknown preconditioning {preconditioning}")
     routing = muon_routing(plan, weight_dimension_numbers, split=preconditioning == "frobenius")
 
-    def orthogonalize_split(x, axis):
+    # eps reaches the owners' shard_map as an operand: it may be a traced hyperparameter (inject_hyperparams).
+    def orthogonalize_split(x, axis, eps):
         return newton_schulz(x, coeffs, ns_steps, eps, axis=axis, unroll=ns_unroll)
 
-    def orthogonalize(x_kpq):
+    def orthogonalize(x_kpq, eps):
         if preconditioning == "frobenius":
             return newton_schulz(x_kpq, coeffs, ns_steps, eps, unroll=ns_unroll)
         c = jnp.asarray(coeffs).astype(x_kpq.dtype)
@@ -208,14 +215,16 @@ def scale_by_muon(
         return jax.vmap(ns)(x_kpq)
 
     def init_fn(params):
+        if is_placeholder(params):  # optax.tree.map_params
+            return MuonState(count=jnp.zeros([], jnp.int32), mu=params)
         check_sharded(params, plan, "scale_by_muon")
-        return MuonState(
+        return place_state(MuonState(
             count=jnp.zeros([], jnp.int32),
             mu=optax.tree.zeros_like(params, dtype=mu_dtype),
-        )
+        ), plan)
 
-    def update_fn(updates, state, params=None):
-        del params
+    def update_fn(updates, state, params=None, **extra_args):
+        del params, extra_args
         check_sharded(updates, plan, "scale_by_muon")
         mu = optax.tree.update_moment(updates, state.mu, beta, 1)
         count_inc = optax_muon.numerics.safe_increment(state.count)
@@ -228,14 +237,15 @@ def scale_by_muon(
         else:
             mu_hat = optax.tree.bias_correction(mu, beta, count_inc)
         out = route_newton_schulz(mu_hat.buffers, plan, routing, orthogonalize,
-                                  orthogonalize_split=orthogonalize_split, adaptive=adaptive)
+                                  orthogonalize_split=orthogonalize_split, adaptive=adaptive,
+                                  operands=(jnp.asarray(eps, jnp.float32),))
         mu = optax.tree.cast(mu, mu_dtype)
         return ShardedParams(out, plan), MuonState(count=count_inc, mu=mu)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _shape_scales(plan: Plan, dims: Sequence[Any], consistent_rms: float | None) -> np.ndarray:
+def _shape_scales(plan: Plan, dims: Sequence[Any], consistent_rms: Any) -> np.ndarray | jax.Array:
     table = np.ones(len(plan.leaves) + 1, np.float32)
     table[-1] = 0.0
     for i, d in enumerate(dims):
@@ -248,8 +258,12 @@ def _shape_scales(plan: Plan, dims: Sequence[Any], consistent_rms: float | None)
         if consistent_rms is None:
             table[i] = np.sqrt(np.float32(max(1.0, fan_out / fan_in)))
         else:
-            table[i] = np.sqrt(np.float32(max(fan_in, fan_out))) * np.float32(consistent_rms)
-    return table
+            table[i] = np.sqrt(np.float32(max(fan_in, fan_out)))
+    if consistent_rms is None:
+        return table
+    # ``consistent_rms`` may be a traced hyperparameter (``optax.inject_hyperparams``): scale the Muon entries only.
+    is_muon = np.array([d is not None for d in dims] + [False])
+    return jnp.where(is_muon, table * jnp.asarray(consistent_rms, jnp.float32), table)
 
 
 def scale_by_shape(
@@ -258,14 +272,19 @@ def scale_by_shape(
     """``optax.contrib``'s shape scaling per Muon leaf (other leaves unchanged), element-wise on the shards."""
     table = _shape_scales(plan, resolve_dimension_numbers(plan, weight_dimension_numbers), consistent_rms)
 
-    def update_fn(updates, state, params=None):
-        del params
+    def update_fn(updates, state, params=None, **extra_args):
+        del params, extra_args
         check_sharded(updates, plan, "scale_by_shape")
         scales = per_element(plan, updates.buffers, table)
         out = [u * s.astype(u.dtype) for u, s in zip(updates.buffers, scales, strict=True)]
         return ShardedParams(out, plan), state
 
-    return optax.GradientTransformation(optax.init_empty_state, update_fn)
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
+
+
+def _is_zero(value: Any) -> bool:
+    """Whether a hyperparameter is a static zero (a traced one, from ``optax.inject_hyperparams``, is not)."""
+    return isinstance(value, int | float) and value == 0
 
 
 class SelectState(NamedTuple):
@@ -323,8 +342,8 @@ def muon(
                       ns_unroll=ns_unroll),
         scale_by_shape(plan=plan, weight_dimension_numbers=muon_weight_dimension_numbers,
                        consistent_rms=consistent_rms),
-        masked_decay(plan, weight_decay, leaf_mask(plan, weight_decay_mask) & is_muon) if weight_decay
-        else optax.identity(),
+        optax.identity() if _is_zero(weight_decay)
+        else masked_decay(plan, weight_decay, leaf_mask(plan, weight_decay_mask) & is_muon),
         optax.scale_by_learning_rate(learning_rate),
     )
     adam_tx = optax.adamw(adam_learning_rate, b1=adam_b1, b2=adam_b2, eps=eps, eps_root=adam_eps_root,

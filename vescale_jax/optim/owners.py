@@ -337,7 +337,7 @@ def run_indices(lookup: RunLookup, k: jax.Array, n: int, after: jax.Array) -> ja
     whatever XLA fuses, the temporaries are one chunk. The array starts from ``after`` (any value, every
     entry is overwritten) so that it cannot be computed, and held, before the data it indexes exists.
     """
-    tie = jnp.ravel(after)[0] if after.size else 0
+    tie = jnp.real(jnp.ravel(after)[0]) if after.size else 0  # real: a complex tie would warn on the int cast
     init = jnp.broadcast_to(jax.lax.convert_element_type(tie, jnp.int32), (n,))
     if n == 0:
         return init
@@ -576,6 +576,7 @@ def route_newton_schulz(
     leaf_scale: np.ndarray | None = None,
     adaptive: bool = False,
     dtype: Any = None,
+    operands: Sequence[Any] = (),
 ) -> list[jax.Array]:
     """Orthogonalises every Muon matrix of ``buffers`` (global bucket buffers) on its owner.
 
@@ -590,6 +591,8 @@ def route_newton_schulz(
       leaf_scale: optional ``(num_leaves,)`` factor per leaf applied on the owner.
       adaptive: multiply each leaf's result by ``sum(input * result)`` over the leaf (``optax``'s adaptive).
       dtype: working dtype (default: the promoted dtype of the routed buckets).
+      operands: replicated values (e.g. traced hyperparameters) passed on as trailing arguments of
+        ``orthogonalize`` and ``orthogonalize_split`` (``shard_map`` cannot close over traced values).
 
     Returns:
       One global buffer per bucket: the orthogonalised matrices in place, zero elsewhere (buckets without
@@ -607,7 +610,10 @@ def route_newton_schulz(
     scale[-1] = 0.0
     lookups = rt.lookups
 
-    def local(*shards):
+    n_ops = len(operands)
+
+    def local(*args):
+        shards, ops = args[: len(args) - n_ops], args[len(args) - n_ops:]
         k = jax.lax.axis_index(axis)
         zero = jnp.zeros((1,), dtype)
         x = jnp.concatenate([local_vector(shards, rt.buckets, dtype), zero])
@@ -621,18 +627,19 @@ def route_newton_schulz(
         outs, base = [], 0
         for p, q, kc in rt.classes:
             w_in = jnp.reshape(work[base : base + kc * p * q], (kc, p, q))
-            w_out = orthogonalize(w_in)
+            w_out = orthogonalize(w_in, *ops)
             outs.append((w_in, w_out))
             base += kc * p * q
         for p, q, r in rt.splits:
             qs = -(-q // m)
             w_in = jnp.reshape(work[base : base + r * p * qs], (r, p, qs))
-            outs.append((w_in, orthogonalize_split(w_in, axis)))
+            outs.append((w_in, orthogonalize_split(w_in, axis, *ops)))
             base += r * p * qs
         leaf_of = _const(rt.matrix_leaf)[k]
         factor = jnp.take(_const(scale).astype(dtype), leaf_of)
         if adaptive:
-            dots = jnp.concatenate([jnp.sum(a * b, axis=(1, 2)) for a, b in outs]) if outs else jnp.zeros((0,), dtype)
+            dots = [jnp.sum(jnp.conj(a) * b, axis=(1, 2)) for a, b in outs]  # <input, result>, conj for complex
+            dots = jnp.concatenate(dots) if outs else jnp.zeros((0,), dtype)
             per_leaf = jax.ops.segment_sum(dots, leaf_of, num_segments=rt.num_leaves + 1)
             per_leaf = jax.lax.psum(per_leaf, axis)
             factor = factor * jnp.take(per_leaf, leaf_of)
@@ -651,5 +658,6 @@ def route_newton_schulz(
         return tuple(split_local(back, shards, rt.buckets))
 
     specs = tuple(plan.partition_spec(b) for b in plan.buckets)
-    mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=specs, out_specs=specs, check_vma=False)
-    return list(mapped(*buffers))
+    ops_specs = (jax.sharding.PartitionSpec(),) * n_ops
+    mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(*specs, *ops_specs), out_specs=specs, check_vma=False)
+    return list(mapped(*buffers, *operands))

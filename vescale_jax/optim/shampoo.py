@@ -37,7 +37,15 @@ from vescale_jax.optim.blocks import (
     scatter_blocks,
 )
 from vescale_jax.optim.compact import split_leaves
-from vescale_jax.optim.leaves import check_sharded, local_vector, masked_decay, split_local
+from vescale_jax.optim.leaves import (
+    check_sharded,
+    is_placeholder,
+    local_vector,
+    masked_decay,
+    place_state,
+    split_local,
+    static_int,
+)
 from vescale_jax.plan import Plan
 
 __all__ = ["ShampooState", "inverse_root", "scale_by_shampoo", "shampoo", "shampoo_blocks"]
@@ -69,6 +77,13 @@ _BLOCKS_CACHE: dict[Any, BlockTables] = {}
 
 def shampoo_blocks(plan: Plan, block_size: int) -> BlockTables:
     """The block placement :func:`scale_by_shampoo` uses (see ``.summary()`` for the max/mean balance)."""
+    for spec in plan.leaves:
+        if jnp.issubdtype(np.dtype(spec.dtype), jnp.complexfloating):
+            raise ValueError(
+                f"vj.optim.shampoo: leaf {spec.path} is {np.dtype(spec.dtype).name}; Shampoo's statistics and "
+                "inverse roots are real, so complex parameters are not supported: optimise the real and imaginary "
+                "parts as separate real leaves, or use vj.optim.muon (complex-aware)."
+            )
     key = (plan, block_size)
     if key not in _BLOCKS_CACHE:
         _BLOCKS_CACHE[key] = build_blocks(plan, block_size, what="shampoo")
@@ -145,23 +160,30 @@ def scale_by_shampoo(
     """
     if graft_type not in GRAFT_TYPES:
         raise ValueError(f"vj.optim.shampoo: graft_type must be one of {GRAFT_TYPES}, got {graft_type!r}")
-    if preconditioning_compute_steps < 1:
+    block_size = static_int(block_size, "block_size", "scale_by_shampoo")
+    if _concrete(preconditioning_compute_steps) and preconditioning_compute_steps < 1:
         raise ValueError(f"vj.optim.shampoo: preconditioning_compute_steps must be >= 1, got "
                          f"{preconditioning_compute_steps}")
     tables = shampoo_blocks(plan, block_size)
     b, m = block_size, plan.num_devices
-    exponent = float(exponent_override or 4)
+    # Numeric hyperparameters may be traced (optax.inject_hyperparams); only block_size fixes shapes.
+    exponent = (float(exponent_override or 4) if _concrete(exponent_override)
+                else jnp.where(exponent_override == 0, 4.0, exponent_override).astype(jnp.float32))
     gb2 = beta2 if graft_beta2 is None else graft_beta2
     axis = plan.axis
     P = jax.sharding.PartitionSpec
 
     def init_fn(params):
+        if is_placeholder(params):  # optax.tree.map_params: the structure, block slots abstract
+            slots = jax.ShapeDtypeStruct((m * tables.slots, b, b), jnp.float32)
+            return ShampooState(jnp.zeros([], jnp.int32), () if graft_type == "sgd" else params,
+                                *(PerDevice(slots, plan) for _ in range(4)))
         check_sharded(params, plan, "scale_by_shampoo")
         zeros = jnp.zeros((m * tables.slots, b, b), jnp.float32)
         eye = jnp.broadcast_to(jnp.eye(b, dtype=jnp.float32), zeros.shape)
         graft = () if graft_type == "sgd" else optax.tree.zeros_like(params, dtype=jnp.float32)
-        return ShampooState(jnp.zeros([], jnp.int32), graft, PerDevice(zeros, plan), PerDevice(zeros, plan),
-                            PerDevice(eye, plan), PerDevice(eye, plan))
+        return place_state(ShampooState(jnp.zeros([], jnp.int32), graft, PerDevice(zeros, plan),
+                                        PerDevice(zeros, plan), PerDevice(eye, plan), PerDevice(eye, plan)), plan)
 
     def blocks(grads, graft, state, refresh, use):
         specs = tuple(plan.partition_spec(bk) for bk in plan.buckets)
@@ -169,7 +191,7 @@ def scale_by_shampoo(
 
         def local(*args):
             g_shards, d_shards = args[:n], args[n:2 * n]
-            left, right, root_l, root_r, refresh, use = args[2 * n:]
+            left, right, root_l, root_r, refresh, use, beta2, matrix_epsilon, exponent = args[2 * n:]
             k = jax.lax.axis_index(axis)
             g = gather_blocks(local_vector(g_shards, tables.buckets, jnp.float32), tables, k)
             d = gather_blocks(local_vector(d_shards, tables.buckets, jnp.float32), tables, k)
@@ -192,15 +214,17 @@ def scale_by_shampoo(
 
         blocked = P(axis)
         mapped = jax.shard_map(
-            local, mesh=plan.mesh, in_specs=(*specs, *specs, blocked, blocked, blocked, blocked, P(), P()),
+            local, mesh=plan.mesh, in_specs=(*specs, *specs, blocked, blocked, blocked, blocked, *[P()] * 5),
             out_specs=(*specs, blocked, blocked, blocked, blocked), check_vma=False,
         )
+        # Hyperparameters are operands, not closures: they may be traced (optax.inject_hyperparams).
+        hyper = [jnp.asarray(v, jnp.float32) for v in (beta2, matrix_epsilon, exponent)]
         out = mapped(*grads, *graft, state.stats_left.value, state.stats_right.value, state.root_left.value,
-                     state.root_right.value, refresh, use)
+                     state.root_right.value, refresh, use, *hyper)
         return list(out[:n]), [PerDevice(x, plan) for x in out[n:]]
 
-    def update_fn(updates, state, params=None):
-        del params
+    def update_fn(updates, state, params=None, **extra_args):
+        del params, extra_args
         check_sharded(updates, plan, "scale_by_shampoo")
         t = optax.safe_increment(state.count)
         moments = [None] * len(updates.buffers) if graft_type == "sgd" else state.graft.buffers
@@ -217,7 +241,11 @@ def scale_by_shampoo(
         out, stats = blocks(updates.buffers, direction, state, refresh, use)
         return ShardedParams(out, plan), ShampooState(t, graft, *stats)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _concrete(value: Any) -> bool:
+    return not isinstance(value, jax.core.Tracer)
 
 
 class MomentumState(NamedTuple):
@@ -233,8 +261,8 @@ def _momentum(beta1: float, nesterov: bool) -> optax.GradientTransformation:
     def init_fn(params):
         return MomentumState(jnp.zeros([], jnp.int32), optax.tree.zeros_like(params))
 
-    def update_fn(updates, state, params=None):
-        del params
+    def update_fn(updates, state, params=None, **extra_args):
+        del params, extra_args
         t = optax.safe_increment(state.count)
         mu = optax.tree.update_moment(updates, state.mu, beta1, 1)
         if nesterov:
@@ -247,7 +275,7 @@ def _momentum(beta1: float, nesterov: bool) -> optax.GradientTransformation:
             out = optax.tree.bias_correction(mu, beta1, t)
         return out, MomentumState(t, mu)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 class SplitState(NamedTuple):
@@ -297,6 +325,7 @@ def shampoo(
       only, per device; block statistics and roots stay on the device holding the block
       (:func:`shampoo_blocks` reports the max/mean blocks per device).
     """
+    block_size = static_int(block_size, "block_size", "shampoo")
     tables = shampoo_blocks(plan, block_size)
     is_matrix = np.array([*tables.matrix_leaves, False])
     branch = optax.chain(
@@ -305,7 +334,8 @@ def shampoo(
                          preconditioning_compute_steps=preconditioning_compute_steps, graft_type=graft_type,
                          graft_beta2=graft_beta2, exponent_override=exponent_override),
         _momentum(beta1, nesterov),
-        masked_decay(plan, weight_decay, is_matrix) if weight_decay else optax.identity(),
+        optax.identity() if isinstance(weight_decay, int | float) and weight_decay == 0
+        else masked_decay(plan, weight_decay, is_matrix),
         optax.scale_by_learning_rate(learning_rate),
     )
     adam = optax.adamw(learning_rate, b1=beta1, b2=beta2, eps=diagonal_epsilon, weight_decay=weight_decay)
