@@ -91,6 +91,22 @@ class LayerShard:
     def __repr__(self) -> str:
         return f"LayerShard({self.spec.path}, shape={self.shape}, dtype={self.spec.dtype})"
 
+    def _not_an_array(self, *_: Any, **__: Any) -> Any:
+        unit = self.plan.buckets[self.spec.bucket].unit
+        raise TypeError(
+            f"vj.apply: {self.spec.path!r} (shape {self.shape}) belongs to a stacked layer group: inside vj.apply it "
+            "is a vj.LayerShard stand-in for this device's rows, not an array, so it cannot be indexed, used in "
+            "math, or looped over with lax.scan / nnx.scan. Loop the group with vj.scan_layers(body, "
+            f"params[{unit!r}], carry) (NNX: vj.flax.nnx_scan_layers(model.{unit}, x)), which gathers one layer "
+            f"per iteration; or leave {unit!r} out of vj.plan(stacked=...) to gather it whole."
+        )
+
+    # Any use as an array ends here with the message above (instead of a TypeError deep inside Flax or jnp).
+    __jax_array__ = __array__ = __len__ = __iter__ = __getitem__ = __bool__ = __index__ = _not_an_array
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _not_an_array
+    __matmul__ = __rmatmul__ = __pow__ = __neg__ = __lt__ = __le__ = __gt__ = __ge__ = _not_an_array
+    astype = reshape = sum = mean = _not_an_array
+
 
 def _is_shard(x: Any) -> bool:
     return isinstance(x, LayerShard)

@@ -34,6 +34,7 @@ from vescale_jax.optim.blocks import (
     BlockTables,
     build_blocks,
     gather_blocks,
+    matrix_view,
     scatter_blocks,
 )
 from vescale_jax.optim.compact import split_leaves
@@ -68,7 +69,15 @@ _BLOCKS_CACHE: dict[Any, BlockTables] = {}
 
 
 def shampoo_blocks(plan: Plan, block_size: int) -> BlockTables:
-    """The block placement :func:`scale_by_shampoo` uses (see ``.summary()`` for the max/mean balance)."""
+    """The block placement :func:`scale_by_shampoo` uses (see ``.summary()`` for the max/mean balance).
+
+    A ``block_size`` larger than every matrix is clipped to the largest matrix dim (``tables.block_size``):
+    the statistics are then that size instead of ``block_size x block_size`` of zero padding, for the same
+    update (a padded block's extra rows and columns are zero in the preconditioned block).
+    """
+    if not isinstance(block_size, bool) and isinstance(block_size, int) and block_size > 1:
+        dims = [max(v) for v in (matrix_view(plan.layer_shape(s)) for s in plan.leaves) if v is not None]
+        block_size = min(block_size, max(dims, default=block_size))
     key = (plan, block_size)
     if key not in _BLOCKS_CACHE:
         _BLOCKS_CACHE[key] = build_blocks(plan, block_size, what="shampoo")
@@ -149,7 +158,7 @@ def scale_by_shampoo(
         raise ValueError(f"vj.optim.shampoo: preconditioning_compute_steps must be >= 1, got "
                          f"{preconditioning_compute_steps}")
     tables = shampoo_blocks(plan, block_size)
-    b, m = block_size, plan.num_devices
+    b, m = tables.block_size, plan.num_devices
     exponent = float(exponent_override or 4)
     gb2 = beta2 if graft_beta2 is None else graft_beta2
     axis = plan.axis
