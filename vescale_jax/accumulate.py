@@ -124,7 +124,7 @@ def gather_copies(params: ShardedParams) -> GatheredParams:
         out = []
         for b in buffers:
             b = b if policy is None else b.astype(policy.gather_dtype(b.dtype))
-            out.append(jax.lax.all_gather(b, axis, axis=b.ndim - 1, tiled=True))
+            out.append(jax.lax.all_gather(b, axis, axis=b.ndim - 1, tiled=True) if b.shape[-1] else b)
         return tuple(out)
 
     copies = jax.shard_map(local, mesh=plan.mesh, in_specs=(specs,), out_specs=specs)(params.buffers)
@@ -141,6 +141,9 @@ def reduce_copies(grads: GatheredParams, like: ShardedParams) -> ShardedParams:
         out = []
         for g, bucket in zip(gs, plan.buckets, strict=True):
             g = g if policy is None else g.astype(policy.grad_dtype(bucket.dtype))
+            if not g.shape[-1]:  # a bucket of zero-size leaves: nothing to reduce
+                out.append(g.astype(bucket.dtype))
+                continue
             out.append(jax.lax.psum_scatter(g, axis, scatter_dimension=g.ndim - 1, tiled=True).astype(bucket.dtype))
         return tuple(out)
 

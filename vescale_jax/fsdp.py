@@ -233,7 +233,7 @@ def _resharded(fn: Callable[..., Any], plan: Plan, opts: _Options) -> Callable[.
         grads = dict(zip(static["keys"], d_flat, strict=True))
         d_buffers = list(d_buffers)
         for b, bucket in enumerate(plan.buckets):
-            if bucket.layers is None:
+            if bucket.layers is None and bucket.layout.total_size:  # an empty bucket has no gradient to scatter
                 policy = opts.precision
                 dtype = None if policy is None else policy.grad_dtype(bucket.dtype)
                 packed = pack_bucket([grads[i] for i in bucket.leaves], bucket, dtype=dtype)
@@ -395,7 +395,7 @@ def place_batch(
         if x.shape[0] % k:
             raise ValueError(
                 f"vj.fsdp: batch leaf {name} has shape {x.shape}: its leading dim {x.shape[0]} does not split into "
-                f"{k} micro-batches (microbatches={k}). Use a batch size that is a multiple of {k}, or other microbatches."
+                f"{k} micro-batches (microbatches={k}); use a batch size that is a multiple of {k}."
             )
         return x.reshape(k, x.shape[0] // k, *x.shape[1:]) if microbatches else x
 

@@ -205,7 +205,7 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
         return tuple(
             jax.lax.all_gather(
                 vary(jax.lax.dynamic_index_in_dim(r, i, keepdims=False), replica_axes).astype(d), axis, tiled=True
-            )
+            ) if r.shape[-1] else vary(r[i], replica_axes).astype(d)  # zero-size leaves only: nothing to gather
             for r, d in zip(rows_, gather_dtypes, strict=True)
         )
 
@@ -240,7 +240,8 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
 
     def reduce_scatter(dg):
         return tuple(
-            reduce_scatter_cast(d, axis, policy, r.dtype, like=r) for d, r in zip(dg, rows, strict=True)
+            reduce_scatter_cast(d, axis, policy, r.dtype, like=r) if r.shape[-1] else d.astype(r.dtype)
+            for d, r in zip(dg, rows, strict=True)
         )
 
     def layer_vjp(g, c_in, x, consts_, ct):

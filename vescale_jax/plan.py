@@ -401,13 +401,6 @@ def plan(
                 )
         per_layer = [infos[i][1][1:] if layers is not None else infos[i][1] for i in indices]
         sizes = [math.prod(s) for s in per_layer]
-        if not any(sizes):
-            detail = ", ".join(f"{jax.tree_util.keystr(infos[i][0])}: {infos[i][1]}" for i in indices[:4])
-            raise ValueError(
-                f"vj.plan: bucket {unit}:{dtype_name} (unit {unit!r}) holds only zero-size leaves ({detail}); "
-                "a bucket of no elements has nothing to shard or gather. Drop those leaves from the tree, or give "
-                "them a unit with other leaves of the same dtype (units=...)."
-            )
         grans = [infos[i][4] for i in indices]
         blocks = [g.block(s) for g, s in zip(grans, per_layer, strict=True)]
         align = max(1, align_bytes // np.dtype(dtype_name).itemsize)
