@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import json
 import math
 from collections.abc import Callable, Collection, Sequence
@@ -298,9 +299,24 @@ def _is_layer_shard(leaf: Any) -> bool:
     return type(leaf).__name__ == "LayerShard" and hasattr(leaf, "rows")
 
 
+def _call_user(fn: Callable[..., Any], name: str, path: KeyPath, leaf: Any) -> Any:
+    """Calls a user's ``(key_path, leaf)`` callback, naming the argument when its signature does not fit."""
+    try:
+        inspect.signature(fn).bind(path, leaf)
+    except TypeError as e:
+        raise TypeError(
+            f"vj.plan: {name}= must be a callable of (key_path, leaf), but {fn!r} cannot take those two arguments "
+            f"({e}); e.g. {name}=lambda path, leaf: ..."
+        ) from None
+    except ValueError:  # no signature (a builtin): just call it
+        pass
+    return fn(path, leaf)
+
+
 def _resolve_granularity(granularity: GranularityArg, path: KeyPath, leaf: Any) -> Granularity:
     check_granularity_factory(granularity, "granularity")
-    g = granularity(path, leaf) if callable(granularity) and not isinstance(granularity, Granularity) else granularity
+    g = (_call_user(granularity, "granularity", path, leaf)
+         if callable(granularity) and not isinstance(granularity, Granularity) else granularity)
     check_granularity_factory(g, f"the granularity callable's result for leaf {jax.tree_util.keystr(path)}")
     if not isinstance(g, Granularity):
         raise TypeError(
@@ -361,7 +377,7 @@ def plan(
     infos = []
     for index, (path, leaf) in enumerate(flat):
         shape, dtype = _leaf_shape_dtype(path, leaf)
-        unit = str(unit_of(path, leaf))
+        unit = str(_call_user(unit_of, "units", path, leaf) if units is not None else unit_of(path, leaf))
         g = _resolve_granularity(granularity, path, leaf)
         infos.append((path, shape, dtype, unit, g))
         groups.setdefault((unit, dtype.name), []).append(index)
