@@ -170,6 +170,10 @@ CASES = [
                              opt_state=lambda sp: vj.init_opt_state(optax.adam(1e-3),
                                                                     vj.shard(tree(), other_devices(w)))),
          ValueError, (r"opt_state\[0\]\.mu", r"devices \[2, 3\]", "vj.init_opt_state")),
+    Case("opt_state_of_the_logical_tree",
+         lambda w: fsdp_call(w, lambda p, o, v: (p, o, v), tx=optax.adam(1e-3),
+                             opt_state=lambda sp: optax.adam(1e-3).init(tree())),
+         ValueError, (r"opt_state\[0\]\.mu", "logical parameter tree", r"vj\.init_opt_state\(tx, params\)")),
     # --- vj.plan arguments -------------------------------------------------------------------------------------
     Case("stacked_typo", lambda w: vj.plan(tree(), w.mesh, stacked=("aa",)), ValueError,
          (r"stacked=\('aa',\)", r"'aa'", r"units are \['a', 'c'\]")),

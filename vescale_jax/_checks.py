@@ -108,6 +108,26 @@ def plan_states(tree: Any) -> list[tuple[str, Any]]:
     return [(jax.tree_util.keystr(p) or "<root>", v) for p, v in flat if isinstance(v, kinds)]
 
 
+def check_state_not_logical(opt_state: Any, plan: Any) -> None:
+    """ValueError if the optimizer state holds the plan's *logical* tree (``tx.init`` ran on unsharded params)."""
+    if plan.treedef.num_leaves < 2:  # a one-array tree's structure is every leaf's
+        return
+
+    def logical(x: Any) -> bool:
+        try:
+            return jax.tree.structure(x) == plan.treedef
+        except Exception:
+            return False
+
+    for path, node in jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=logical)[0]:
+        if logical(node):
+            raise ValueError(
+                f"vj.fsdp: opt_state{jax.tree_util.keystr(path)} has the structure of the logical parameter tree: the "
+                "optimizer state was initialised on the unsharded params (tx.init(params)); initialise it on the "
+                "ShardedParams: opt_state = vj.init_opt_state(tx, params)."
+            )
+
+
 def check_axes(axes: Sequence[str], mesh: Any, what: str) -> None:
     """ValueError for a duplicated axis or one the mesh lacks."""
     seen: set[str] = set()

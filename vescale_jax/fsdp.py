@@ -35,6 +35,7 @@ from vescale_jax._checks import (
     check_microbatches,
     check_precision_type,
     check_sharded_params,
+    check_state_not_logical,
     check_step_outputs,
     int_grad_message,
     plan_difference,
@@ -541,6 +542,7 @@ def fsdp(
     auto = all(t == jax.sharding.AxisType.Auto for t in plan.mesh.axis_types)
 
     def traced(params, opt_state, batch, *rest):
+        check_state_not_logical(opt_state, plan)  # at trace time: jit retraces for another state structure
         with _options(opts):
             try:
                 out = step(params, opt_state, batch, *rest)
