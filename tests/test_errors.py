@@ -210,6 +210,10 @@ CASES = [
     Case("microbatches_not_dividing",
          lambda w: vj.fsdp(lambda *a: a, plan=w.plan, microbatches=3)(w.sp, None, {"x": np.ones((8, 3))}),
          ValueError, (r"batch leaf \['x'\]", r"\(8, 3\)", "does not split into 3 micro-batches", "multiple of 3")),
+    Case("microbatched_batch_without_accumulate",
+         lambda w: vj.fsdp(lambda p, o, b: jax.grad(loss)(p, b), plan=w.plan, microbatches=2, donate=False)(
+             w.sp, None, np.ones((8, 3), np.float32)),
+         ValueError, ("batch argument 0", r"\(2, 4, 3\)", "micro-batch dim", r"vj\.accumulate\(loss_fn")),
     Case("accumulate_without_microbatches", accumulate_case(None), ValueError,
          ("without microbatches=", r"microbatches=k")),
     Case("scalar_batch_leaf", lambda w: vj.fsdp(lambda *a: a, plan=w.plan)(w.sp, None, {"x": np.ones((4, 3)),
@@ -385,7 +389,7 @@ def test_shampoo_clips_a_block_larger_than_every_matrix(w):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-5 * np.abs(r).max())
 
 
-@pytest.mark.parametrize("reduce", ["each", "once"])
+@pytest.mark.parametrize("reduce", ["each", pytest.param("once", marks=pytest.mark.slow)])
 def test_buckets_of_only_zero_size_leaves_train_like_the_reference(reduce):
     # A unit (and a stacked layer group's dtype bucket) holding only zero-size leaves has S = 0: nothing to
     # gather or reduce-scatter (XLA rejects empty collectives); the rest of the step is unchanged.

@@ -333,7 +333,13 @@ def _check_placed(args: Any, plan: Plan, axes: tuple[str, ...]) -> None:
         spec = tuple(getattr(sharding, "spec", ()) or ())
         dim0 = _axes(spec[0]) if spec and spec[0] is not None else ()
         if dim0 != axes:
-            where = f"argument {path[0].idx}" + jax.tree_util.keystr(path[1:]) if path else "argument"
+            where = f"batch argument {path[0].idx}" + jax.tree_util.keystr(path[1:]) if path else "batch argument"
+            if len(spec) > 1 and spec[1] is not None and _axes(spec[1]) == axes:
+                raise ValueError(
+                    f"vj.apply: {where} (shape {tuple(np.shape(leaf))}) still has its leading micro-batch dim (the "
+                    "step was compiled with microbatches=); compute the loss through vj.accumulate(loss_fn, params, "
+                    "batch), which hands vj.apply one micro-batch at a time."
+                )
             raise ValueError(
                 f"vj.apply: {where} (shape {tuple(np.shape(leaf))}) has dim 0 sharded as {spec[:1] or '(unplaced)'}, "
                 f"but the mesh's axes are Explicit and the batch must be split over {axes}; place it first: "
@@ -510,11 +516,13 @@ def fsdp(
         gradients and optimizer state keep the plan's dtype.
       microbatches: hand the step the batch as ``k`` micro-batches (leaves ``(k, B/k, ...)``, dim 1 split over
         the data axes) for :func:`vj.accumulate`.
-      donate: donate ``params`` and ``opt_state`` buffers to the outputs.
+      donate: donate ``params`` and ``opt_state`` buffers to the outputs. The step must then return
+        ``(params, opt_state, *rest)`` (checked when it is first traced); with ``donate=False`` (an evaluation
+        step) it may return anything.
 
     Returns:
-      The compiled step. It checks its inputs (params against the plan, the batch against the data-parallel
-      size), places the batch with :func:`data_sharding` and keeps parameter-shaped outputs sharded like their
+      The compiled step. It checks its inputs (params and every ``ShardedParams`` / ``PerDevice`` of the
+      optimizer state against the plan, the batch against the data-parallel size), places the batch with :func:`data_sharding` and keeps parameter-shaped outputs sharded like their
       buckets. ``.lower(...)`` gives the lowered computation for inspection.
 
     Sharding:
