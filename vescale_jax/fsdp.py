@@ -428,10 +428,14 @@ def _apply_gathered(fn, params, args, data_axes, in_specs, out_specs):
     plan = params.plan
     outer = _OPTIONS.get()
     axes = _axes(data_axes) if data_axes is not None else (outer.data_axes if outer else _axes(plan.axis))
+    data_sharding(plan, axes)  # checks the axes
     if in_specs is None:
         _check_batch(args, _data_size(plan.mesh, axes), axes, what="vj.apply argument")
+        _check_placed(args, plan, axes)
         in_specs = tuple(P(axes) for _ in args)
-    out_specs = P(axes) if out_specs is None else out_specs
+    if out_specs is None:
+        out_specs = P(axes)
+        fn = _per_example_outputs(fn, axes)
 
     def local(copies, *local_args):
         return fn(jax.tree_util.tree_unflatten(plan.treedef, unpack(copies, plan)), *local_args)

@@ -143,6 +143,7 @@ def scan_layers(
       the backward reduce-scatters that layer's gradient; per-layer parameters exist in full on each device only
       for the layer being computed and the one being prefetched.
     """
+    body = _carry_checked(body, carry)
     leaves, treedef = jax.tree_util.tree_flatten(layer_params, is_leaf=_is_shard)
     has_xs = xs is not None
     shards = [x for x in leaves if _is_shard(x)]
@@ -161,6 +162,25 @@ def scan_layers(
     if prefetch is None:
         prefetch = shards[0].prefetch
     return _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch)
+
+
+def _carry_checked(body: Callable, carry: Any) -> Callable:
+    """``body`` that raises, at trace time, when it returns something else than a carry like ``carry``."""
+    want = jax.tree.structure(carry)
+
+    def checked(*a):
+        out = body(*a)
+        if jax.tree.structure(out) != want:
+            extra = (" (it looks like lax.scan's (carry, y))" if isinstance(out, tuple) and len(out) == 2
+                     and jax.tree.structure(out[0]) == want else "")
+            raise TypeError(
+                f"vj.scan_layers: body returned {jax.tree.structure(out)}{extra}, but it must return the new carry "
+                f"only, structured like the carry passed in ({want}); there are no per-layer outputs: return the "
+                "carry (collect per-layer values in the carry, or pass per-layer inputs as xs)."
+            )
+        return out
+
+    return checked
 
 
 def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
