@@ -527,7 +527,8 @@ def fsdp(
     Returns:
       The compiled step. It checks its inputs (params and every ``ShardedParams`` / ``PerDevice`` of the
       optimizer state against the plan, the batch against the data-parallel size), places the batch with
-      :func:`data_sharding` and keeps parameter-shaped outputs sharded like their buckets. ``.lower(...)`` gives the lowered computation for inspection.
+      :func:`data_sharding` and keeps parameter-shaped outputs sharded like their buckets. ``.lower(...)``
+      gives the lowered computation for inspection.
 
     Sharding:
       Params and optimizer state stay sharded over the plan's axis; the batch (argument 2 and any further
