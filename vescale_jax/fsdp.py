@@ -137,11 +137,7 @@ def _check_batch(batch: Any, size: int, data_axes: tuple[str, ...], what: str = 
     for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
         shape = tuple(np.shape(leaf))
         if not shape:
-            raise ValueError(
-                f"vj.fsdp: {_leaf_name(what, path)} is a scalar ({leaf!r:.40}); every "
-                f"batch leaf needs a leading batch dim to split over {data_axes}. Give it one (e.g. x[None] "
-                "repeated per example), or pass per-step constants as later step arguments / close over them."
-            )
+            raise _scalar_leaf(f"{what} leaf {jax.tree_util.keystr(path) or '<root>'}", leaf, data_axes)
         if shape[0] % size:
             raise ValueError(
                 f"vj.fsdp: {what} leaf {jax.tree_util.keystr(path) or '<root>'} has shape {shape}; its leading "
@@ -150,8 +146,12 @@ def _check_batch(batch: Any, size: int, data_axes: tuple[str, ...], what: str = 
             )
 
 
-def _leaf_name(what: str, path: Any) -> str:
-    return what[:-1] if what.endswith(":") else f"{what} leaf {jax.tree_util.keystr(path) or '<root>'}"
+def _scalar_leaf(name: str, leaf: Any, data_axes: tuple[str, ...]) -> ValueError:
+    return ValueError(
+        f"vj.fsdp: {name} is a scalar ({leaf!r:.40}); every batch leaf needs a leading batch dim to split over "
+        f"{data_axes}. Give it one (e.g. x[None] repeated per example), or pass per-step constants as later step "
+        "arguments / close over them."
+    )
 
 
 # Outputs of these primitives are copies or views of their inputs: under reshard-after-forward they are
@@ -398,7 +398,7 @@ def place_batch(
         x = np.asarray(x)
         name = jax.tree_util.keystr(path) or "<root>"
         if not x.ndim:
-            _check_batch(x, size, axes, what=f"batch leaf {name}:")
+            raise _scalar_leaf(f"batch leaf {name}", x, axes)
         if x.shape[0] % k:
             raise ValueError(
                 f"vj.fsdp: batch leaf {name} has shape {x.shape}: its leading dim {x.shape[0]} does not split into "
