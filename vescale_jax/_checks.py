@@ -110,14 +110,16 @@ def plan_states(tree: Any) -> list[tuple[str, Any]]:
 
 def check_state_not_logical(opt_state: Any, plan: Any) -> None:
     """ValueError if the optimizer state holds the plan's *logical* tree (``tx.init`` ran on unsharded params)."""
-    if plan.treedef.num_leaves < 2:  # a one-array tree's structure is every leaf's
+    if plan.treedef.num_leaves < 2 or plan_states(opt_state):  # state built on the shards: nothing to say
         return
+    shapes = [s.shape for s in plan.leaves]
 
     def logical(x: Any) -> bool:
         try:
-            return jax.tree.structure(x) == plan.treedef
+            flat, treedef = jax.tree.flatten(x)
         except Exception:
             return False
+        return treedef == plan.treedef and [tuple(np.shape(v)) for v in flat] == shapes
 
     for path, node in jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=logical)[0]:
         if logical(node):
