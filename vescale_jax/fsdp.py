@@ -325,7 +325,8 @@ def apply(
 
 def _check_placed(args: Any, plan: Plan, axes: tuple[str, ...]) -> None:
     """On Explicit mesh axes a batch must already carry dim 0 over the data axes (shard_map does not move it)."""
-    explicit = [a for a in axes if plan.mesh._name_to_type[a] == jax.sharding.AxisType.Explicit]
+    types = dict(zip(plan.mesh.axis_names, plan.mesh.axis_types, strict=True))
+    explicit = [a for a in axes if types[a] == jax.sharding.AxisType.Explicit]
     if not explicit or _data_size(plan.mesh, axes) == 1:
         return
     for path, leaf in jax.tree_util.tree_flatten_with_path(args)[0]:
