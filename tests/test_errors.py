@@ -153,6 +153,8 @@ CASES = [
          ValueError, ("renamed", r"'a/b' -> 'a/bias'", "re-run vj.plan")),
     Case("init_fn_extra_leaf", lambda w: vj.init_sharded(lambda: {**tree(), "z": jnp.ones(3)}, w.plan), ValueError,
          ("init_fn output", "extra", r"'z'")),
+    Case("shard_abstract_leaves", lambda w: vj.shard(jax.eval_shape(tree), w.plan), TypeError,
+         ("'a/b'", "ShapeDtypeStruct", r"\(5,\) float32", r"vj\.init_sharded\(init_fn, plan, key\)")),
     Case("shard_already_sharded", lambda w: vj.shard(w.sp, w.plan), TypeError,
          ("already a vj.ShardedParams", "pass them as they are")),
     Case("shard_swapped_args", lambda w: vj.shard(w.plan, tree()), TypeError, ("expected a vj.Plan", "dict",

@@ -224,6 +224,13 @@ def shard(params: Any, plan: Plan) -> ShardedParams:
       parameters without ever holding the whole model.
     """
     leaves = check_tree(params, plan)
+    for spec, leaf in zip(plan.leaves, leaves, strict=True):
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            raise TypeError(
+                f"vj.shard: leaf {spec.path!r} is an abstract jax.ShapeDtypeStruct {spec.shape} {spec.dtype}, not an "
+                "array; shard real values, or create them straight into the shards with "
+                "vj.init_sharded(init_fn, plan, key) (abstract trees are for vj.plan)."
+            )
     fn = jax.jit(lambda xs: pack(xs, plan), out_shardings=plan.shardings())
     return ShardedParams(fn(leaves), plan)
 
