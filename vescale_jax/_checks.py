@@ -18,6 +18,7 @@ __all__ = [
     "check_microbatches",
     "check_precision_type",
     "check_sharded_params",
+    "check_state_not_logical",
     "check_step_outputs",
     "check_x64",
     "int_grad_message",
@@ -56,7 +57,7 @@ def tree_difference(got_paths: Sequence[str], planned_paths: Sequence[str]) -> s
 
 
 def _mesh_text(mesh: Any) -> str:
-    ids = np.vectorize(lambda d: d.id)(np.asarray(mesh.devices)).reshape(-1).tolist()
+    ids = [int(d.id) for d in np.asarray(mesh.devices).flat]
     shown = ids if len(ids) <= 16 else [*ids[:16], "..."]
     return f"mesh {dict(mesh.shape)} on devices {shown}"
 
