@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from vescale_jax.buffer import GatheredParams, ShardedParams
 from vescale_jax.precision import MixedPrecision
@@ -44,16 +45,7 @@ def accumulate(
     """
     if reduce not in ("each", "once"):
         raise ValueError(f"vj.accumulate: reduce={reduce!r}; use 'each' or 'once'.")
-    leaves = jax.tree.leaves(batch)
-    if not leaves:
-        raise ValueError("vj.accumulate: the batch has no arrays.")
-    k = leaves[0].shape[0]
-    for x in leaves:
-        if x.ndim < 2 or x.shape[0] != k:
-            raise ValueError(
-                f"vj.accumulate: every batch leaf needs a leading micro-batch dim of {k} and a batch dim, got "
-                f"shape {x.shape}; compile the step with vj.fsdp(..., microbatches={k})."
-            )
+    k = _micro_count(batch)
     grad_fn = jax.value_and_grad(fun, has_aux=has_aux)
     reduced = params
     if reduce == "once":
@@ -84,6 +76,34 @@ def accumulate(
     return ((loss, aux) if has_aux else loss), grads
 
 
+def _micro_count(batch: Any) -> int:
+    """The leading micro-batch count ``k`` shared by every batch leaf (checked against ``vj.fsdp(microbatches=)``)."""
+    from vescale_jax.fsdp import _OPTIONS
+
+    flat = jax.tree_util.tree_flatten_with_path(batch)[0]
+    if not flat:
+        raise ValueError(f"vj.accumulate: the batch has no arrays (got {type(batch).__name__}); pass the step's batch.")
+    opts = _OPTIONS.get()
+    expected = None if opts is None else opts.microbatches
+    if opts is not None and expected is None:
+        raise ValueError(
+            "vj.accumulate: the enclosing vj.fsdp step was compiled without microbatches=, so the batch has no "
+            "micro-batch dim; compile it with vj.fsdp(step, plan=plan, microbatches=k)."
+        )
+    first_path, first = flat[0]
+    k = expected if expected is not None else (np.shape(first)[0] if np.ndim(first) else 0)
+    for path, x in flat:
+        shape, name = tuple(np.shape(x)), jax.tree_util.keystr(path) or "<root>"
+        if len(shape) < 2 or shape[0] != k or k < 1:
+            raise ValueError(
+                f"vj.accumulate: batch leaf {name} has shape {shape}; every leaf needs a leading micro-batch dim of "
+                f"{k} (from {'vj.fsdp(microbatches=)' if expected else jax.tree_util.keystr(first_path) or '<root>'}) "
+                "and a batch dim. Compile the step with vj.fsdp(..., microbatches=k) (it splits the batch), or "
+                "reshape leaves to (k, batch // k, ...)."
+            )
+    return k
+
+
 def _policy_and_axes(plan):
     from vescale_jax.fsdp import _OPTIONS
 
@@ -105,7 +125,7 @@ def gather_copies(params: ShardedParams) -> GatheredParams:
         out = []
         for b in buffers:
             b = b if policy is None else b.astype(policy.gather_dtype(b.dtype))
-            out.append(jax.lax.all_gather(b, axis, axis=b.ndim - 1, tiled=True))
+            out.append(jax.lax.all_gather(b, axis, axis=b.ndim - 1, tiled=True) if b.shape[-1] else b)
         return tuple(out)
 
     copies = jax.shard_map(local, mesh=plan.mesh, in_specs=(specs,), out_specs=specs)(params.buffers)
@@ -122,6 +142,9 @@ def reduce_copies(grads: GatheredParams, like: ShardedParams) -> ShardedParams:
         out = []
         for g, bucket in zip(gs, plan.buckets, strict=True):
             g = g.astype((policy or MixedPrecision()).grad_dtype(bucket.dtype))
+            if not g.shape[-1]:  # a bucket of zero-size leaves: nothing to reduce
+                out.append(g.astype(bucket.dtype))
+                continue
             out.append(jax.lax.psum_scatter(g, axis, scatter_dimension=g.ndim - 1, tiled=True).astype(bucket.dtype))
         return tuple(out)
 

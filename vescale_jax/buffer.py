@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vescale_jax._checks import check_sharded_params, tree_difference
 from vescale_jax.guards import check_children
-from vescale_jax.plan import Bucket, Plan
+from vescale_jax.plan import Bucket, Plan, path_str
 from vescale_jax.planner import BucketLayout
 
 __all__ = [
@@ -123,11 +124,23 @@ class PerDevice:
 
 def check_tree(params: Any, plan: Plan, *, what: str = "params") -> list[Any]:
     """Returns the leaves of ``params`` after checking structure, shapes and dtypes against ``plan``."""
+    if not isinstance(plan, Plan):
+        raise TypeError(
+            f"expected a vj.Plan, got {type(plan).__name__}; the arguments are ({what}, plan) with plan from "
+            "vj.plan(params, mesh)."
+        )
+    if isinstance(params, _Buffers):
+        raise TypeError(
+            f"{what} are already a vj.{type(params).__name__}; pass them as they are (vj.unshard(sp) gives the "
+            "logical tree back)."
+        )
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     if treedef != plan.treedef:
+        got = [path_str(p) for p, _ in flat]
         raise ValueError(
-            f"{what} do not match the plan's tree structure: got {len(flat)} leaves, the plan has "
-            f"{len(plan.leaves)} (first planned: {[s.path for s in plan.leaves[:3]]}); re-run vj.plan on this tree."
+            f"{what} do not match the plan's tree structure ({len(flat)} leaves, the plan has {len(plan.leaves)}): "
+            f"{tree_difference(got, [s.path for s in plan.leaves])}. Pass the tree the plan was made from, or "
+            "re-run vj.plan on this tree."
         )
     leaves = []
     for (path, leaf), spec in zip(flat, plan.leaves, strict=True):
@@ -213,12 +226,20 @@ def shard(params: Any, plan: Plan) -> ShardedParams:
       parameters without ever holding the whole model.
     """
     leaves = check_tree(params, plan)
+    for spec, leaf in zip(plan.leaves, leaves, strict=True):
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            raise TypeError(
+                f"vj.shard: leaf {spec.path!r} is an abstract jax.ShapeDtypeStruct {spec.shape} {spec.dtype}, not an "
+                "array; shard real values, or create them straight into the shards with "
+                "vj.init_sharded(init_fn, plan, key) (abstract trees are for vj.plan)."
+            )
     fn = jax.jit(lambda xs: pack(xs, plan), out_shardings=plan.shardings())
     return ShardedParams(fn(leaves), plan)
 
 
 def unshard(sp: ShardedParams) -> Any:
     """The logical tree back from :class:`ShardedParams`, bit-exact, replicated on the plan's mesh."""
+    check_sharded_params(sp, "vj.unshard", what="its argument")
     plan = sp.plan
     replicated = jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec())
     buffers = [jax.device_put(x, replicated) for x in sp.buffers]  # all-gather; works on Auto and Explicit axes

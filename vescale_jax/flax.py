@@ -44,6 +44,12 @@ def nnx_apply(
     """
     from flax import nnx
 
+    if isinstance(graphdef, nnx.Module):
+        raise TypeError(
+            f"vj.flax.nnx_apply: the first argument is a {type(graphdef).__name__} module; pass its graphdef: "
+            "graphdef, state = nnx.split(model), with state the tree that was planned."
+        )
+
     def fn(state, *a):
         model = nnx.merge(graphdef, state)
         if method is None:
@@ -105,6 +111,15 @@ def linen_apply(
     Returns:
       The outputs as global arrays.
     """
+
+    if isinstance(params, ShardedParams):
+        tops = list(dict.fromkeys(s.path.split("/")[0] for s in params.plan.leaves))
+        if "params" not in tops:
+            raise ValueError(
+                f"vj.flax.linen_apply: the plan's top-level keys are {tops[:6]}, not Linen collections: plan the "
+                "whole variables dict (vj.plan({'params': variables['params']}, mesh) or model.init(...)), not "
+                "variables['params']."
+            )
 
     def fn(variables, *a):
         return model.apply(variables, *a, method=method, **kwargs)

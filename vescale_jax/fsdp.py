@@ -30,6 +30,17 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from vescale_jax._checks import (
+    check_axes,
+    check_microbatches,
+    check_precision_type,
+    check_sharded_params,
+    check_state_not_logical,
+    check_step_outputs,
+    int_grad_message,
+    plan_difference,
+    plan_states,
+)
 from vescale_jax.buffer import GatheredParams, PerDevice, ShardedParams, pack_bucket, unpack
 from vescale_jax.gather import gather_bucket
 from vescale_jax.layers import LayerShard
@@ -49,6 +60,7 @@ class _Options:
     prefetch: bool
     precision: MixedPrecision | None = None
     replica_axes: tuple[str, ...] = ()
+    microbatches: int | None = None
 
 
 _OPTIONS: contextvars.ContextVar[_Options | None] = contextvars.ContextVar("vescale_jax_fsdp", default=None)
@@ -74,25 +86,22 @@ def _data_size(mesh: jax.sharding.Mesh, data_axes: tuple[str, ...]) -> int:
 def data_sharding(plan: Plan, data_axes: str | Sequence[str] | None = None) -> NamedSharding:
     """The sharding of a batch: dim 0 split over the data axes (default: the plan's axis)."""
     axes = _axes(plan.axis if data_axes is None else data_axes)
-    missing = [a for a in axes if a not in plan.mesh.axis_names]
-    if missing:
+    if not axes:
         raise ValueError(
-            f"vj.fsdp: data axes {missing} are not axes of the mesh {dict(plan.mesh.shape)}; pass data_axes= naming "
-            "mesh axes."
+            f"vj.fsdp: data_axes=() names no mesh axis; the batch's dim 0 is split over the data axes (default: the "
+            f"plan's axis {plan.axis!r}). Leave data_axes unset, or name mesh axes of {dict(plan.mesh.shape)}."
         )
+    check_axes(axes, plan.mesh, "vj.fsdp: data_axes")
     return NamedSharding(plan.mesh, P(axes))
 
 
-def _check_params(params: Any, plan: Plan, what: str = "params") -> None:
-    if not isinstance(params, ShardedParams):
-        raise TypeError(
-            f"vj.fsdp: {what} must be a vj.ShardedParams for the plan, got {type(params).__name__}; build it with "
-            "vj.shard(params, plan) or vj.init_sharded(init_fn, plan, key)."
-        )
+def _check_params(params: Any, plan: Plan, what: str = "params", fn: str = "vj.fsdp") -> None:
+    check_sharded_params(params, fn, what=what)
     if params.plan != plan:
         raise ValueError(
-            f"vj.fsdp: {what} were sharded with another plan (fingerprint {params.plan.fingerprint()[:12]}, expected "
-            f"{plan.fingerprint()[:12]}); re-shard them with this plan or pass plan=params.plan."
+            f"{fn}: {what} were sharded with another plan (fingerprint {params.plan.fingerprint()[:12]}, expected "
+            f"{plan.fingerprint()[:12]}: {plan_difference(params.plan, plan)}); re-shard them with this plan "
+            "(vj.shard(vj.unshard(params), plan)) or compile the step with plan=params.plan."
         )
     for bucket, buf in zip(plan.buckets, params.buffers, strict=True):
         if tuple(getattr(buf, "shape", ())) != bucket.shape or np.dtype(buf.dtype) != np.dtype(bucket.dtype):
@@ -124,7 +133,19 @@ def _check_not_donated(params: ShardedParams, opt_state: Any, *rest: Any) -> Non
                 )
 
 
-def _check_precision(precision: MixedPrecision | None, plan: Plan) -> None:
+def _check_opt_state(opt_state: Any, plan: Plan) -> None:
+    """Every ``ShardedParams`` / ``PerDevice`` in the optimizer state must belong to the step's plan."""
+    for path, node in plan_states(opt_state):
+        if node.plan != plan:
+            raise ValueError(
+                f"vj.fsdp: opt_state{path} is a {type(node).__name__} of another plan "
+                f"({plan_difference(node.plan, plan)}); build the state from this step's params: "
+                "opt_state = vj.init_opt_state(tx, params)."
+            )
+
+
+def _check_precision(precision: MixedPrecision | None, plan: Plan, fn: str = "vj.fsdp") -> None:
+    check_precision_type(precision, fn)
     if precision is None or precision.master_dtype is None:
         return
     for bucket in plan.buckets:
@@ -139,12 +160,22 @@ def _check_precision(precision: MixedPrecision | None, plan: Plan) -> None:
 def _check_batch(batch: Any, size: int, data_axes: tuple[str, ...], what: str = "batch") -> None:
     for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
         shape = tuple(np.shape(leaf))
-        if not shape or shape[0] % size:
+        if not shape:
+            raise _scalar_leaf(f"{what} leaf {jax.tree_util.keystr(path) or '<root>'}", leaf, data_axes)
+        if shape[0] % size:
             raise ValueError(
                 f"vj.fsdp: {what} leaf {jax.tree_util.keystr(path) or '<root>'} has shape {shape}; its leading "
                 f"(batch) dim must be divisible by the data-parallel size {size} (mesh axes {data_axes}). Use a "
                 f"batch size that is a multiple of {size}."
             )
+
+
+def _scalar_leaf(name: str, leaf: Any, data_axes: tuple[str, ...]) -> ValueError:
+    return ValueError(
+        f"vj.fsdp: {name} is a scalar ({leaf!r:.40}); every batch leaf needs a leading batch dim to split over "
+        f"{data_axes}. Give it one (e.g. x[None] repeated per example), or pass per-step constants as later step "
+        "arguments / close over them."
+    )
 
 
 # Outputs of these primitives are copies or views of their inputs: under reshard-after-forward they are
@@ -249,7 +280,7 @@ def _resharded(fn: Callable[..., Any], plan: Plan, opts: _Options) -> Callable[.
         grads = dict(zip(static["keys"], d_flat, strict=True))
         d_buffers = list(d_buffers)
         for b, bucket in enumerate(plan.buckets):
-            if bucket.layers is None:
+            if bucket.layers is None and bucket.layout.total_size:  # an empty bucket has no gradient to scatter
                 policy = opts.precision
                 dtype = (policy or MixedPrecision()).grad_dtype(bucket.dtype)
                 packed = pack_bucket([grads[i] for i in bucket.leaves], bucket, dtype=dtype)
@@ -299,11 +330,17 @@ def apply(
     """
     if isinstance(params, GatheredParams):
         return _apply_gathered(fn, params, args, data_axes, in_specs, out_specs)
-    if not isinstance(params, ShardedParams):
-        raise TypeError(f"vj.apply: params must be a vj.ShardedParams, got {type(params).__name__}.")
+    if not callable(fn):
+        raise TypeError(
+            f"vj.apply: the first argument must be the model function (params_tree, *args) -> outputs, got "
+            f"{type(fn).__name__}; call vj.apply(fn, params, *batch)."
+        )
+    check_sharded_params(params, "vj.apply")
+    check_precision_type(precision, "vj.apply")
     plan = params.plan
     outer = _OPTIONS.get() or _Options(_axes(plan.axis), True, False, None)
     axes = _axes(data_axes) if data_axes is not None else outer.data_axes
+    data_sharding(plan, axes)  # checks the axes
     opts = _Options(
         axes,
         outer.reshard_after_forward if reshard_after_forward is None else reshard_after_forward,
@@ -313,8 +350,11 @@ def apply(
     )
     if in_specs is None:
         _check_batch(args, _data_size(plan.mesh, axes), axes, what="vj.apply argument")
+        _check_placed(args, plan, axes)
         in_specs = tuple(P(axes) for _ in args)
-    out_specs = P(axes) if out_specs is None else out_specs
+    if out_specs is None:
+        out_specs = P(axes)
+        fn = _per_example_outputs(fn, axes)
 
     fn = widened(fn, _narrow_leaves(plan, opts), is_leaf=lambda x: isinstance(x, LayerShard))
     if opts.reshard_after_forward:
@@ -328,6 +368,51 @@ def apply(
     mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(specs, *in_specs), out_specs=out_specs,
                            check_vma=kernel_mode() != "pallas")
     return mapped(params.buffers, *args)
+
+
+def _check_placed(args: Any, plan: Plan, axes: tuple[str, ...]) -> None:
+    """On Explicit mesh axes a batch must already carry dim 0 over the data axes (shard_map does not move it)."""
+    types = dict(zip(plan.mesh.axis_names, plan.mesh.axis_types, strict=True))
+    explicit = [a for a in axes if types[a] == jax.sharding.AxisType.Explicit]
+    if not explicit or _data_size(plan.mesh, axes) == 1:
+        return
+    for path, leaf in jax.tree_util.tree_flatten_with_path(args)[0]:
+        sharding = getattr(jax.typeof(leaf), "sharding", None)
+        spec = tuple(getattr(sharding, "spec", ()) or ())
+        dim0 = _axes(spec[0]) if spec and spec[0] is not None else ()
+        if dim0 != axes:
+            where = f"batch argument {path[0].idx}" + jax.tree_util.keystr(path[1:]) if path else "batch argument"
+            if len(spec) > 1 and spec[1] is not None and _axes(spec[1]) == axes:
+                raise ValueError(
+                    f"vj.apply: {where} (shape {tuple(np.shape(leaf))}) still has its leading micro-batch dim (the "
+                    "step was compiled with microbatches=); compute the loss through vj.accumulate(loss_fn, params, "
+                    "batch), which hands vj.apply one micro-batch at a time."
+                )
+            raise ValueError(
+                f"vj.apply: {where} (shape {tuple(np.shape(leaf))}) has dim 0 sharded as {spec[:1] or '(unplaced)'}, "
+                f"but the mesh's axes are Explicit and the batch must be split over {axes}; place it first: "
+                "batch = vj.place_batch(batch, plan) (a vj.fsdp step does this), or "
+                "jax.device_put(x, vj.data_sharding(plan))."
+            )
+
+
+def _per_example_outputs(fn: Callable[..., Any], axes: tuple[str, ...]) -> Callable[..., Any]:
+    """Wraps ``fn`` to check its outputs have a batch dim (the default ``out_specs`` splits dim 0)."""
+
+    @functools.wraps(fn)
+    def checked(*a):
+        out = fn(*a)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
+            if not np.shape(leaf):
+                raise ValueError(
+                    f"vj.apply: output {jax.tree_util.keystr(path) or '<root>'} of the model is a scalar; by default "
+                    f"outputs are per-example, dim 0 split over {axes}. Return per-example values and reduce "
+                    "outside (jnp.mean(vj.apply(...))), or pass out_specs=P() and average inside with "
+                    f"jax.lax.pmean(x, {axes})."
+                )
+        return out
+
+    return checked
 
 
 def place_batch(
@@ -352,31 +437,35 @@ def place_batch(
     """
     axes = _axes(plan.axis if data_axes is None else data_axes)
     data_sharding(plan, axes)
+    microbatches = check_microbatches(microbatches, "vj.place_batch")
     size = _data_size(plan.mesh, axes)
     k = microbatches or 1
     sharding = NamedSharding(plan.mesh, P(None, axes) if microbatches else P(axes))
 
-    def split(x):
+    def split(path, x):
         x = np.asarray(x)
-        if not x.ndim or x.shape[0] % k:
+        name = jax.tree_util.keystr(path) or "<root>"
+        if not x.ndim:
+            raise _scalar_leaf(f"batch leaf {name}", x, axes)
+        if x.shape[0] % k:
             raise ValueError(
-                f"vj.fsdp: a batch leaf of shape {x.shape} does not split into {k} micro-batches; use a batch size "
-                f"that is a multiple of {k}."
+                f"vj.fsdp: batch leaf {name} has shape {x.shape}: its leading dim {x.shape[0]} does not split into "
+                f"{k} micro-batches (microbatches={k}); use a batch size that is a multiple of {k}."
             )
         return x.reshape(k, x.shape[0] // k, *x.shape[1:]) if microbatches else x
 
     what = "micro-batch" if microbatches else "batch"
     if jax.process_count() == 1:
-        parts = jax.tree.map(split, batch)
+        parts = jax.tree_util.tree_map_with_path(split, batch)
         _check_batch(jax.tree.map(lambda x: x[0], parts) if microbatches else parts, size, axes, what=what)
         return jax.tree.map(lambda x: jax.device_put(x, sharding), parts)
 
-    def place(x):
+    def place(path, x):
         if isinstance(x, jax.Array) and not x.is_fully_addressable:
             return x
-        return jax.make_array_from_process_local_data(sharding, split(x))
+        return jax.make_array_from_process_local_data(sharding, split(path, x))
 
-    out = jax.tree.map(place, batch)
+    out = jax.tree_util.tree_map_with_path(place, batch)
     _check_batch(jax.tree.map(lambda x: np.empty(x.shape[1:2] if microbatches else x.shape[:1]), out),
                  size, axes, what=f"global {what} (all processes' parts)")
     return out
@@ -387,10 +476,14 @@ def _apply_gathered(fn, params, args, data_axes, in_specs, out_specs):
     plan = params.plan
     outer = _OPTIONS.get()
     axes = _axes(data_axes) if data_axes is not None else (outer.data_axes if outer else _axes(plan.axis))
+    data_sharding(plan, axes)  # checks the axes
     if in_specs is None:
         _check_batch(args, _data_size(plan.mesh, axes), axes, what="vj.apply argument")
+        _check_placed(args, plan, axes)
         in_specs = tuple(P(axes) for _ in args)
-    out_specs = P(axes) if out_specs is None else out_specs
+    if out_specs is None:
+        out_specs = P(axes)
+        fn = _per_example_outputs(fn, axes)
 
     def local(copies, *local_args):
         return fn(jax.tree_util.tree_unflatten(plan.treedef, unpack(copies, plan)), *local_args)
@@ -429,7 +522,14 @@ def init_opt_state(tx: Any, params: ShardedParams) -> Any:
       :class:`~vescale_jax.buffer.PerDevice` leaves are split over the plan's axis on dim 0, others (counts,
       scalars) are replicated.
     """
-    _check_params(params, params.plan)
+    if isinstance(tx, ShardedParams) and not isinstance(params, ShardedParams):
+        raise TypeError("vj.init_opt_state: the arguments are (tx, params); got the params first.")
+    check_sharded_params(params, "vj.init_opt_state")
+    if not callable(getattr(tx, "init", None)):
+        hint = (f"{getattr(tx, '__name__', tx)!r} looks like an optimizer factory: call it (e.g. optax.adamw(1e-3))"
+                if callable(tx) else "pass e.g. optax.adamw(1e-3) or vj.optim.muon(1e-3, plan=plan)")
+        raise TypeError(f"vj.init_opt_state: tx must be an optax.GradientTransformation, got "
+                        f"{type(tx).__name__}; {hint}.")
     plan = params.plan
     shapes = jax.eval_shape(tx.init, params)
     with jax.set_mesh(plan.mesh):
@@ -439,7 +539,7 @@ def init_opt_state(tx: Any, params: ShardedParams) -> Any:
 def fsdp(
     step: Callable[..., Any] | None = None,
     *,
-    plan: Plan,
+    plan: Plan | None = None,
     data_axes: str | Sequence[str] | None = None,
     reshard_after_forward: bool = True,
     prefetch: bool = False,
@@ -468,17 +568,28 @@ def fsdp(
         gradients and optimizer state keep the plan's dtype.
       microbatches: hand the step the batch as ``k`` micro-batches (leaves ``(k, B/k, ...)``, dim 1 split over
         the data axes) for :func:`vj.accumulate`.
-      donate: donate ``params`` and ``opt_state`` buffers to the outputs.
+      donate: donate ``params`` and ``opt_state`` buffers to the outputs. The step must then return
+        ``(params, opt_state, *rest)`` (checked when it is first traced); with ``donate=False`` (an evaluation
+        step) it may return anything.
 
     Returns:
-      The compiled step. It checks its inputs (params against the plan, the batch against the data-parallel
-      size), places the batch with :func:`data_sharding` and keeps parameter-shaped outputs sharded like their
-      buckets. ``.lower(...)`` gives the lowered computation for inspection.
+      The compiled step. It checks its inputs (params and every ``ShardedParams`` / ``PerDevice`` of the
+      optimizer state against the plan, the batch against the data-parallel size), places the batch with
+      :func:`data_sharding` and keeps parameter-shaped outputs sharded like their buckets. ``.lower(...)``
+      gives the lowered computation for inspection.
 
     Sharding:
       Params and optimizer state stay sharded over the plan's axis; the batch (argument 2 and any further
       arguments) is split on dim 0 over ``data_axes``; other outputs (loss, metrics) are global values.
     """
+    if isinstance(step, Plan):
+        raise TypeError("vj.fsdp: the plan is keyword-only: write @vj.fsdp(plan=plan) or vj.fsdp(step, plan=plan).")
+    if step is not None and not callable(step):
+        raise TypeError(f"vj.fsdp: step must be the train-step function, got {type(step).__name__}.")
+    if not isinstance(plan, Plan):
+        raise TypeError(f"vj.fsdp: plan= must be a vj.Plan (from vj.plan(params, mesh)), got {type(plan).__name__}; "
+                        "write @vj.fsdp(plan=plan) or vj.fsdp(step, plan=plan).")
+    microbatches = check_microbatches(microbatches, "vj.fsdp")
     if step is None:
         return functools.partial(
             fsdp, plan=plan, data_axes=data_axes, reshard_after_forward=reshard_after_forward, prefetch=prefetch,
@@ -488,13 +599,22 @@ def fsdp(
     data_sharding(plan, axes)  # checks the axes
     _check_precision(precision, plan)
     replica_axes = tuple(a for a in axes if a not in _axes(plan.axis))
-    opts = _Options(axes, reshard_after_forward, prefetch, precision, replica_axes)
+    opts = _Options(axes, reshard_after_forward, prefetch, precision, replica_axes, microbatches)
     auto = all(t == jax.sharding.AxisType.Auto for t in plan.mesh.axis_types)
 
     def traced(params, opt_state, batch, *rest):
+        check_state_not_logical(opt_state, plan)  # at trace time: jit retraces for another state structure
         with _options(opts):
-            out = step(params, opt_state, batch, *rest)
+            try:
+                out = step(params, opt_state, batch, *rest)
+            except TypeError as e:
+                hint = int_grad_message(plan) if "grad requires real- or complex-valued inputs" in str(e) else None
+                if hint is None:
+                    raise
+                raise TypeError(f"vj.fsdp: {hint}") from e
         out = zero_padding(out)  # the padding invariant: params and optimizer moments keep exactly zero padding
+        if donate:  # the inputs are gone after the call: the step must hand back their successors
+            check_step_outputs(out, plan, opt_state)
         if auto:  # Explicit axes carry shardings in the types; Auto ones need a hint on the outputs.
             out = _constrain_outputs(out, plan)
         return out
@@ -504,6 +624,7 @@ def fsdp(
     def prepare(params, opt_state, batch, *rest):
         _check_params(params, plan)
         _check_not_donated(params, opt_state, batch, *rest)
+        _check_opt_state(opt_state, plan)
         batch = place_batch(batch, plan, axes, microbatches=microbatches)
         return params, opt_state, batch, *rest
 

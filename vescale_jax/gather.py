@@ -14,9 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from vescale_jax.plan import Bucket, Plan
-from vescale_jax.precision import MixedPrecision, all_gather_cast
+from vescale_jax.precision import MixedPrecision, all_gather_cast, vary
 from vescale_jax.unpacking import unpack_gathered
 
 __all__ = ["gather_bucket", "gather_params"]
@@ -57,6 +58,9 @@ def gather_bucket(
             f"got {tuple(local.shape)}; pass one layer's row for a stacked bucket, inside shard_map over "
             f"{plan.axis!r}."
         )
+    if not bucket.layout.total_size:  # only zero-size leaves: nothing to gather (XLA rejects an empty all-gather)
+        empty = vary(local, vary_axes).astype(local.dtype if precision is None else precision.gather_dtype(local.dtype))
+        return [jnp.reshape(empty, plan.layer_shape(plan.leaves[i])) for i in bucket.leaves]
     full = all_gather_cast(local, plan.axis, precision, vary_axes=vary_axes, widen=widen)
     return unpack_gathered(full, bucket.layout, [plan.layer_shape(plan.leaves[i]) for i in bucket.leaves])
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Sequence
 
 __all__ = ["Granularity", "element", "rows", "whole"]
@@ -35,8 +36,12 @@ class Granularity:
     def __post_init__(self) -> None:
         if self.kind not in ("element", "rows", "whole"):
             raise ValueError(f"unknown granularity kind {self.kind!r}; use vj.element(), vj.rows(k), vj.whole()")
-        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
-            raise ValueError(f"vj.rows(k) needs an integer k >= 1, got {self.k!r}")
+        if isinstance(self.k, bool) or not isinstance(self.k, numbers.Integral) or self.k < 1:
+            raise ValueError(
+                f"vj.rows(k): k (rows of the last dim per block) must be an integer k >= 1, got {self.k!r}. "
+                "Use vj.rows(1) for whole rows, vj.element() for no blocking."
+            )
+        object.__setattr__(self, "k", int(self.k))
         if self.max_padding is not None:
             if self.kind != "whole":
                 raise ValueError("max_padding applies to vj.whole() only")

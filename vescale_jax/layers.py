@@ -91,6 +91,22 @@ class LayerShard:
     def __repr__(self) -> str:
         return f"LayerShard({self.spec.path}, shape={self.shape}, dtype={self.spec.dtype})"
 
+    def _not_an_array(self, *_: Any, **__: Any) -> Any:
+        unit = self.plan.buckets[self.spec.bucket].unit
+        raise TypeError(
+            f"vj.apply: {self.spec.path!r} (shape {self.shape}) belongs to a stacked layer group: inside vj.apply it "
+            "is a vj.LayerShard stand-in for this device's rows, not an array, so it cannot be indexed, used in "
+            "math, or looped over with lax.scan / nnx.scan. Loop the group with vj.scan_layers(body, "
+            f"params[{unit!r}], carry) (NNX: vj.flax.nnx_scan_layers(model.{unit}, x)), which gathers one layer "
+            f"per iteration; or leave {unit!r} out of vj.plan(stacked=...) to gather it whole."
+        )
+
+    # Any use as an array ends here with the message above (instead of a TypeError deep inside Flax or jnp).
+    __jax_array__ = __array__ = __len__ = __iter__ = __getitem__ = __bool__ = __index__ = _not_an_array
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = __rtruediv__ = _not_an_array
+    __matmul__ = __rmatmul__ = __pow__ = __neg__ = __lt__ = __le__ = __gt__ = __ge__ = _not_an_array
+    astype = reshape = sum = mean = _not_an_array
+
 
 def _is_shard(x: Any) -> bool:
     return isinstance(x, LayerShard)
@@ -127,6 +143,7 @@ def scan_layers(
       the backward reduce-scatters that layer's gradient; per-layer parameters exist in full on each device only
       for the layer being computed and the one being prefetched.
     """
+    body = _carry_checked(body, carry)
     leaves, treedef = jax.tree_util.tree_flatten(layer_params, is_leaf=_is_shard)
     has_xs = xs is not None
     shards = [x for x in leaves if _is_shard(x)]
@@ -145,6 +162,25 @@ def scan_layers(
     if prefetch is None:
         prefetch = shards[0].prefetch
     return _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch)
+
+
+def _carry_checked(body: Callable, carry: Any) -> Callable:
+    """``body`` that raises, at trace time, when it returns something else than a carry like ``carry``."""
+    want = jax.tree.structure(carry)
+
+    def checked(*a):
+        out = body(*a)
+        if jax.tree.structure(out) != want:
+            extra = (" (it looks like lax.scan's (carry, y))" if isinstance(out, tuple) and len(out) == 2
+                     and jax.tree.structure(out[0]) == want else "")
+            raise TypeError(
+                f"vj.scan_layers: body returned {jax.tree.structure(out)}{extra}, but it must return the new carry "
+                f"only, structured like the carry passed in ({want}); there are no per-layer outputs: return the "
+                "carry (collect per-layer values in the carry, or pass per-layer inputs as xs)."
+            )
+        return out
+
+    return checked
 
 
 def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
@@ -189,7 +225,7 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
         return tuple(
             jax.lax.all_gather(
                 vary(jax.lax.dynamic_index_in_dim(r, i, keepdims=False), replica_axes).astype(d), axis, tiled=True
-            )
+            ) if r.shape[-1] else vary(r[i], replica_axes).astype(d)  # zero-size leaves only: nothing to gather
             for r, d in zip(rows_, gather_dtypes, strict=True)
         )
 
@@ -224,7 +260,8 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
 
     def reduce_scatter(dg):
         return tuple(
-            reduce_scatter_cast(d, axis, policy, r.dtype, like=r) for d, r in zip(dg, rows, strict=True)
+            reduce_scatter_cast(d, axis, policy, r.dtype, like=r) if r.shape[-1] else d.astype(r.dtype)
+            for d, r in zip(dg, rows, strict=True)
         )
 
     def layer_vjp(g, c_in, x, consts_, ct):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import json
 import math
 from collections.abc import Callable, Collection, Sequence
@@ -20,6 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from vescale_jax._checks import check_granularity_factory, check_x64
 from vescale_jax.granularity import Granularity, element
 from vescale_jax.layout import RaggedShard
 from vescale_jax.planner import BucketLayout, plan_bucket
@@ -204,8 +206,14 @@ class Plan:
         }
 
     def fingerprint(self) -> str:
-        """SHA-256 of :meth:`to_dict`: equal on every process that planned the same tree the same way."""
-        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        """SHA-256 of :meth:`to_dict` and the mesh (axis names, shape, device ids): equal on every process that
+        planned the same tree the same way on the same mesh; plans on other devices differ."""
+        mesh = {
+            "axis_names": list(self.mesh.axis_names),
+            "shape": [int(n) for n in self.mesh.devices.shape],
+            "devices": [int(d.id) for d in self.mesh.devices.reshape(-1)],
+        }
+        text = json.dumps({**self.to_dict(), "mesh": mesh}, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
 
     def summary(self) -> str:
@@ -240,7 +248,20 @@ class Plan:
 
 
 def _mesh_size(mesh: jax.sharding.Mesh, axis: str | Sequence[str]) -> int:
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(
+            f"vj.plan: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}; build one with "
+            "jax.make_mesh((n,), ('fsdp',)) (arguments: vj.plan(params, mesh, ...))."
+        )
     axes = (axis,) if isinstance(axis, str) else tuple(axis)
+    if not axes:
+        raise ValueError("vj.plan: axis=() names no mesh axis; pass axis='fsdp' (or a tuple of mesh axes).")
+    dup = next((a for i, a in enumerate(axes) if a in axes[:i]), None)
+    if dup is not None:
+        raise ValueError(
+            f"vj.plan: axis={axes!r} names mesh axis {dup!r} twice; name each axis once "
+            f"(e.g. axis={tuple(dict.fromkeys(axes))!r})."
+        )
     missing = [a for a in axes if a not in mesh.shape]
     if missing:
         raise ValueError(
@@ -252,6 +273,11 @@ def _mesh_size(mesh: jax.sharding.Mesh, axis: str | Sequence[str]) -> int:
 
 
 def _leaf_shape_dtype(path: KeyPath, leaf: Any) -> tuple[tuple[int, ...], np.dtype]:
+    if _is_layer_shard(leaf):
+        raise TypeError(
+            f"vj.plan: leaf {jax.tree_util.keystr(path)} is a vj.LayerShard (a stacked layer's stand-in inside "
+            "vj.apply); plan the parameters outside the step."
+        )
     shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
     if shape is None or dtype is None:
         raise TypeError(
@@ -264,11 +290,34 @@ def _leaf_shape_dtype(path: KeyPath, leaf: Any) -> tuple[tuple[int, ...], np.dty
             f"vj.plan: leaf {jax.tree_util.keystr(path)} holds PRNG keys ({dtype}); keep RNG state out of the "
             "params tree (e.g. nnx.state(model, nnx.Param))."
         )
-    return tuple(int(d) for d in shape), np.dtype(dtype)
+    dtype = np.dtype(dtype)
+    check_x64(jax.tree_util.keystr(path), dtype)
+    return tuple(int(d) for d in shape), dtype
+
+
+def _is_layer_shard(leaf: Any) -> bool:
+    return type(leaf).__name__ == "LayerShard" and hasattr(leaf, "rows")
+
+
+def _call_user(fn: Callable[..., Any], name: str, path: KeyPath, leaf: Any) -> Any:
+    """Calls a user's ``(key_path, leaf)`` callback, naming the argument when its signature does not fit."""
+    try:
+        inspect.signature(fn).bind(path, leaf)
+    except TypeError as e:
+        raise TypeError(
+            f"vj.plan: {name}= must be a callable of (key_path, leaf), but {fn!r} cannot take those two arguments "
+            f"({e}); e.g. {name}=lambda path, leaf: ..."
+        ) from None
+    except ValueError:  # no signature (a builtin): just call it
+        pass
+    return fn(path, leaf)
 
 
 def _resolve_granularity(granularity: GranularityArg, path: KeyPath, leaf: Any) -> Granularity:
-    g = granularity(path, leaf) if callable(granularity) and not isinstance(granularity, Granularity) else granularity
+    check_granularity_factory(granularity, "granularity")
+    g = (_call_user(granularity, "granularity", path, leaf)
+         if callable(granularity) and not isinstance(granularity, Granularity) else granularity)
+    check_granularity_factory(g, f"the granularity callable's result for leaf {jax.tree_util.keystr(path)}")
     if not isinstance(g, Granularity):
         raise TypeError(
             f"vj.plan: granularity for leaf {jax.tree_util.keystr(path)} is {g!r}; it must be vj.element(), "
@@ -307,10 +356,18 @@ def plan(
     Sharding:
       Each bucket is sharded evenly over ``axis``; every leaf's placement is a :class:`RaggedShard`.
     """
+    if type(params).__name__ in ("ShardedParams", "GatheredParams"):
+        raise TypeError(
+            f"vj.plan: params is already a vj.{type(params).__name__} (planned as {params.plan.axis!r} over "
+            f"{params.plan.num_devices} devices); plan the logical tree (vj.unshard(sp), or jax.eval_shape of the "
+            "init function), or reuse sp.plan."
+        )
     m = _mesh_size(mesh, axis)
     axis = axis if isinstance(axis, str) else tuple(axis)
     granularity = element() if granularity is None else granularity
     unit_of = default_unit if units is None else units
+    if isinstance(stacked, str):  # a single unit name, not its letters
+        stacked = (stacked,)
     is_stacked = stacked if callable(stacked) else (lambda name, names=frozenset(stacked): name in names)
     if isinstance(align_bytes, bool) or not isinstance(align_bytes, int) or align_bytes < 1:
         raise ValueError(f"vj.plan: align_bytes must be a positive integer, got {align_bytes!r}")
@@ -320,10 +377,24 @@ def plan(
     infos = []
     for index, (path, leaf) in enumerate(flat):
         shape, dtype = _leaf_shape_dtype(path, leaf)
-        unit = str(unit_of(path, leaf))
+        unit = str(_call_user(unit_of, "units", path, leaf) if units is not None else unit_of(path, leaf))
         g = _resolve_granularity(granularity, path, leaf)
         infos.append((path, shape, dtype, unit, g))
         groups.setdefault((unit, dtype.name), []).append(index)
+    if not flat:
+        raise ValueError(
+            f"vj.plan: params has no array leaves (got {type(params).__name__} {params!r:.80}); pass the parameter "
+            "tree (e.g. nnx.state(model, nnx.Param) or variables['params'])."
+        )
+    if not callable(stacked):
+        unit_names = list(dict.fromkeys(unit for unit, _ in groups))
+        unknown = [name for name in stacked if name not in unit_names]
+        if unknown:
+            raise ValueError(
+                f"vj.plan: stacked={tuple(stacked)!r} names {unknown[0]!r}, which is not a unit of this tree; "
+                f"the units are {unit_names[:12]}{' ...' if len(unit_names) > 12 else ''} (one per top-level "
+                "module by default, or as units= groups them)."
+            )
 
     specs: list[LeafSpec | None] = [None] * len(flat)
     buckets = []
@@ -338,6 +409,12 @@ def plan(
                     "stack the layers (nnx.vmap / nn.scan) or leave the unit out of stacked=."
                 )
             layers = infos[indices[0]][1][0]
+            if layers == 0:
+                raise ValueError(
+                    f"vj.plan: stacked unit {unit!r} has 0 layers (leaf {jax.tree_util.keystr(infos[indices[0]][0])} "
+                    f"has shape {infos[indices[0]][1]}); build it with at least one layer, or drop the unit from the "
+                    "tree and from stacked=."
+                )
         per_layer = [infos[i][1][1:] if layers is not None else infos[i][1] for i in indices]
         sizes = [math.prod(s) for s in per_layer]
         grans = [infos[i][4] for i in indices]

@@ -40,9 +40,18 @@ class MixedPrecision:
 
     def __post_init__(self):
         for field in ("compute_dtype", "reduce_dtype", "master_dtype"):
-            value = _name(getattr(self, field))
+            try:
+                value = _name(getattr(self, field))
+            except TypeError:
+                raise ValueError(
+                    f"MixedPrecision.{field}={getattr(self, field)!r} is not a dtype; pass one such as jnp.bfloat16 "
+                    "or 'bfloat16'."
+                ) from None
             if value is not None and not jnp.issubdtype(np.dtype(value), jnp.floating):
-                raise ValueError(f"MixedPrecision.{field} must be a floating dtype, got {value}.")
+                raise ValueError(
+                    f"MixedPrecision.{field} must be a floating dtype, got {value}; integer buckets are never cast, "
+                    "pass e.g. jnp.bfloat16."
+                )
             object.__setattr__(self, field, value)
 
     def gather_dtype(self, dtype: Any) -> np.dtype:

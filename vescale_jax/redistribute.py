@@ -28,7 +28,14 @@ Axis = str | tuple[str, ...]
 
 
 def _check_devices(rs: RaggedShard, axis: Axis, what: str) -> None:
-    m = jax.lax.axis_size(axis)
+    try:
+        m = jax.lax.axis_size(axis)
+    except NameError as e:  # "unbound axis name": called outside shard_map
+        raise ValueError(
+            f"vj.redistribute.{what}: mesh axis {axis!r} is not bound here; call it inside jax.shard_map over a "
+            f"mesh with that axis, e.g. jax.shard_map(lambda x: vj.redistribute.{what}(x, rs, axis={axis!r}), "
+            f"mesh=mesh, in_specs=..., out_specs=...) ({rs} has {rs.num_devices} devices)."
+        ) from e
     if m != rs.num_devices:
         raise ValueError(f"{what}: {rs} is laid out for {rs.num_devices} devices but axis {axis!r} has {m}.")
 

@@ -38,9 +38,31 @@ def _leaf_dtype(leaves: Sequence[Any], dtype: Any) -> np.dtype:
     return kinds.pop()
 
 
+def _check_layout(layout: BucketLayout, what: str) -> None:
+    """Every slot inside ``[0, total_size)`` and no two overlapping (``pack``'s schedule checks the same)."""
+    end = 0
+    for i in sorted(range(len(layout.sizes)), key=lambda i: (layout.offsets[i], layout.sizes[i])):
+        o, n = layout.offsets[i], layout.sizes[i]
+        if o < 0 or n < 0:
+            raise ValueError(f"{what}: layout slot {i} has offset {o} and size {n}; both must be >= 0.")
+        if n and o < end:
+            raise ValueError(
+                f"{what}: layout slot {i} at offset {o} overlaps the previous leaf (ending at {end}); build the "
+                "layout with vj.plan_bucket."
+            )
+        if o + n > layout.total_size:
+            raise ValueError(
+                f"{what}: layout slot {i} ends at element {o + n} (offset {o} + size {n}), past the buffer's "
+                f"{layout.total_size} elements (num_devices {layout.num_devices} x shard_size {layout.shard_size}); "
+                "build the layout with vj.plan_bucket."
+            )
+        end = max(end, o + n)
+
+
 def _check_leaves(leaves: Sequence[Any], layout: BucketLayout, what: str) -> None:
     if len(leaves) != len(layout.sizes):
         raise ValueError(f"{what}: {len(leaves)} leaves but the layout has {len(layout.sizes)} slots.")
+    _check_layout(layout, what)
     for i, (x, n) in enumerate(zip(leaves, layout.sizes, strict=True)):
         if math.prod(np.shape(x)) != n:
             raise ValueError(

@@ -100,9 +100,18 @@ def per_element(plan: Plan, like: Sequence[jax.Array], table: Any) -> list[jax.A
 def check_sharded(updates: Any, plan: Plan, what: str) -> None:
     """Raises unless ``updates`` is a :class:`~vescale_jax.ShardedParams` of ``plan`` (``what``: the caller)."""
     if not isinstance(updates, ShardedParams):
-        raise TypeError(f"vj.optim.{what}: expected vj.ShardedParams, got {type(updates).__name__}.")
+        raise TypeError(
+            f"vj.optim.{what}: expected vj.ShardedParams, got {type(updates).__name__}; vj.optim transforms run on "
+            "the flat shards: pass vj.shard(params, plan) (and the gradients jax.grad gives for it), or use the "
+            "optax optimizer on an unsharded tree."
+        )
     if updates.plan != plan:
-        raise ValueError(f"vj.optim.{what}: the updates were sharded with another plan than the one given.")
+        from vescale_jax._checks import plan_difference
+
+        raise ValueError(
+            f"vj.optim.{what}: the updates were sharded with another plan than the one given "
+            f"({plan_difference(updates.plan, plan)}); build the optimizer with plan=params.plan."
+        )
 
 
 def leaf_mask(plan: Plan, mask: Any, default: bool = True) -> np.ndarray:

@@ -84,14 +84,19 @@ def resolve_dimension_numbers(plan: Plan, weight_dimension_numbers: Any = None) 
                 dims.append((1, 2))
             else:
                 dims.append((0, 1))
-        return dims
+        return _drop_empty(plan, dims)
     abstract = abstract_params(plan)
     tree = weight_dimension_numbers(abstract) if callable(weight_dimension_numbers) else weight_dimension_numbers
     if isinstance(tree, MuonDimensionNumbers):
         per_leaf = [tree] * len(plan.leaves)
     else:
         per_leaf = prefix_per_leaf(tree, abstract, _is_dims)
-    return [None if d is None else (d.reduction_axis, d.output_axis) for d in per_leaf]
+    return _drop_empty(plan, [None if d is None else (d.reduction_axis, d.output_axis) for d in per_leaf])
+
+
+def _drop_empty(plan: Plan, dims: list[Any]) -> list[Any]:
+    """A zero-size matrix (e.g. ``(0, n)``) has nothing to orthogonalise: it takes the element-wise branch."""
+    return [None if spec.size == 0 else d for spec, d in zip(plan.leaves, dims, strict=True)]
 
 
 def _coeffs(ns_coeffs: Any, ns_steps: int) -> np.ndarray:

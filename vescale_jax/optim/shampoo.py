@@ -34,6 +34,7 @@ from vescale_jax.optim.blocks import (
     BlockTables,
     build_blocks,
     gather_blocks,
+    matrix_view,
     scatter_blocks,
 )
 from vescale_jax.optim.compact import split_leaves
@@ -76,7 +77,12 @@ _BLOCKS_CACHE: dict[Any, BlockTables] = {}
 
 
 def shampoo_blocks(plan: Plan, block_size: int) -> BlockTables:
-    """The block placement :func:`scale_by_shampoo` uses (see ``.summary()`` for the max/mean balance)."""
+    """The block placement :func:`scale_by_shampoo` uses (see ``.summary()`` for the max/mean balance).
+
+    A ``block_size`` larger than every matrix is clipped to the largest matrix dim (``tables.block_size``):
+    the statistics are then that size instead of ``block_size x block_size`` of zero padding, for the same
+    update (a padded block's extra rows and columns are zero in the preconditioned block).
+    """
     for spec in plan.leaves:
         if jnp.issubdtype(np.dtype(spec.dtype), jnp.complexfloating):
             raise ValueError(
@@ -84,6 +90,9 @@ def shampoo_blocks(plan: Plan, block_size: int) -> BlockTables:
                 "inverse roots are real, so complex parameters are not supported: optimise the real and imaginary "
                 "parts as separate real leaves, or use vj.optim.muon (complex-aware)."
             )
+    if not isinstance(block_size, bool) and isinstance(block_size, int) and block_size > 1:
+        dims = [max(v) for v in (matrix_view(plan.layer_shape(s)) for s in plan.leaves) if v is not None]
+        block_size = min(block_size, max(dims, default=block_size))
     key = (plan, block_size)
     if key not in _BLOCKS_CACHE:
         _BLOCKS_CACHE[key] = build_blocks(plan, block_size, what="shampoo")
@@ -165,7 +174,7 @@ def scale_by_shampoo(
         raise ValueError(f"vj.optim.shampoo: preconditioning_compute_steps must be >= 1, got "
                          f"{preconditioning_compute_steps}")
     tables = shampoo_blocks(plan, block_size)
-    b, m = block_size, plan.num_devices
+    b, m = tables.block_size, plan.num_devices
     # Numeric hyperparameters may be traced (optax.inject_hyperparams); only block_size fixes shapes.
     exponent = (float(exponent_override or 4) if _concrete(exponent_override)
                 else jnp.where(exponent_override == 0, 4.0, exponent_override).astype(jnp.float32))
