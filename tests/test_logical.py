@@ -125,6 +125,12 @@ def test_a_logical_mask_tree_that_does_not_match_names_the_plan_leaves():
     tx = vj.optim.partition({"matrix": optax.sgd(0.1)}, labels_fn)
     with pytest.raises(ValueError, match=r"leaf 'embed/b' has label 'vector'.*no transformation"):
         tx.init(sp)
+    tx = vj.optim.masked(optax.sgd(0.1), lambda p: jax.tree.map(lambda x: x.sum() > 0, p))  # needs values
+    with pytest.raises(TypeError, match=r"mask function failed on the plan's logical abstract tree.*ShapeDtypeStruct"):
+        tx.init(sp)
+    tx = vj.optim.masked(optax.sgd(0.1), {"embed": True, "layers": jnp.array(True), "head": False})
+    with pytest.raises(TypeError, match=r"mask at \['layers'\] is Array.*not a mask value"):
+        tx.init(sp)
 
 
 # --- Masks, labels and per-leaf reductions match optax on the logical tree ----------------------------------------
