@@ -62,18 +62,31 @@ def _plan_of(tree: Any, plan: Plan | None, what: str) -> Plan:
 def _resolve(plan: Plan, spec: Any, is_value: Callable[[Any], bool], what: str, kind: str) -> list[Any]:
     """Per-leaf values (flattening order) of a (prefix) tree over the logical tree, or a callable of it."""
     abstract = abstract_params(plan)
-    tree = spec(abstract) if callable(spec) else spec
+    if callable(spec):
+        try:
+            tree = spec(abstract)
+        except Exception as e:
+            raise TypeError(
+                f"vj.optim.{what}: the {kind} function failed on the plan's logical abstract tree: {type(e).__name__}: "
+                f"{e}. It is called once, on jax.ShapeDtypeStruct leaves (shape, dtype, ndim, key paths), not on "
+                f"values; compute the {kind} from those, or pass a tree of {kind} values."
+            ) from e
+    else:
+        tree = spec
     if is_value(tree):
         return [tree] * len(plan.leaves)
     values: list[Any] = []
 
-    def spread(value, sub):
+    def spread(path, value, sub):
         if not is_value(value):
-            raise TypeError(f"vj.optim.{what}: {kind} leaf {value!r} is not a {kind} value.")
+            raise TypeError(
+                f"vj.optim.{what}: the {kind} at {jax.tree_util.keystr(path) or '<root>'} is {value!r} "
+                f"({type(value).__name__}), not a {kind} value ({'a Python bool' if kind == 'mask' else 'a label'})."
+            )
         values.extend([value] * len(jax.tree.leaves(sub)))
 
     try:
-        jax.tree.map(spread, tree, abstract, is_leaf=is_value)
+        jax.tree_util.tree_map_with_path(spread, tree, abstract, is_leaf=is_value)
     except ValueError as e:
         paths = [s.path for s in plan.leaves]
         raise ValueError(
@@ -111,8 +124,9 @@ def leaf_labels(plan: Plan, param_labels: Any, *, what: str = "partition") -> li
     """Labels over the logical tree (a (prefix) tree of labels, or a callable of the logical abstract tree)
     as one label per leaf of the plan (flattening order)."""
 
-    def is_label(x):
-        return isinstance(x, Hashable) and not isinstance(x, tuple) and x is not None and not _is_struct(x)
+    def is_label(x):  # a pytree leaf that can key ``transforms``
+        return (x is not None and jax.tree_util.all_leaves([x]) and isinstance(x, Hashable)
+                and not _is_struct(x))
 
     return _resolve(plan, param_labels, is_label, what, "label")
 
