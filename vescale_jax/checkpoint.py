@@ -31,7 +31,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from vescale_jax import _logical
+from vescale_jax import _integrity, _logical
 from vescale_jax.buffer import PerDevice, ShardedParams
 from vescale_jax.plan import Plan
 
@@ -50,21 +50,7 @@ _VJ, _PARAMS, _OPT, _META = "vescale_jax", "params", "opt_state", "metadata"
 
 
 # ------------------------------------------------------------------------------------------------ key paths
-def _name(key: Any) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
-def _raw_path(path: Any) -> str:
-    """Every key of a path joined by ``/`` (NNX's ``value`` kept: it is a key of the stored tree too)."""
-    return "/".join(_name(k) for k in path)
-
-
-def _flat_shapes(tree: Any) -> dict[str, tuple[tuple[int, ...], str]]:
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return {_raw_path(p): (tuple(int(d) for d in x.shape), np.dtype(x.dtype).name) for p, x in flat}
+_name, _raw_path = _integrity.key_name, _integrity.raw_path
 
 
 def _is_node(x: Any) -> bool:
@@ -221,44 +207,6 @@ def _rebuild(template: Any, restored: dict[str, Any], rebuild: list) -> Any:
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-# ---------------------------------------------------------------------------------------------- validation
-def _check_against(stored: Mapping[str, tuple[tuple[int, ...], str]], target: Any, *, item: str) -> None:
-    """Raises naming the first key path whose presence, shape or dtype differs between checkpoint and target."""
-    want = _flat_shapes(target)
-    missing = [k for k in want if k not in stored]
-    extra = [k for k in stored if k not in want]
-    if missing:
-        k = missing[0]
-        hint = f"; the checkpoint has {extra[:4]} that the target lacks (renamed?)" if extra else ""
-        raise ValueError(
-            f"vj.checkpoint: {item} leaf {k!r} (shape {want[k][0]}, {want[k][1]}) of the target is not in the "
-            f"checkpoint{hint}. Restore into a tree with the checkpoint's key paths (rename the module, or map "
-            "the names before planning), or start that leaf from scratch."
-        )
-    if extra:
-        raise ValueError(
-            f"vj.checkpoint: the checkpoint's {item} leaf {extra[0]!r} (shape {stored[extra[0]][0]}, "
-            f"{stored[extra[0]][1]}) has no place in the target; plan the target from the checkpointed tree "
-            "(it has every leaf the checkpoint has), or drop that leaf from the checkpoint."
-        )
-    for k, (shape, dtype) in want.items():
-        s_shape, s_dtype = stored[k]
-        if (s_shape, s_dtype) != (shape, dtype):
-            raise ValueError(
-                f"vj.checkpoint: {item} leaf {k!r} is stored with shape {s_shape} and dtype {s_dtype}, but the "
-                f"target expects shape {shape} and dtype {dtype}. Plan the target from the model config the "
-                "checkpoint was trained with (shapes and dtypes must match; only the plan, device count and mesh "
-                "may change), or cast/reshape that leaf before planning."
-            )
-
-
-def _stored_shapes(item_metadata: Any) -> dict[str, tuple[tuple[int, ...], str]]:
-    tree = getattr(item_metadata, "tree", item_metadata)
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
-    return {_raw_path(p): (tuple(int(d) for d in x.shape), np.dtype(x.dtype).name) for p, x in flat
-            if hasattr(x, "shape")}
-
-
 def _target_plan(params: ShardedParams | Plan) -> Plan:
     if isinstance(params, Plan):
         return params
@@ -301,7 +249,8 @@ def restore_params(path: str | os.PathLike, params: ShardedParams | Plan) -> Sha
     plan = _target_plan(params)
     ckptr = ocp.StandardCheckpointer()
     target = abstract_logical(plan)
-    _check_against(_stored_shapes(ckptr.metadata(os.fspath(path)).item_metadata), target, item="params")
+    stored = _integrity.stored_shapes(ckptr.metadata(os.fspath(path)).item_metadata)
+    _integrity.check_against(stored, target, item="params")
     return _pack(ckptr.restore(os.fspath(path), target), plan)
 
 
@@ -389,13 +338,16 @@ class Manager:
                             "use ocp.StandardCheckpointer for a plain tree.")
         if not force and not self._mngr.should_save(step):
             return False
-        items: dict[str, Any] = {_PARAMS: ocp.args.StandardSave(logical_tree(params))}
+        logical = logical_tree(params)
+        items: dict[str, Any] = {_PARAMS: ocp.args.StandardSave(logical)}
+        sums = {_PARAMS: _integrity.checksums(logical)}
         info: list[dict[str, Any]] = []
         if opt_state is not None:
             tree, info = _opt_state_items(opt_state)
             items[_OPT] = ocp.args.StandardSave(tree)
+            sums[_OPT] = _integrity.checksums(tree)
         description = {"format": FORMAT, "plan": params.plan.to_dict(), "opt_state": info,
-                       "has_opt_state": opt_state is not None}
+                       "has_opt_state": opt_state is not None, "checksums": sums}
         items[_VJ] = ocp.args.JsonSave(description)
         items[_META] = ocp.args.JsonSave(dict(metadata or {}))
         return self._mngr.save(step, args=ocp.args.Composite(**items), force=force)
@@ -453,7 +405,7 @@ class Manager:
         if params is not None:
             plan = _target_plan(params)
             target = abstract_logical(plan)
-            _check_against(_stored_shapes(metadata[_PARAMS]), target, item="params")
+            _integrity.check_against(_integrity.stored_shapes(metadata[_PARAMS]), target, item="params")
             args[_PARAMS] = ocp.args.StandardRestore(target)
         rebuild = None
         if opt_state is not None:
@@ -463,9 +415,19 @@ class Manager:
             saved = {d["path"]: d for d in desc["opt_state"]}
             default = plan or _first_plan(opt_state)
             target_opt, rebuild = _opt_state_target(opt_state, saved, default)
-            _check_against(_stored_shapes(metadata[_OPT]), target_opt, item="opt_state")
+            _integrity.check_against(_integrity.stored_shapes(metadata[_OPT]), target_opt, item="opt_state")
             args[_OPT] = ocp.args.StandardRestore(target_opt)
-        out = self._mngr.restore(step, args=ocp.args.Composite(**args))
+        where = os.path.join(self.directory, str(step))
+        try:
+            out = self._mngr.restore(step, args=ocp.args.Composite(**args))
+        except Exception as e:  # TensorStore's errors are plain Exceptions
+            first = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+            raise ValueError(f"vj.checkpoint: reading step {step} from {where} failed, a file is missing, truncated "
+                             f"or corrupt ({first}); restore another step (Manager.all_steps()) or re-copy the "
+                             "checkpoint.") from e
+        for item in (_PARAMS, _OPT):
+            if item in args:
+                _integrity.verify(out[item], desc["checksums"][item], item=item, where=where)
         sp = _pack(out[_PARAMS], plan) if plan is not None else None
         state = _rebuild(opt_state, out[_OPT], rebuild) if rebuild is not None else None
         return Restored(step, sp, state, dict(out[_META] or {}))
