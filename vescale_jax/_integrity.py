@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["check_against", "checksums", "flat_shapes", "raw_path", "stored_shapes", "verify"]
+__all__ = ["check_against", "checksums", "compare", "flat_shapes", "raw_path", "stored_shapes", "words"]
 
 Shapes = Mapping[str, tuple[tuple[int, ...], str]]
 
@@ -75,8 +75,8 @@ def check_against(stored: Shapes, target: Any, *, item: str) -> None:
             )
 
 
-def _words(x: jax.Array) -> jax.Array:
-    """The leaf's bits as uint32 words (one per element for <= 4-byte dtypes)."""
+def words(x: jax.Array) -> jax.Array:
+    """The leaf's bits as uint32 words: one per element for <= 4-byte dtypes, a trailing dim of 2 for 8-byte."""
     if x.dtype == jnp.bool_:
         x = x.astype(jnp.uint8)
     size = np.dtype(x.dtype).itemsize
@@ -95,7 +95,7 @@ def _flat_index(shape: tuple[int, ...]) -> jax.Array:
 
 
 def _leaf_sums(x: jax.Array) -> jax.Array:
-    w = _words(x)
+    w = words(x)
     weight = _flat_index(w.shape) * jnp.uint32(2) + jnp.uint32(1)
     return jnp.stack([jnp.sum(w, dtype=jnp.uint32), jnp.sum(w * weight, dtype=jnp.uint32)])
 
@@ -114,13 +114,12 @@ def checksums(tree: Any) -> dict[str, list[int]]:
     return {raw_path(p): [int(v) for v in np.asarray(s)] for (p, _), s in zip(flat, sums, strict=True)}
 
 
-def verify(tree: Any, expected: Mapping[str, list[int]], *, item: str, where: str) -> None:
+def compare(got: Mapping[str, list[int]], expected: Mapping[str, list[int]], *, item: str, where: str) -> None:
     """Raises if a restored leaf's checksum differs from the one saved (a corrupt file)."""
-    got = checksums(tree)
     for k, v in got.items():
-        if k in expected and list(expected[k]) != v:
+        if k in expected and list(expected[k]) != list(v):
             raise ValueError(
-                f"vj.checkpoint: {item} leaf {k!r} read from {where} is corrupt: its checksum {v} differs from "
-                f"the saved {list(expected[k])}. The file was changed after the save; restore another step "
+                f"vj.checkpoint: {item} leaf {k!r} read from {where} is corrupt: its checksum {list(v)} differs "
+                f"from the saved {list(expected[k])}. The file was changed after the save; restore another step "
                 "(Manager.all_steps()) or re-copy the checkpoint."
             )

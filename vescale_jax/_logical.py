@@ -108,7 +108,7 @@ def leaf_storage(shape: Sequence[int], plan: Plan) -> LeafStorage:
     shape = tuple(int(d) for d in shape)
     factors, names = _prime_factors(plan.num_devices), _factor_axes(plan)
     best = (1, -1, None, 0)  # (g, dim size, dim, prefix length)
-    for d, size in enumerate(shape):
+    for d, size in enumerate(shape if math.prod(shape) else ()):  # an empty leaf is "replicated" (no data)
         g, j = 1, 0
         while j < len(factors) and factors[j] > 1 and size % (g * factors[j]) == 0:
             g, j = g * factors[j], j + 1
@@ -210,62 +210,102 @@ def _bucket_storages(plan: Plan, b: int) -> list[LeafStorage]:
     return [leaf_storage(plan.layer_shape(plan.leaves[i]), plan) for i in bucket.leaves]
 
 
-@functools.lru_cache(maxsize=256)
-def _to_logical_fn(plan: Plan, b: int):
-    bucket, m = plan.buckets[b], plan.num_devices
-    stacked = bucket.layers is not None
-    storages = _bucket_storages(plan, b)
-    routes = [_Route(bucket, j, st, m) for j, st in enumerate(storages)]
-    axes = _factor_axes(plan)
-    mesh = storage_mesh(plan)
+def _block_sums(blk: jax.Array, st: LeafStorage, rt: _Route, k: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """This device's part of :func:`vescale_jax._integrity.checksums` of the leaf (one replica counts), summed."""
+    from vescale_jax._integrity import words
 
-    def local(buf):
+    lead = blk.shape[0]
+    A, D, B = st.view()
+    block = k // rt.r
+    w = words(jnp.reshape(blk, (lead, A, D // st.g, B)))
+    nw = w.shape[-1] if w.ndim == 5 else 1
+    w = jnp.reshape(w, (lead, A, D // st.g, B, nw))
+    u32 = jnp.uint32
+    iota = [jax.lax.broadcasted_iota(u32, w.shape, d) for d in range(5)]
+    row = (iota[0] * u32(A % 2**32) + iota[1]) * u32(D % 2**32) + block.astype(u32) * u32((D // st.g) % 2**32)
+    flat = ((row + iota[2]) * u32(B % 2**32) + iota[3]) * u32(nw) + iota[4]
+    weight = flat * u32(2) + u32(1)
+    mine = (k % rt.r) == 0
+    sums = jnp.stack([jnp.sum(w, dtype=u32), jnp.sum(w * weight, dtype=u32)])
+    return jax.lax.psum(jnp.where(mine, sums, jnp.zeros_like(sums)), axes)
+
+
+def _local_shape(st: LeafStorage) -> tuple[int, ...]:
+    shape = list(st.shape)
+    if st.dim is not None:
+        shape[st.dim] //= st.g
+    return tuple(shape)
+
+
+def _plan_tables(plan: Plan):
+    m = plan.num_devices
+    per_bucket = []
+    for b, bucket in enumerate(plan.buckets):
+        storages = _bucket_storages(plan, b)
+        per_bucket.append((bucket, storages, [_Route(bucket, j, st, m) for j, st in enumerate(storages)]))
+    return per_bucket
+
+
+@functools.lru_cache(maxsize=64)
+def _to_logical_fn(plan: Plan):
+    tables, axes, mesh = _plan_tables(plan), _factor_axes(plan), storage_mesh(plan)
+
+    def local(*bufs):
         k = jax.lax.axis_index(axes)
-        buf2 = buf if stacked else buf[None]
-        outs = []
-        for st, rt in zip(storages, routes, strict=True):
-            blk = _leaf_out(buf2, rt, k, axes) if rt.n else jnp.zeros((buf2.shape[0], 0), buf.dtype)
-            shape = list(st.shape)
-            if st.dim is not None:
-                shape[st.dim] //= st.g
-            blk = jnp.reshape(blk, (buf2.shape[0], *shape))
-            outs.append(blk if stacked else blk[0])
-        return outs
+        outs: list[Any] = [None] * len(plan.leaves)
+        sums: list[Any] = [None] * len(plan.leaves)
+        for buf, (bucket, storages, routes) in zip(bufs, tables, strict=True):
+            stacked = bucket.layers is not None
+            buf2 = buf if stacked else buf[None]
+            for i, st, rt in zip(bucket.leaves, storages, routes, strict=True):
+                blk = _leaf_out(buf2, rt, k, axes) if rt.n else jnp.zeros((buf2.shape[0], 0), buf.dtype)
+                blk = jnp.reshape(blk, (buf2.shape[0], *_local_shape(st)))
+                sums[i] = _block_sums(blk, st, rt, k, axes)
+                outs[i] = blk if stacked else blk[0]
+        return outs, jnp.stack(sums) if sums else jnp.zeros((0, 2), jnp.uint32)
 
-    in_spec = P(*([None] if stacked else []), axes)
-    out_specs = [st.spec(stacked) for st in storages]
-    mapped = jax.shard_map(local, mesh=mesh, in_specs=(in_spec,), out_specs=out_specs, check_vma=False)
-    return jax.jit(mapped), NamedSharding(mesh, in_spec), [NamedSharding(mesh, s) for s in out_specs]
-
-
-@functools.lru_cache(maxsize=256)
-def _from_logical_fn(plan: Plan, b: int):
-    bucket, m = plan.buckets[b], plan.num_devices
-    stacked = bucket.layers is not None
-    storages = _bucket_storages(plan, b)
-    routes = [_Route(bucket, j, st, m) for j, st in enumerate(storages)]
-    axes = _factor_axes(plan)
-    mesh = storage_mesh(plan)
-    S = bucket.layout.shard_size
-    pad = max([rt.local_max for rt in routes], default=0)
-
-    def local(*blocks):
-        k = jax.lax.axis_index(axes)
-        lead = blocks[0].shape[0] if stacked and blocks else 1
-        out = jnp.zeros((lead, S + pad), jnp.dtype(bucket.dtype))
-        for blk, rt in zip(blocks, routes, strict=True):
-            if rt.n:
-                out = _leaf_in(jnp.reshape(blk, (lead, -1)), out, rt, k, axes)
-        out = out[:, :S]
-        return out if stacked else out[0]
-
-    in_specs = tuple(st.spec(stacked) for st in storages)
-    out_spec = P(*([None] if stacked else []), axes)
-    mapped = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=False)
+    in_specs = tuple(P(*([None] if b.layers is not None else []), axes) for b, _, _ in tables)
+    out_specs: list[Any] = [None] * len(plan.leaves)
+    for bucket, storages, _ in tables:
+        for i, st in zip(bucket.leaves, storages, strict=True):
+            out_specs[i] = st.spec(bucket.layers is not None)
+    mapped = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(out_specs, P()), check_vma=False)
     return jax.jit(mapped), [NamedSharding(mesh, s) for s in in_specs]
 
 
-def to_logical(buffers: Sequence[jax.Array], plan: Plan) -> list[jax.Array]:
+@functools.lru_cache(maxsize=64)
+def _from_logical_fn(plan: Plan):
+    tables, axes, mesh = _plan_tables(plan), _factor_axes(plan), storage_mesh(plan)
+
+    def local(*leaves):
+        k = jax.lax.axis_index(axes)
+        sums: list[Any] = [None] * len(plan.leaves)
+        bufs = []
+        for bucket, storages, routes in tables:
+            stacked = bucket.layers is not None
+            S = bucket.layout.shard_size
+            pad = max([rt.local_max for rt in routes], default=0)
+            lead = bucket.layers if stacked else 1
+            out = jnp.zeros((lead, S + pad), jnp.dtype(bucket.dtype))
+            for i, st, rt in zip(bucket.leaves, storages, routes, strict=True):
+                blk = jnp.reshape(leaves[i], (lead, *_local_shape(st)))
+                sums[i] = _block_sums(blk, st, rt, k, axes)
+                if rt.n:
+                    out = _leaf_in(jnp.reshape(blk, (lead, -1)), out, rt, k, axes)
+            out = out[:, :S]
+            bufs.append(out if stacked else out[0])
+        return bufs, jnp.stack(sums) if sums else jnp.zeros((0, 2), jnp.uint32)
+
+    in_specs: list[Any] = [None] * len(plan.leaves)
+    for bucket, storages, _ in tables:
+        for i, st in zip(bucket.leaves, storages, strict=True):
+            in_specs[i] = st.spec(bucket.layers is not None)
+    out_specs = [P(*([None] if b.layers is not None else []), axes) for b, _, _ in tables]
+    mapped = jax.shard_map(local, mesh=mesh, in_specs=tuple(in_specs), out_specs=(out_specs, P()), check_vma=False)
+    return jax.jit(mapped), [NamedSharding(mesh, s) for s in in_specs]
+
+
+def to_logical(buffers: Sequence[jax.Array], plan: Plan) -> tuple[list[jax.Array], np.ndarray]:
     """The flattened logical leaves of ``plan`` from its bucket buffers, each evenly sharded for storage.
 
     Args:
@@ -273,20 +313,18 @@ def to_logical(buffers: Sequence[jax.Array], plan: Plan) -> list[jax.Array]:
       plan: their plan.
 
     Returns:
-      One global array per leaf of the plan (flattening order), of the leaf's shape and the bucket's dtype,
-      with :func:`storage_sharding` (on :func:`storage_mesh`).
+      ``(leaves, sums)``: one global array per leaf of the plan (flattening order), of the leaf's shape and the
+      bucket's dtype, with :func:`storage_sharding` (on :func:`storage_mesh`); and each leaf's two checksums
+      (``(num_leaves, 2)`` uint32, as :func:`vescale_jax._integrity.checksums` computes them).
 
     Sharding:
-      Each bucket is converted by one ``shard_map`` of one all-to-all per leaf; no device receives a leaf
-      element it will not store, and no bucket is gathered.
+      One ``shard_map`` moves every leaf by one all-to-all; no device receives a leaf element it will not
+      store, and no bucket is gathered.
     """
-    leaves: list[Any] = [None] * len(plan.leaves)
-    for b, (bucket, buf) in enumerate(zip(plan.buckets, buffers, strict=True)):
-        fn, in_sharding, _ = _to_logical_fn(plan, b)
-        outs = fn(jax.device_put(buf, in_sharding))  # same devices, same layout: a relabelling
-        for i, x in zip(bucket.leaves, outs, strict=True):
-            leaves[i] = x
-    return leaves
+    fn, in_shardings = _to_logical_fn(plan)
+    # Same devices, same layout: relabelling onto the storage mesh moves no data.
+    outs, sums = fn(*[jax.device_put(b, s) for b, s in zip(buffers, in_shardings, strict=True)])
+    return list(outs), np.asarray(jax.device_get(sums))
 
 
 def logical_shardings(plan: Plan) -> list[NamedSharding]:
@@ -299,19 +337,18 @@ def logical_shardings(plan: Plan) -> list[NamedSharding]:
     return out
 
 
-def from_logical(leaves: Sequence[jax.Array], plan: Plan) -> tuple[jax.Array, ...]:
-    """Inverse of :func:`to_logical`: bucket buffers with the plan's shardings, packed bucket by bucket.
+def from_logical(leaves: Sequence[jax.Array], plan: Plan) -> tuple[tuple[jax.Array, ...], np.ndarray]:
+    """Inverse of :func:`to_logical`: bucket buffers with the plan's shardings, and the leaves' checksums.
 
     Args:
       leaves: the flattened logical leaves (any sharding; storage sharding avoids a reshard).
       plan: the target plan.
 
     Returns:
-      One buffer per bucket with ``plan.shardings()``; padding is zero.
+      ``(buffers, sums)``: one buffer per bucket with ``plan.shardings()`` (padding zero), and the input
+      leaves' checksums as in :func:`to_logical`.
     """
-    out = []
-    for b, (bucket, target) in enumerate(zip(plan.buckets, plan.shardings(), strict=True)):
-        fn, in_shardings = _from_logical_fn(plan, b)
-        blocks = [jax.device_put(leaves[i], s) for i, s in zip(bucket.leaves, in_shardings, strict=True)]
-        out.append(jax.device_put(fn(*blocks), target))
-    return tuple(out)
+    fn, in_shardings = _from_logical_fn(plan)
+    bufs, sums = fn(*[jax.device_put(x, s) for x, s in zip(leaves, in_shardings, strict=True)])
+    out = tuple(jax.device_put(b, s) for b, s in zip(bufs, plan.shardings(), strict=True))
+    return out, np.asarray(jax.device_get(sums))

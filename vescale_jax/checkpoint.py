@@ -68,6 +68,21 @@ def _nest(items: list[tuple[list[str], Any]]) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------- logical conversion
+def _leaf_paths(plan: Plan, prefix: str = "") -> list[str]:
+    flat, _ = jax.tree_util.tree_flatten_with_path(jax.tree_util.tree_unflatten(plan.treedef, range(len(plan.leaves))))
+    return [prefix + _raw_path(p) for p, _ in flat]
+
+
+def _named(plan: Plan, sums: np.ndarray, prefix: str = "") -> dict[str, list[int]]:
+    return {p: [int(v) for v in row] for p, row in zip(_leaf_paths(plan, prefix), sums, strict=True)}
+
+
+def _logical_and_sums(params: ShardedParams, prefix: str = "") -> tuple[Any, dict[str, list[int]]]:
+    plan = params.plan
+    leaves, sums = _logical.to_logical(params.buffers, plan)
+    return jax.tree_util.tree_unflatten(plan.treedef, leaves), _named(plan, sums, prefix)
+
+
 def logical_tree(params: ShardedParams) -> Any:
     """The logical parameter tree of ``params``, each leaf a global array evenly sharded for storage.
 
@@ -81,8 +96,7 @@ def logical_tree(params: ShardedParams) -> Any:
       Each leaf is split over the plan's devices on its largest dim sharing the most factors with the device
       count (replicated only if none does); the buckets are converted by one all-to-all per leaf, never gathered.
     """
-    plan = params.plan
-    return jax.tree_util.tree_unflatten(plan.treedef, _logical.to_logical(params.buffers, plan))
+    return _logical_and_sums(params)[0]
 
 
 def abstract_logical(plan: Plan) -> Any:
@@ -93,38 +107,56 @@ def abstract_logical(plan: Plan) -> Any:
     return jax.tree_util.tree_unflatten(plan.treedef, leaves)
 
 
-def _pack(tree: Any, plan: Plan) -> ShardedParams:
-    leaves = jax.tree_util.tree_leaves(tree)
-    return ShardedParams(_logical.from_logical(leaves, plan), plan)
+def _storable(tree: Any) -> Any:
+    """Zero-size leaves as ``None`` (Orbax refuses to write an empty array; there is nothing to store)."""
+    return jax.tree.map(lambda x: None if 0 in tuple(x.shape) else x, tree)
+
+
+def _pack(tree: Any, plan: Plan, expected: Mapping[str, list[int]] | None = None, *, prefix: str = "",
+          item: str = "params", where: str = "") -> ShardedParams:
+    """Packs restored logical leaves into ``plan``'s buckets, checking their checksums against ``expected``."""
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: x is None)
+    if len(leaves) != len(plan.leaves):
+        raise ValueError(f"vj.checkpoint: restored {len(leaves)} leaves for a plan of {len(plan.leaves)}.")
+    leaves = [jax.numpy.zeros(s.shape, s.dtype) if x is None else x for x, s in zip(leaves, plan.leaves, strict=True)]
+    buffers, sums = _logical.from_logical(leaves, plan)
+    if expected is not None:
+        _integrity.compare(_named(plan, sums, prefix), expected, item=item, where=where)
+    return ShardedParams(buffers, plan)
 
 
 def _replicated(plan: Plan) -> NamedSharding:
     return NamedSharding(plan.mesh, P())
 
 
-def _opt_state_items(opt_state: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """``opt_state`` as a nested dict of storable values, and the JSON description of each node."""
+def _opt_state_items(opt_state: Any) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, list[int]]]:
+    """``opt_state`` as a nested dict of storable values, the JSON description of each node, its checksums."""
     flat, _ = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=_is_node)
-    items, info = [], []
+    items, info, others, sums = [], [], [], {}
     for path, node in flat:
         parts, name = [_name(k) for k in path], _raw_path(path)
         if isinstance(node, ShardedParams):
-            items.append((parts, logical_tree(node)))
+            tree, node_sums = _logical_and_sums(node, prefix=name + "/")
+            items.append((parts, _storable(tree)))
+            sums.update(node_sums)
             info.append({"path": name, "kind": "sharded", "plan": node.plan.fingerprint()})
-        elif isinstance(node, PerDevice):
+            continue
+        if isinstance(node, PerDevice):
             layout = getattr(node, "layout", None)
             if layout is not None:
-                items.append((parts, dict(layout.to_logical(node.value))))
+                value: Any = dict(layout.to_logical(node.value))
                 info.append({"path": name, "kind": "per_device_logical", "layout": type(layout).__name__})
             else:
-                items.append((parts, node.value))
+                value = node.value
                 info.append({"path": name, "kind": "per_device", "plan": node.plan.fingerprint(),
                              "shape": list(node.value.shape)})
         else:
             value = node if isinstance(node, jax.Array) else np.asarray(node)
-            items.append((parts, value))
             info.append({"path": name, "kind": "array"})
-    return _nest(items), info
+        items.append((parts, value))
+        others.append((parts, value))
+    sums.update(_integrity.checksums(_nest(others)))
+    return _nest(items), info, sums
 
 
 def _abstract(x: Any, sharding: Any) -> jax.ShapeDtypeStruct:
@@ -148,7 +180,7 @@ def _opt_state_target(template: Any, saved: Mapping[str, dict[str, Any]], defaul
             if stored["kind"] != "sharded":
                 raise ValueError(f"vj.checkpoint: optimizer-state leaf {name!r} was saved as {stored['kind']}, the "
                                  "template has parameter-shaped ShardedParams there; use the same optimizer.")
-            items.append((parts, abstract_logical(node.plan)))
+            items.append((parts, _storable(abstract_logical(node.plan))))
             rebuild.append(("sharded", node))
         elif isinstance(node, PerDevice):
             layout = getattr(node, "layout", None)
@@ -188,22 +220,26 @@ def _opt_state_target(template: Any, saved: Mapping[str, dict[str, Any]], defaul
     return _nest(items), rebuild
 
 
-def _rebuild(template: Any, restored: dict[str, Any], rebuild: list) -> Any:
+def _rebuild(template: Any, restored: dict[str, Any], rebuild: list, expected: Mapping[str, list[int]],
+             where: str) -> Any:
     flat, treedef = jax.tree_util.tree_flatten_with_path(template, is_leaf=_is_node)
-    out = []
+    out, others = [], []
     for (path, _), (kind, node) in zip(flat, rebuild, strict=True):
         value: Any = restored
         for k in path:
             value = value[_name(k)]
         if kind == "sharded":
-            out.append(_pack(value, node.plan))
-        elif kind == "per_device_logical":
+            out.append(_pack(value, node.plan, expected, prefix=_raw_path(path) + "/", item=_OPT, where=where))
+            continue
+        others.append(([_name(k) for k in path], value))
+        if kind == "per_device_logical":
             children = [node.layout.from_logical(dict(value))]
             out.append(jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(node), children))
         elif kind == "per_device":
             out.append(jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(node), [value]))
         else:
             out.append(value)
+    _integrity.compare(_integrity.checksums(_nest(others)), expected, item=_OPT, where=where)
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -226,7 +262,7 @@ def save_params(path: str | os.PathLike, params: ShardedParams, *, force: bool =
       force: overwrite an existing directory.
     """
     ckptr = ocp.StandardCheckpointer()
-    ckptr.save(os.fspath(path), logical_tree(params), force=force)
+    ckptr.save(os.fspath(path), _storable(logical_tree(params)), force=force)
     ckptr.wait_until_finished()
 
 
@@ -248,7 +284,7 @@ def restore_params(path: str | os.PathLike, params: ShardedParams | Plan) -> Sha
     """
     plan = _target_plan(params)
     ckptr = ocp.StandardCheckpointer()
-    target = abstract_logical(plan)
+    target = _storable(abstract_logical(plan))
     stored = _integrity.stored_shapes(ckptr.metadata(os.fspath(path)).item_metadata)
     _integrity.check_against(stored, target, item="params")
     return _pack(ckptr.restore(os.fspath(path), target), plan)
@@ -338,14 +374,13 @@ class Manager:
                             "use ocp.StandardCheckpointer for a plain tree.")
         if not force and not self._mngr.should_save(step):
             return False
-        logical = logical_tree(params)
-        items: dict[str, Any] = {_PARAMS: ocp.args.StandardSave(logical)}
-        sums = {_PARAMS: _integrity.checksums(logical)}
+        logical, param_sums = _logical_and_sums(params)
+        items: dict[str, Any] = {_PARAMS: ocp.args.StandardSave(_storable(logical))}
+        sums = {_PARAMS: param_sums}
         info: list[dict[str, Any]] = []
         if opt_state is not None:
-            tree, info = _opt_state_items(opt_state)
+            tree, info, sums[_OPT] = _opt_state_items(opt_state)
             items[_OPT] = ocp.args.StandardSave(tree)
-            sums[_OPT] = _integrity.checksums(tree)
         description = {"format": FORMAT, "plan": params.plan.to_dict(), "opt_state": info,
                        "has_opt_state": opt_state is not None, "checksums": sums}
         items[_VJ] = ocp.args.JsonSave(description)
@@ -404,7 +439,7 @@ class Manager:
         plan = None
         if params is not None:
             plan = _target_plan(params)
-            target = abstract_logical(plan)
+            target = _storable(abstract_logical(plan))
             _integrity.check_against(_integrity.stored_shapes(metadata[_PARAMS]), target, item="params")
             args[_PARAMS] = ocp.args.StandardRestore(target)
         rebuild = None
@@ -425,11 +460,9 @@ class Manager:
             raise ValueError(f"vj.checkpoint: reading step {step} from {where} failed, a file is missing, truncated "
                              f"or corrupt ({first}); restore another step (Manager.all_steps()) or re-copy the "
                              "checkpoint.") from e
-        for item in (_PARAMS, _OPT):
-            if item in args:
-                _integrity.verify(out[item], desc["checksums"][item], item=item, where=where)
-        sp = _pack(out[_PARAMS], plan) if plan is not None else None
-        state = _rebuild(opt_state, out[_OPT], rebuild) if rebuild is not None else None
+        sums = desc["checksums"]
+        sp = _pack(out[_PARAMS], plan, sums[_PARAMS], where=where) if plan is not None else None
+        state = _rebuild(opt_state, out[_OPT], rebuild, sums[_OPT], where) if rebuild is not None else None
         return Restored(step, sp, state, dict(out[_META] or {}))
 
 
