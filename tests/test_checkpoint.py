@@ -329,7 +329,7 @@ def test_plain_orbax_restores_vj_params_into_linen(tmp_path):
 
 
 def test_warm_start_from_a_plain_unsharded_flax_checkpoint(tmp_path):
-    cfg, _, shapes = small_gpt()
+    _, _, shapes = small_gpt()
     rng = np.random.default_rng(4)  # an ordinary, unsharded NNX State (numpy values)
     pretrained = jax.tree.map(lambda s: rng.standard_normal(s.shape, np.float32), shapes)
     ckptr = ocp.StandardCheckpointer()

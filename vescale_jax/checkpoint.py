@@ -151,7 +151,10 @@ def _opt_state_items(opt_state: Any) -> tuple[dict[str, Any], list[dict[str, Any
                 info.append({"path": name, "kind": "per_device", "plan": node.plan.fingerprint(),
                              "shape": list(node.value.shape)})
         else:
-            value = node if isinstance(node, jax.Array) else np.asarray(node)
+            # A process-local jax.Array (e.g. a scalar made outside jit) cannot be written as a global array in a
+            # multi-process job: it is the same on every process, so store it as host data.
+            single = jax.process_count() == 1 or not node.is_fully_addressable if isinstance(node, jax.Array) else False
+            value = node if single else np.asarray(node)
             info.append({"path": name, "kind": "array"})
         items.append((parts, value))
         others.append((parts, value))
