@@ -117,6 +117,8 @@ def test_to_logical_is_one_all_to_all_per_leaf_and_never_gathers(m):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
         assert x.sharding == y.sharding
     nonempty = sum(1 for s in plan.leaves if s.size)
+    layers = {i: b.layers or 1 for b in plan.buckets for i in b.leaves}
+    stacked_launches = sum(layers[i] for i, s in enumerate(plan.leaves) if s.size)
     fn, in_shardings = _logical._to_logical_fn(plan)
     args = [jax.ShapeDtypeStruct(b.shape, np.dtype(b.dtype), sharding=s)
             for b, s in zip(plan.buckets, in_shardings, strict=True)]
@@ -128,7 +130,8 @@ def test_to_logical_is_one_all_to_all_per_leaf_and_never_gathers(m):
     own = sum(b.nbytes for b in plan.buckets) // m  # what one device owns of the buckets
     for compiled in (out, back):
         ops = census(compiled)
-        assert ops.count("all-gather") == 0 and ops.count("all-to-all") == nonempty, ops
+        assert ops.count("all-gather") == 0 and ops.instructions("all-to-all") == nonempty, ops
+        assert ops.count("all-to-all") == stacked_launches, ops  # stacked leaves: one per layer, in a loop
         # Transient: the all-to-all buffers, never the whole tree (the model here is tiny: allow index tables).
         mem = memory(compiled)
         assert mem.temp <= 4 * own + 64 * 1024, mem
