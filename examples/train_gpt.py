@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             t0 = time.perf_counter()  # after the compile
             continue
         tokens += args.batch * args.seq
-        if step % 10 == 0 or step == args.steps:
+        if step % 10 == 0 or step == last:
             losses.append(float(metrics["loss"]))
             if lead:
                 progress(step, args.steps, losses[-1], tokens / (time.perf_counter() - t0))

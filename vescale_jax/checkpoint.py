@@ -153,8 +153,8 @@ def _opt_state_items(opt_state: Any) -> tuple[dict[str, Any], list[dict[str, Any
         else:
             # A process-local jax.Array (e.g. a scalar made outside jit) cannot be written as a global array in a
             # multi-process job: it is the same on every process, so store it as host data.
-            single = jax.process_count() == 1 or not node.is_fully_addressable if isinstance(node, jax.Array) else False
-            value = node if single else np.asarray(node)
+            is_global = isinstance(node, jax.Array) and (jax.process_count() == 1 or not node.is_fully_addressable)
+            value = node if is_global else np.asarray(node)
             info.append({"path": name, "kind": "array"})
         items.append((parts, value))
         others.append((parts, value))
