@@ -18,9 +18,11 @@ Two layouts exist:
   exactly as the optimizer holds it.
 * :class:`CompactLayout` (compact vectors): per chosen leaf ``"<path>"``, its elements at the leaf's logical shape.
 
-Both conversions move each leaf's pieces with one padded all-to-all (:func:`vescale_jax.redistribute.to_dim0`)
-inside ``shard_map``: each device's piece of a leaf in the plan is one contiguous run of its local rows (per
-layer), i.e. a :class:`~vescale_jax.RaggedShard`. No device ever holds another device's whole state.
+Each device's piece of a leaf in the plan is one contiguous run of its local rows (per layer), i.e. a
+:class:`~vescale_jax.RaggedShard`; both conversions move all leaves' pieces together inside ``shard_map``, by
+at most ``m - 1`` collective-permutes (one per device shift that carries data), to and from JAX's even dim-0
+sharding of each logical array. No device holds more than its own rows, its share of the logical arrays and
+one round's messages (a leaf whose dim 0 the device count does not divide is replicated: whole on each device).
 """
 
 from __future__ import annotations
@@ -64,10 +66,14 @@ class _Entry:
 
     def spec(self, axis: Any, m: int) -> P:
         """Even sharding of the logical array: its per-layer dim 0 when the device count divides it, else
-        replicated (the leaf is then gathered whole on every device)."""
+        replicated (the leaf is then gathered whole on every device). Spelled out over every dim."""
+        dims: list[Any] = [None] * len(self.shape)
         if self.rs.shape and self.rs.shape[0] % m == 0 and self.rs.shape[0] >= m:
-            return P(axis) if self.layers is None else P(None, axis)
-        return P()
+            dims[0 if self.layers is None else 1] = axis
+        return P(*dims)
+
+    def replicated(self, axis: Any, m: int) -> bool:
+        return all(d is None for d in self.spec(axis, m))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -174,7 +180,10 @@ class _Relayout:
         placed = []
         for e in entries:
             x, want = arrays[e.key], self._sharding(e)
-            if not isinstance(x, jax.core.Tracer) and getattr(x, "sharding", None) != want:
+            sharding = getattr(x, "sharding", None)
+            if not isinstance(x, jax.core.Tracer) and not (
+                    isinstance(sharding, jax.sharding.Sharding) and sharding.device_set == want.device_set
+                    and sharding.is_equivalent_to(want, len(e.shape))):
                 x = jax.device_put(x, want)
             placed.append(x)
         dtype = dtypes.pop() if dtypes else jnp.dtype(self.default_dtype())
@@ -185,33 +194,139 @@ _TABLES: dict[type, dict[Any, _Tables]] = {}
 _FNS: dict[Any, Any] = {}
 
 
+def _rounds(moves, src_at, out_at, m):
+    """Static schedule of :func:`_exchange`: per round, its ``(sender, receiver)`` pairs and per-device segment
+    tables ``(src offset, dst offset, message offset, length)``, one column per segment index, and widths."""
+    segments: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+    for e, (a, b) in enumerate(moves):
+        ov = a.overlap(b)
+        for s in range(m):
+            for d in range(m):
+                lo, hi = ov[s][d]
+                if hi <= lo:
+                    continue
+                for layer in range(src_at[e].shape[1]):
+                    segments.setdefault((s, d), []).append(
+                        (int(src_at[e][s, layer]) + lo - a.starts[s], int(out_at[e][d, layer]) + lo - b.starts[d],
+                         hi - lo))
+    # Edge-colour the (sender, receiver) traffic graph, heaviest first: each colour is a partial permutation, one
+    # collective-permute whose message is sized by its heaviest pair (the local pairs form round 0).
+    weight = {pair: sum(n for *_, n in segs) for pair, segs in segments.items()}
+    rounds: list[list[tuple[int, int]]] = [[(k, k) for k in range(m) if (k, k) in segments]]
+    busy: list[tuple[set[int], set[int]]] = []
+    for pair in sorted((p for p in segments if p[0] != p[1]), key=lambda p: (-weight[p], p)):
+        j = next((j for j, (snd, rcv) in enumerate(busy) if pair[0] not in snd and pair[1] not in rcv), len(busy))
+        if j == len(busy):
+            busy.append((set(), set()))
+            rounds.append([])
+        busy[j][0].add(pair[0])
+        busy[j][1].add(pair[1])
+        rounds[j + 1].append(pair)
+    out = []
+    for pairs in rounds:
+        if not pairs:
+            continue
+        count = max(len(segments[p]) for p in pairs)
+        send = np.zeros((4, m, count), np.int64)  # src offset, -, message offset, length (as sender)
+        recv = np.zeros((4, m, count), np.int64)  # -, dst offset, message offset, length (as receiver)
+        for s, d in pairs:
+            cursor = 0
+            for i, (so, do, n) in enumerate(sorted(segments[s, d], key=lambda x: -x[2])):
+                send[:, s, i] = (so, 0, cursor, n)
+                recv[:, d, i] = (0, do, cursor, n)
+                cursor += n
+        widths = np.maximum(send[3].max(axis=0), recv[3].max(axis=0))
+        size = int(max(weight[p] for p in pairs))
+        out.append((tuple(pairs), send, recv, tuple(int(w) for w in widths), size))
+    return out
+
+
+def _exchange(src: jax.Array, src_at: Sequence[np.ndarray], out: jax.Array, out_at: Sequence[np.ndarray],
+              moves: Sequence[tuple[RaggedShard, RaggedShard]], axis: Any, m: int) -> jax.Array:
+    """Moves many ragged tensors at once between two flat local buffers (inside ``shard_map``).
+
+    Tensor ``e`` has ``L_e`` layers, each placed by ``moves[e][0]`` in ``src`` (device ``k``'s piece of layer
+    ``l`` at ``src[src_at[e][k, l]:]``) and wanted as placed by ``moves[e][1]`` in ``out`` (at ``out_at[e][k, l]``).
+    The device pairs that exchange data are edge-coloured into rounds in which every device sends to at most one
+    device and receives from at most one: each round is one collective-permute of a message that packs all of a
+    pair's pieces, sized by the round's heaviest pair (pieces that stay on their device are copied locally).
+    Pieces are read from ``src`` and written into ``out`` in place; the other buffers are the messages.
+
+    Returns:
+      ``out`` with every tensor's elements at their places.
+    """
+    k = jax.lax.axis_index(axis)
+    schedule = _rounds(moves, src_at, out_at, m)
+    most = max([max(w) for *_, w, _ in schedule if w] + [0])
+    src = jnp.pad(src, (0, most))
+    size = out.shape[0]
+    out = jnp.pad(out, (0, most))  # writes of a full width never clamp
+
+    def put(buf, x, at, n, w):
+        keep = jax.lax.dynamic_slice(buf, (at,), (w,))
+        return jax.lax.dynamic_update_slice(buf, jnp.where(jnp.arange(w) < n, x.astype(buf.dtype), keep), (at,))
+
+    for pairs, send, recv, widths, width in schedule:
+        send, recv = jnp.asarray(send.astype(np.int32))[:, k], jnp.asarray(recv.astype(np.int32))[:, k]
+        if all(s == d for s, d in pairs):  # pieces that stay: copied straight from src to out
+            for i, w in enumerate(widths):
+                if w:
+                    out = put(out, jax.lax.dynamic_slice(src, (send[0, i],), (w,)), recv[1, i], recv[3, i], w)
+            continue
+        msg = jnp.zeros((max(width, sum(widths)),), src.dtype)  # segment i ends before sum(widths[:i + 1])
+        for i, w in enumerate(widths):
+            if w:
+                msg = put(msg, jax.lax.dynamic_slice(src, (send[0, i],), (w,)), send[2, i], send[3, i], w)
+        msg = jax.lax.ppermute(msg, axis, list(pairs))
+        for i, w in enumerate(widths):
+            if w:
+                out = put(out, jax.lax.dynamic_slice(msg, (recv[2, i],), (w,)), recv[1, i], recv[3, i], w)
+    return out[:size]
+
+
+def _shares(entries: Sequence[_Entry], m: int) -> tuple[list[np.ndarray], int]:
+    """Offsets of each sharded entry's local share (per layer) in one flat buffer of all of them, and its size."""
+    at, cursor = [], 0
+    for e in entries:
+        share = e.rs.size // m
+        at.append(np.broadcast_to(cursor + share * np.arange(e.layers or 1, dtype=np.int64), (m, e.layers or 1)))
+        cursor += share * (e.layers or 1)
+    return at, cursor
+
+
 def _to_logical_fn(layout: _Relayout):
     key = ("to", layout)
     if key in _FNS:
         return _FNS[key]
     plan, tables = layout.plan, layout._tables
     axis, m = plan.axis, plan.num_devices
+    moving = [e for e in tables.entries if e.rs.size and not e.replicated(axis, m)]
+    share_at, share_size = _shares(moving, m)
 
     def local(v):
         k = jax.lax.axis_index(axis)
         flat = jnp.reshape(v, (-1,))
+        shares = _exchange(flat, [e.start for e in moving], jnp.zeros((share_size,), v.dtype), share_at,
+                           [(e.rs, RaggedShard.dim0(e.rs.shape, m)) for e in moving], axis, m)
         width = max([e.rs.max_local_size for e in tables.entries] + [1])
         padded = jnp.pad(flat, (0, width))
-        out = []
+        out, j = [], 0
         for e in tables.entries:
-            w, rs = e.rs.max_local_size, e.rs
-            if rs.size == 0:  # an empty leaf: replicated zeros of its shape
+            if e.rs.size == 0:  # an empty leaf: replicated zeros of its shape
                 out.append(jnp.zeros(e.shape, v.dtype))
-                continue
-            starts = jnp.asarray(e.start)[k]
-            valid = jnp.arange(w) < jnp.asarray(np.asarray(rs.local_sizes, np.int32))[k]
-            pieces = jax.vmap(lambda s, w=w: jax.lax.dynamic_slice(padded, (s,), (w,)))(starts)
-            pieces = jnp.where(valid[None], pieces, jnp.zeros((), v.dtype))
-            if e.spec(axis, m) == P():
-                x = jax.vmap(lambda p, rs=rs: redistribute.from_ragged(p, rs, axis=axis))(pieces)
+            elif e.replicated(axis, m):
+                w = e.rs.max_local_size
+                valid = jnp.arange(w) < jnp.asarray(np.asarray(e.rs.local_sizes, np.int32))[k]
+                pieces = jax.vmap(lambda s, w=w: jax.lax.dynamic_slice(padded, (s,), (w,)))(jnp.asarray(e.start)[k])
+                pieces = jnp.where(valid[None], pieces, jnp.zeros((), v.dtype))
+                x = jax.vmap(lambda p, rs=e.rs: redistribute.from_ragged(p, rs, axis=axis))(pieces)
+                out.append(x[0] if e.layers is None else x)
             else:
-                x = jax.vmap(lambda p, rs=rs: redistribute.to_dim0(p, rs, axis=axis))(pieces)
-            out.append(x[0] if e.layers is None else x)
+                lo = int(share_at[j][0, 0])
+                n = e.rs.size // m * (e.layers or 1)
+                x = jnp.reshape(shares[lo: lo + n], (e.layers or 1, e.rs.shape[0] // m, *e.rs.shape[1:]))
+                out.append(x[0] if e.layers is None else x)
+                j += 1
         return tuple(out)
 
     specs = tuple(e.spec(axis, m) for e in tables.entries)
@@ -227,23 +342,27 @@ def _from_logical_fn(layout: _Relayout, dtype: Any):
     plan, tables = layout.plan, layout._tables
     axis, m = plan.axis, plan.num_devices
     size = math.prod(tables.local_shape)
+    moving = [e for e in tables.entries if e.rs.size and not e.replicated(axis, m)]
+    share_at, _ = _shares(moving, m)
 
     def local(*xs):
         k = jax.lax.axis_index(axis)
         out = jnp.zeros((size,), dtype)
         for e, x in zip(tables.entries, xs, strict=True):
-            w, rs = e.rs.max_local_size, e.rs
-            if rs.size == 0:
+            if e.rs.size == 0 or not e.replicated(axis, m):
                 continue
-            x = x[None] if e.layers is None else x
-            if e.spec(axis, m) == P():
-                pieces = jax.vmap(lambda t, rs=rs: redistribute.to_ragged(t, rs, axis=axis))(x)
-            else:
-                pieces = jax.vmap(lambda r, rs=rs: redistribute.from_dim0(r, rs, axis=axis))(x)
-            valid = jnp.arange(w) < jnp.asarray(np.asarray(rs.local_sizes, np.int32))[k]
+            x = (x[None] if e.layers is None else x).astype(dtype)
+            pieces = jax.vmap(lambda t, rs=e.rs: redistribute.to_ragged(t, rs, axis=axis))(x)
+            w = e.rs.max_local_size
+            valid = jnp.arange(w) < jnp.asarray(np.asarray(e.rs.local_sizes, np.int32))[k]
             index = jnp.asarray(e.start)[k][:, None] + jnp.arange(w, dtype=jnp.int32)[None]
-            index = jnp.where(valid[None], index, size)  # past the end: dropped
-            out = out.at[index].set(pieces.astype(dtype), mode="drop")
+            out = out.at[jnp.where(valid[None], index, size)].set(pieces, mode="drop")  # past the end: dropped
+        sharded = [jnp.reshape(x, (-1,)).astype(dtype) for e, x in zip(tables.entries, xs, strict=True)
+                   if e.rs.size and not e.replicated(axis, m)]
+        if sharded:
+            src = jnp.concatenate(sharded) if len(sharded) > 1 else sharded[0]
+            out = _exchange(src, share_at, out, [e.start for e in moving],
+                            [(RaggedShard.dim0(e.rs.shape, m), e.rs) for e in moving], axis, m)
         return jnp.reshape(out, tables.local_shape)
 
     specs = tuple(e.spec(axis, m) for e in tables.entries)
