@@ -19,10 +19,12 @@ Two layouts exist:
 * :class:`CompactLayout` (compact vectors): per chosen leaf ``"<path>"``, its elements at the leaf's logical shape.
 
 Each device's piece of a leaf in the plan is one contiguous run of its local rows (per layer), i.e. a
-:class:`~vescale_jax.RaggedShard`; both conversions move all leaves' pieces together inside ``shard_map``, by
-at most ``m - 1`` collective-permutes (one per device shift that carries data), to and from JAX's even dim-0
-sharding of each logical array. No device holds more than its own rows, its share of the logical arrays and
-one round's messages (a leaf whose dim 0 the device count does not divide is replicated: whole on each device).
+:class:`~vescale_jax.RaggedShard`. Both conversions move all leaves' pieces together inside ``shard_map``, to and
+from JAX's even dim-0 sharding of each logical array: the device pairs that exchange data are edge-coloured into
+rounds (each device sends to one and receives from one per round), one collective-permute per round whose message
+packs the pair's pieces. A device holds its own rows, its share of the logical arrays and the messages (in total
+about what it sends); only a leaf whose dim 0 the device count does not divide is replicated, whole on each
+device (one all-gather of that leaf).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from vescale_jax.plan import Plan
 __all__ = ["BlockLayout", "CompactLayout", "logical_view", "restore_logical"]
 
 P = jax.sharding.PartitionSpec
+_TRACER = getattr(jax.core, "Tracer", ())  # from_logical inside jit: leave the shardings to the caller
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -142,8 +145,9 @@ class _Relayout:
           ``{key: array}``, keys and shapes as in :meth:`logical_shapes`; values exact (a permutation).
 
         Sharding:
-          See :meth:`logical_shapes`. Each leaf moves by one all-to-all; a device holds its own rows and its
-          share of the result (a whole leaf only where the result is replicated).
+          See :meth:`logical_shapes`. Pieces move by collective-permutes between the devices that exchange data;
+          a device holds its own rows, its share of the result and the messages (a whole leaf only where the
+          result is replicated).
         """
         self._check_value(value)
         return dict(zip([e.key for e in self._tables.entries], _to_logical_fn(self)(value), strict=True))
@@ -181,7 +185,7 @@ class _Relayout:
         for e in entries:
             x, want = arrays[e.key], self._sharding(e)
             sharding = getattr(x, "sharding", None)
-            if not isinstance(x, jax.core.Tracer) and not (
+            if not isinstance(x, _TRACER) and not (
                     isinstance(sharding, jax.sharding.Sharding) and sharding.device_set == want.device_set
                     and sharding.is_equivalent_to(want, len(e.shape))):
                 x = jax.device_put(x, want)
