@@ -255,27 +255,35 @@ def test_logical_view_holds_the_optimizer_state_by_leaf():
     assert all(isinstance(x, CompactLayout) and x.plan == plan for x in layouts[4:])
 
 
-def test_relayout_moves_pieces_by_permutes_in_bounded_memory():
+@pytest.mark.parametrize("block", [BLOCK, 8])
+def test_relayout_moves_pieces_in_bounded_memory(block):
     """Three leaves in one bucket on 8 devices (each leaf on about 3 devices in the plan, spread over all 8 in the
-    logical arrays): both conversions move the pieces by a few collective-permutes carrying at most one device's
-    rows in all, with no all-gather, and temporaries of a few times one device's rows (the whole state is 8)."""
+    logical arrays), no all-gather either way. Blocks of 4 rows: each leaf's blocks split evenly, moved by a few
+    collective-permutes carrying at most one device's rows in all. Blocks of 8 rows (the device count divides
+    the block): every block's rows split over the devices by one all-to-all of exactly one device's rows.
+    Temporaries stay a few times one device's rows (the whole state is 8)."""
     f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
     abstract = {"l0": f32(64, 32), "l1": f32(32, 64), "l2": f32(64, 32)}
-    plan = vj.plan(abstract, make_mesh(8), granularity=vj.rows(BLOCK), units=lambda path, leaf: "all")
-    layout = BlockLayout(plan, BLOCK)
-    slots = vjo.shampoo_blocks(plan, BLOCK).slots
+    plan = vj.plan(abstract, make_mesh(8), granularity=vj.rows(block), units=lambda path, leaf: "all")
+    layout = BlockLayout(plan, block)
+    slots = vjo.shampoo_blocks(plan, block).slots
     spec = jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec(plan.axis))
-    value = jax.ShapeDtypeStruct((8 * slots, BLOCK, BLOCK), jnp.float32, sharding=spec)
-    rows_bytes = slots * BLOCK * BLOCK * 4  # one device's rows
+    value = jax.ShapeDtypeStruct((8 * slots, block, block), jnp.float32, sharding=spec)
+    rows_bytes = slots * block * block * 4  # one device's rows
     shapes = layout.logical_shapes()
-    assert all(s.sharding.spec[0] == plan.axis for s in shapes.values())  # 128 blocks per leaf: evenly sharded
+    split = 0 if block % 8 else 1  # the dim the logical arrays are split on: blocks, or rows inside a block
+    assert all(s.sharding.spec[split] == plan.axis for s in shapes.values()), shapes
     from vescale_jax.optim.relayout import _from_logical_fn, _to_logical_fn
     for compiled in (_to_logical_fn(layout).lower(value).compile(),
                      _from_logical_fn(layout, jnp.float32).lower(*shapes.values()).compile()):
         census = testing.census(compiled)
-        assert census.count("all-gather") == census.count("all-to-all") == census.count("all-reduce") == 0
-        assert census.count("collective-permute") >= 1
-        assert census.bytes("collective-permute") <= rows_bytes
+        assert census.count("all-gather") == census.count("all-reduce") == 0
+        if block % 8:
+            assert census.count("all-to-all") == 0 and census.count("collective-permute") >= 1
+            assert census.bytes("collective-permute") <= rows_bytes
+        else:
+            assert census.count("collective-permute") == 0 and census.count("all-to-all") == 1
+            assert census.bytes("all-to-all") == rows_bytes
         mem = testing.memory(compiled)
         assert mem.temp <= 3.5 * rows_bytes, str(mem)
 

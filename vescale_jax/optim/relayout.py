@@ -55,23 +55,29 @@ class _Entry:
     """One logical array: ``layers`` copies (``None``: not stacked) of a per-layer tensor placed by ``rs``.
 
     ``start[k, l]`` is where device ``k``'s piece of layer ``l`` begins in its flattened local value; the
-    piece is ``rs.local_sizes[k]`` elements long.
+    piece is ``rs.local_sizes[k]`` elements long. ``slots`` (block layouts whose block edge the device count
+    divides): ``(L, nb)`` global slot (``device * B + slot``) of each block; the logical array is then split
+    over the rows inside each block.
     """
 
     key: str
     layers: int | None
     rs: RaggedShard
     start: np.ndarray
+    slots: np.ndarray | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
         return self.rs.shape if self.layers is None else (self.layers, *self.rs.shape)
 
     def spec(self, axis: Any, m: int) -> P:
-        """Even sharding of the logical array: its per-layer dim 0 when the device count divides it, else
-        replicated (the leaf is then gathered whole on every device). Spelled out over every dim."""
+        """Even sharding of the logical array, spelled out over every dim: the rows inside each block with
+        ``slots``; else its per-layer dim 0 when the device count divides it, else replicated (the leaf is
+        then gathered whole on every device)."""
         dims: list[Any] = [None] * len(self.shape)
-        if self.rs.shape and self.rs.shape[0] % m == 0 and self.rs.shape[0] >= m:
+        if self.slots is not None:
+            dims[-2] = axis
+        elif self.rs.shape and self.rs.shape[0] % m == 0 and self.rs.shape[0] >= m:
             dims[0 if self.layers is None else 1] = axis
         return P(*dims)
 
@@ -304,19 +310,27 @@ def _to_logical_fn(layout: _Relayout):
         return _FNS[key]
     plan, tables = layout.plan, layout._tables
     axis, m = plan.axis, plan.num_devices
-    moving = [e for e in tables.entries if e.rs.size and not e.replicated(axis, m)]
+    moving = [e for e in tables.entries if e.rs.size and e.slots is None and not e.replicated(axis, m)]
     share_at, share_size = _shares(moving, m)
+    chunked = any(e.slots is not None for e in tables.entries)
 
     def local(v):
         k = jax.lax.axis_index(axis)
         flat = jnp.reshape(v, (-1,))
+        if chunked:  # device d gets rows [d*c, (d+1)*c) of every block: one balanced all-to-all
+            slots, b = v.shape[0], v.shape[-1]
+            x = jnp.swapaxes(jnp.reshape(v, (slots, m, b // m, b)), 0, 1)
+            rows = jnp.reshape(jax.lax.all_to_all(x, axis, 0, 0), (m * slots, b // m, b))
         shares = _exchange(flat, [e.start for e in moving], jnp.zeros((share_size,), v.dtype), share_at,
                            [(e.rs, RaggedShard.dim0(e.rs.shape, m)) for e in moving], axis, m)
         width = max([e.rs.max_local_size for e in tables.entries] + [1])
         padded = jnp.pad(flat, (0, width))
         out, j = [], 0
         for e in tables.entries:
-            if e.rs.size == 0:  # an empty leaf: replicated zeros of its shape
+            if e.slots is not None:
+                x = jnp.take(rows, jnp.asarray(e.slots), axis=0)
+                out.append(x[0] if e.layers is None else x)
+            elif e.rs.size == 0:  # an empty leaf: replicated zeros of its shape
                 out.append(jnp.zeros(e.shape, v.dtype))
             elif e.replicated(axis, m):
                 w = e.rs.max_local_size
@@ -346,14 +360,23 @@ def _from_logical_fn(layout: _Relayout, dtype: Any):
     plan, tables = layout.plan, layout._tables
     axis, m = plan.axis, plan.num_devices
     size = math.prod(tables.local_shape)
-    moving = [e for e in tables.entries if e.rs.size and not e.replicated(axis, m)]
+    moving = [e for e in tables.entries if e.rs.size and e.slots is None and not e.replicated(axis, m)]
     share_at, _ = _shares(moving, m)
+    chunked = any(e.slots is not None for e in tables.entries)
 
     def local(*xs):
         k = jax.lax.axis_index(axis)
         out = jnp.zeros((size,), dtype)
+        if chunked:  # inverse of to_logical's all-to-all
+            slots, b = tables.local_shape[0], tables.local_shape[-1]
+            rows = jnp.zeros((m * slots, b // m, b), dtype)
+            for e, x in zip(tables.entries, xs, strict=True):
+                if e.slots is not None:
+                    rows = rows.at[jnp.asarray(e.slots)].set((x[None] if e.layers is None else x).astype(dtype))
+            x = jax.lax.all_to_all(jnp.reshape(rows, (m, slots, b // m, b)), axis, 0, 0)
+            out = jnp.reshape(jnp.swapaxes(x, 0, 1), (size,))
         for e, x in zip(tables.entries, xs, strict=True):
-            if e.rs.size == 0 or not e.replicated(axis, m):
+            if e.rs.size == 0 or e.slots is not None or not e.replicated(axis, m):
                 continue
             x = (x[None] if e.layers is None else x).astype(dtype)
             pieces = jax.vmap(lambda t, rs=e.rs: redistribute.to_ragged(t, rs, axis=axis))(x)
@@ -362,7 +385,7 @@ def _from_logical_fn(layout: _Relayout, dtype: Any):
             index = jnp.asarray(e.start)[k][:, None] + jnp.arange(w, dtype=jnp.int32)[None]
             out = out.at[jnp.where(valid[None], index, size)].set(pieces, mode="drop")  # past the end: dropped
         sharded = [jnp.reshape(x, (-1,)).astype(dtype) for e, x in zip(tables.entries, xs, strict=True)
-                   if e.rs.size and not e.replicated(axis, m)]
+                   if e.rs.size and e.slots is None and not e.replicated(axis, m)]
         if sharded:
             src = jnp.concatenate(sharded) if len(sharded) > 1 else sharded[0]
             out = _exchange(src, share_at, out, [e.start for e in moving],
@@ -429,9 +452,13 @@ class BlockLayout(_Relayout):
             nb = -(-r // b) * -(-c // b)
             layers = plan.buckets[spec.bucket].layers
             start = np.zeros((m, layers or 1), np.int32)
+            global_slot = np.zeros((layers or 1, nb), np.int32)
             units = None
             for layer in range(layers or 1):
                 per_device = where[(i, layer)]
+                for k, x in enumerate(per_device):
+                    for slot, j in x:
+                        global_slot[layer, j] = k * t.slots + slot
                 counts = [len(x) for x in per_device]
                 for k, x in enumerate(per_device):
                     slots, idx = [s for s, _ in x], [j for _, j in x]
@@ -446,7 +473,8 @@ class BlockLayout(_Relayout):
                 elif units != tuple(counts):
                     raise AssertionError(f"BlockLayout: {spec.path}: layers are placed differently")
             rs = RaggedShard((nb, b, b), bb, units)
-            entries.append(_Entry(f"{spec.path}/blocks", layers, rs, start))
+            chunk = b % m == 0  # every block's rows split evenly: one balanced all-to-all, never a whole leaf
+            entries.append(_Entry(f"{spec.path}/blocks", layers, rs, start, global_slot if chunk else None))
         return _Tables(tuple(entries), (t.slots, b, b))
 
 
