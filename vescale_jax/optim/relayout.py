@@ -219,6 +219,14 @@ def _rounds(moves, src_at, out_at, m):
                     segments.setdefault((s, d), []).append(
                         (int(src_at[e][s, layer]) + lo - a.starts[s], int(out_at[e][d, layer]) + lo - b.starts[d],
                          hi - lo))
+    for pair, segs in segments.items():  # a run contiguous on both sides is one segment (fewer ops)
+        merged: list[tuple[int, int, int]] = []
+        for so, do, n in sorted(segs):
+            if merged and merged[-1][0] + merged[-1][2] == so and merged[-1][1] + merged[-1][2] == do:
+                merged[-1] = (merged[-1][0], merged[-1][1], merged[-1][2] + n)
+            else:
+                merged.append((so, do, n))
+        segments[pair] = merged
     # Edge-colour the (sender, receiver) traffic graph, heaviest first: each colour is a partial permutation, one
     # collective-permute whose message is sized by its heaviest pair (the local pairs form round 0).
     weight = {pair: sum(n for *_, n in segs) for pair, segs in segments.items()}
