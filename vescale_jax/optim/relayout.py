@@ -72,13 +72,15 @@ class _Entry:
 
     def spec(self, axis: Any, m: int) -> P:
         """Even sharding of the logical array, spelled out over every dim: the rows inside each block with
-        ``slots``; else its per-layer dim 0 when the device count divides it, else replicated (the leaf is
-        then gathered whole on every device)."""
+        ``slots``; else its per-layer dim 0 when the device count divides it; else its layers when the device
+        count divides their number; else replicated (the leaf is then gathered whole on every device)."""
         dims: list[Any] = [None] * len(self.shape)
         if self.slots is not None:
             dims[-2] = axis
         elif self.rs.shape and self.rs.shape[0] % m == 0 and self.rs.shape[0] >= m:
             dims[0 if self.layers is None else 1] = axis
+        elif self.layers is not None and self.layers % m == 0 and self.rs.size:
+            dims[0] = axis  # whole layers per device
         return P(*dims)
 
     def replicated(self, axis: Any, m: int) -> bool:
@@ -302,14 +304,37 @@ def _exchange(src: jax.Array, src_at: Sequence[np.ndarray], out: jax.Array, out_
     return out[:size]
 
 
-def _shares(entries: Sequence[_Entry], m: int) -> tuple[list[np.ndarray], int]:
-    """Offsets of each sharded entry's local share (per layer) in one flat buffer of all of them, and its size."""
-    at, cursor = [], 0
-    for e in entries:
-        share = e.rs.size // m
-        at.append(np.broadcast_to(cursor + share * np.arange(e.layers or 1, dtype=np.int64), (m, e.layers or 1)))
-        cursor += share * (e.layers or 1)
-    return at, cursor
+def _moves(entries: Sequence[_Entry], axis: Any, m: int):
+    """The pieces :func:`_exchange` moves between the rows and the logical arrays split over the devices.
+
+    Returns:
+      ``(moves, value_at, logical_at, shares, size)``: per moved tensor its ``(rows placement, logical
+      placement)`` and offset tables (value side, logical side); per entry index, the offset and local shape
+      of its share in one flat buffer of all shares; that buffer's size.
+    """
+    moves, value_at, logical_at, shares, cursor = [], [], [], {}, 0
+    for i, e in enumerate(entries):
+        if not e.rs.size or e.slots is not None or e.replicated(axis, m):
+            continue
+        layers, size = e.layers or 1, e.rs.size
+        if e.layers is not None and e.spec(axis, m)[0] is not None:  # whole layers per device
+            per = layers // m
+            for layer in range(layers):
+                owner = tuple(size if k == layer // per else 0 for k in range(m))
+                moves.append((e.rs, RaggedShard(e.rs.shape, 1, owner)))
+                value_at.append(e.start[:, layer: layer + 1])
+                logical_at.append(np.full((m, 1), cursor + (layer % per) * size, np.int64))
+            shares[i] = (cursor, (per, *e.rs.shape))
+            cursor += per * size
+        else:
+            share = size // m
+            moves.append((e.rs, RaggedShard.dim0(e.rs.shape, m)))
+            value_at.append(e.start)
+            logical_at.append(np.broadcast_to(cursor + share * np.arange(layers, dtype=np.int64), (m, layers)))
+            local = (e.rs.shape[0] // m, *e.rs.shape[1:])
+            shares[i] = (cursor, local if e.layers is None else (layers, *local))
+            cursor += share * layers
+    return moves, value_at, logical_at, shares, cursor
 
 
 def _to_logical_fn(layout: _Relayout):
@@ -318,8 +343,7 @@ def _to_logical_fn(layout: _Relayout):
         return _FNS[key]
     plan, tables = layout.plan, layout._tables
     axis, m = plan.axis, plan.num_devices
-    moving = [e for e in tables.entries if e.rs.size and e.slots is None and not e.replicated(axis, m)]
-    share_at, share_size = _shares(moving, m)
+    moves, value_at, logical_at, shares_of, share_size = _moves(tables.entries, axis, m)
     chunked = any(e.slots is not None for e in tables.entries)
 
     def local(v):
@@ -329,12 +353,11 @@ def _to_logical_fn(layout: _Relayout):
             slots, b = v.shape[0], v.shape[-1]
             x = jnp.swapaxes(jnp.reshape(v, (slots, m, b // m, b)), 0, 1)
             rows = jnp.reshape(jax.lax.all_to_all(x, axis, 0, 0), (m * slots, b // m, b))
-        shares = _exchange(flat, [e.start for e in moving], jnp.zeros((share_size,), v.dtype), share_at,
-                           [(e.rs, RaggedShard.dim0(e.rs.shape, m)) for e in moving], axis, m)
+        shares = _exchange(flat, value_at, jnp.zeros((share_size,), v.dtype), logical_at, moves, axis, m)
         width = max([e.rs.max_local_size for e in tables.entries] + [1])
         padded = jnp.pad(flat, (0, width))
-        out, j = [], 0
-        for e in tables.entries:
+        out = []
+        for i, e in enumerate(tables.entries):
             if e.slots is not None:
                 x = jnp.take(rows, jnp.asarray(e.slots), axis=0)
                 out.append(x[0] if e.layers is None else x)
@@ -348,11 +371,8 @@ def _to_logical_fn(layout: _Relayout):
                 x = jax.vmap(lambda p, rs=e.rs: redistribute.from_ragged(p, rs, axis=axis))(pieces)
                 out.append(x[0] if e.layers is None else x)
             else:
-                lo = int(share_at[j][0, 0])
-                n = e.rs.size // m * (e.layers or 1)
-                x = jnp.reshape(shares[lo: lo + n], (e.layers or 1, e.rs.shape[0] // m, *e.rs.shape[1:]))
-                out.append(x[0] if e.layers is None else x)
-                j += 1
+                lo, shape = shares_of[i]
+                out.append(jnp.reshape(shares[lo: lo + math.prod(shape)], shape))
         return tuple(out)
 
     specs = tuple(e.spec(axis, m) for e in tables.entries)
@@ -368,8 +388,7 @@ def _from_logical_fn(layout: _Relayout, dtype: Any):
     plan, tables = layout.plan, layout._tables
     axis, m = plan.axis, plan.num_devices
     size = math.prod(tables.local_shape)
-    moving = [e for e in tables.entries if e.rs.size and e.slots is None and not e.replicated(axis, m)]
-    share_at, _ = _shares(moving, m)
+    moves, value_at, logical_at, shares_of, _ = _moves(tables.entries, axis, m)
     chunked = any(e.slots is not None for e in tables.entries)
 
     def local(*xs):
@@ -392,12 +411,10 @@ def _from_logical_fn(layout: _Relayout, dtype: Any):
             valid = jnp.arange(w) < jnp.asarray(np.asarray(e.rs.local_sizes, np.int32))[k]
             index = jnp.asarray(e.start)[k][:, None] + jnp.arange(w, dtype=jnp.int32)[None]
             out = out.at[jnp.where(valid[None], index, size)].set(pieces, mode="drop")  # past the end: dropped
-        sharded = [jnp.reshape(x, (-1,)).astype(dtype) for e, x in zip(tables.entries, xs, strict=True)
-                   if e.rs.size and e.slots is None and not e.replicated(axis, m)]
+        sharded = [jnp.reshape(xs[i], (-1,)).astype(dtype) for i in sorted(shares_of)]  # in offset order
         if sharded:
             src = jnp.concatenate(sharded) if len(sharded) > 1 else sharded[0]
-            out = _exchange(src, share_at, out, [e.start for e in moving],
-                            [(RaggedShard.dim0(e.rs.shape, m), e.rs) for e in moving], axis, m)
+            out = _exchange(src, logical_at, out, value_at, [(b, a) for a, b in moves], axis, m)
         return jnp.reshape(out, tables.local_shape)
 
     specs = tuple(e.spec(axis, m) for e in tables.entries)
