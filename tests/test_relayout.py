@@ -347,3 +347,13 @@ def test_exchange_moves_random_ragged_placements_exactly():
     x = jax.device_put(src.reshape(-1), jax.sharding.NamedSharding(mesh, spec))
     got = np.asarray(fn(x)).reshape(m, out_size)
     np.testing.assert_array_equal(got, want)
+
+
+def test_layout_without_blocks_is_empty():
+    """A tree without matrix leaves: no logical arrays, and from_logical gives the (empty) rows back."""
+    params = {"v": jnp.ones((10,), jnp.float32)}
+    plan = vj.plan(params, make_mesh(3), granularity=vj.rows(BLOCK))
+    layout = BlockLayout(plan, BLOCK)
+    assert layout.logical_shapes() == {}
+    value = layout.from_logical({})
+    assert value.shape == (0, BLOCK, BLOCK) and layout.to_logical(value) == {}

@@ -158,6 +158,8 @@ class _Relayout:
           result is replicated).
         """
         self._check_value(value)
+        if not self._tables.entries:
+            return {}
         return dict(zip([e.key for e in self._tables.entries], _to_logical_fn(self)(value), strict=True))
 
     def from_logical(self, arrays: Mapping[str, jax.Array]) -> jax.Array:
@@ -199,6 +201,10 @@ class _Relayout:
                 x = jax.device_put(x, want)
             placed.append(x)
         dtype = dtypes.pop() if dtypes else jnp.dtype(self.default_dtype())
+        if not entries:  # nothing to hold (no matrix leaf, no chosen leaf): the rows are all padding
+            shape = (self.plan.num_devices * self._tables.local_shape[0], *self._tables.local_shape[1:])
+            spec = P(self.plan.axis, *[None] * (len(shape) - 1))
+            return jax.device_put(jnp.zeros(shape, dtype), jax.sharding.NamedSharding(self.plan.mesh, spec))
         return _from_logical_fn(self, dtype)(*placed)
 
 
