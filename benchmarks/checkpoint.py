@@ -104,9 +104,11 @@ def bench_time(args) -> None:
     state = (adam._replace(mu=jax.tree.map(lambda x: x * 0.5, params), nu=jax.tree.map(lambda x: x * x, params)),
              *rest)
     total = 3 * sum(b.nbytes for b in plan.buckets) / MIB
-    plain_tree = {"params": vj.unshard(params), "mu": vj.unshard(state[0].mu), "nu": vj.unshard(state[0].nu),
-                  "count": state[0].count}
-    plain_tree = jax.device_put(plain_tree, jax.devices()[0])  # the unsharded tree a plain Flax job would hold
+    # The unsharded tree a plain Flax job would hold, on one device (built through the host, leaf by leaf).
+    one = jax.devices()[0]
+    plain_tree = {name: jax.tree.map(lambda x: jax.device_put(np.asarray(x), one), vj.checkpoint.logical_tree(sp))
+                  for name, sp in (("params", params), ("mu", state[0].mu), ("nu", state[0].nu))}
+    plain_tree["count"] = jax.device_put(np.asarray(state[0].count), one)
     jax.block_until_ready((params, state, plain_tree))
     root = tempfile.mkdtemp(prefix="vj_ckpt_bench_")
     vj_times, plain_times = [], []

@@ -291,17 +291,22 @@ def _from_logical_fn(plan: Plan):
             S = bucket.layout.shard_size
             pad = max([rt.local_max for rt in routes], default=0)
             lead = bucket.layers if stacked else 1
-            out = jnp.zeros((lead, S + pad), jnp.dtype(bucket.dtype))
+            dtype = jnp.dtype(bucket.dtype)
             for i, st, rt in zip(bucket.leaves, storages, routes, strict=True):
-                blk = jnp.reshape(leaves[i], (lead, *_local_shape(st)))
-                sums[i] = _block_sums(blk, st, rt, k, axes)
-                if rt.n and stacked:  # one layer at a time, as in to_logical
-                    out = jax.lax.map(lambda a, rt=rt: _leaf_in(a[0][None], a[1][None], rt, k, axes)[0],
-                                      (jnp.reshape(blk, (lead, -1)), out))
-                elif rt.n:
-                    out = _leaf_in(jnp.reshape(blk, (lead, -1)), out, rt, k, axes)
-            out = out[:, :S]
-            bufs.append(out if stacked else out[0])
+                sums[i] = _block_sums(jnp.reshape(leaves[i], (lead, *_local_shape(st))), st, rt, k, axes)
+            rows = [jnp.reshape(leaves[i], (lead, -1)) for i in bucket.leaves]
+
+            def fill(rows, routes=routes, S=S, pad=pad, dtype=dtype):
+                out = jnp.zeros((rows[0].shape[0] if rows else 1, S + pad), dtype)
+                for row, rt in zip(rows, routes, strict=True):
+                    if rt.n:
+                        out = _leaf_in(row, out, rt, k, axes)
+                return out[:, :S]
+
+            if stacked:  # one layer at a time, every leaf of it: the buffer is written once
+                bufs.append(jax.lax.map(lambda layer, fill=fill: fill([r[None] for r in layer])[0], rows))
+            else:
+                bufs.append(fill(rows)[0])
         return bufs, jnp.stack(sums) if sums else jnp.zeros((0, 2), jnp.uint32)
 
     in_specs: list[Any] = [None] * len(plan.leaves)
@@ -311,6 +316,13 @@ def _from_logical_fn(plan: Plan):
     out_specs = [P(*([None] if b.layers is not None else []), axes) for b, _, _ in tables]
     mapped = jax.shard_map(local, mesh=mesh, in_specs=tuple(in_specs), out_specs=(out_specs, P()), check_vma=False)
     return jax.jit(mapped), [NamedSharding(mesh, s) for s in in_specs]
+
+
+def _relabel(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """``x`` under an equivalent sharding on another mesh of the same devices, without copying when possible."""
+    if isinstance(x, jax.Array) and x.sharding.devices_indices_map(x.shape) == sharding.devices_indices_map(x.shape):
+        return jax.make_array_from_single_device_arrays(x.shape, sharding, [s.data for s in x.addressable_shards])
+    return jax.device_put(x, sharding)
 
 
 def to_logical(buffers: Sequence[jax.Array], plan: Plan) -> tuple[list[jax.Array], np.ndarray]:
@@ -331,7 +343,7 @@ def to_logical(buffers: Sequence[jax.Array], plan: Plan) -> tuple[list[jax.Array
     """
     fn, in_shardings = _to_logical_fn(plan)
     # Same devices, same layout: relabelling onto the storage mesh moves no data.
-    outs, sums = fn(*[jax.device_put(b, s) for b, s in zip(buffers, in_shardings, strict=True)])
+    outs, sums = fn(*[_relabel(b, s) for b, s in zip(buffers, in_shardings, strict=True)])
     return list(outs), np.asarray(jax.device_get(sums))
 
 
@@ -357,6 +369,6 @@ def from_logical(leaves: Sequence[jax.Array], plan: Plan) -> tuple[tuple[jax.Arr
       leaves' checksums as in :func:`to_logical`.
     """
     fn, in_shardings = _from_logical_fn(plan)
-    bufs, sums = fn(*[jax.device_put(x, s) for x, s in zip(leaves, in_shardings, strict=True)])
-    out = tuple(jax.device_put(b, s) for b, s in zip(bufs, plan.shardings(), strict=True))
+    bufs, sums = fn(*[_relabel(x, s) for x, s in zip(leaves, in_shardings, strict=True)])
+    out = tuple(_relabel(b, s) for b, s in zip(bufs, plan.shardings(), strict=True))
     return out, np.asarray(jax.device_get(sums))
