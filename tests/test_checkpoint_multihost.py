@@ -12,6 +12,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 from test_multihost import Worker, child_env, free_port, run_workers
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -41,6 +42,7 @@ def job(n: int, devices: int, mode: str, directory: str, out: str, start: float)
                                                                 directory, out], start) for i in range(n)]
 
 
+@pytest.mark.slow
 def test_save_on_two_processes_restore_on_one_and_back(tmp_path):
     start = time.monotonic()
     a, b = str(tmp_path / "from2x4"), str(tmp_path / "from1x8")
