@@ -210,23 +210,34 @@ def _bucket_storages(plan: Plan, b: int) -> list[LeafStorage]:
     return [leaf_storage(plan.layer_shape(plan.leaves[i]), plan) for i in bucket.leaves]
 
 
-def _block_sums(blk: jax.Array, st: LeafStorage, rt: _Route, k: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    """This device's part of :func:`vescale_jax._integrity.checksums` of the leaf (one replica counts), summed."""
+def _partial_sums(blk: jax.Array, st: LeafStorage, rt: _Route, k: jax.Array, layer: jax.Array) -> jax.Array:
+    """The two checksums of this device's block of one layer (``blk`` is ``(1, *block)``, ``layer`` its index)."""
     from vescale_jax._integrity import words
 
-    lead = blk.shape[0]
     A, D, B = st.view()
-    block = k // rt.r
-    w = words(jnp.reshape(blk, (lead, A, D // st.g, B)))
+    w = words(jnp.reshape(blk, (1, A, D // st.g, B)))
     nw = w.shape[-1] if w.ndim == 5 else 1
-    w = jnp.reshape(w, (lead, A, D // st.g, B, nw))
+    w = jnp.reshape(w, (1, A, D // st.g, B, nw))
     u32 = jnp.uint32
     iota = [jax.lax.broadcasted_iota(u32, w.shape, d) for d in range(5)]
-    row = (iota[0] * u32(A % 2**32) + iota[1]) * u32(D % 2**32) + block.astype(u32) * u32((D // st.g) % 2**32)
+    block = (k // rt.r).astype(u32)
+    row = ((iota[0] + layer) * u32(A % 2**32) + iota[1]) * u32(D % 2**32) + block * u32((D // st.g) % 2**32)
     flat = ((row + iota[2]) * u32(B % 2**32) + iota[3]) * u32(nw) + iota[4]
     weight = flat * u32(2) + u32(1)
+    return jnp.stack([jnp.sum(w, dtype=u32), jnp.sum(w * weight, dtype=u32)])
+
+
+def _block_sums(blk: jax.Array, st: LeafStorage, rt: _Route, k: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """This device's part of :func:`vescale_jax._integrity.checksums` of the leaf (one replica counts), summed
+    over devices. A stacked leaf is summed one layer at a time, so no full-size word array is materialised."""
+    u32 = jnp.uint32
+    lead = blk.shape[0]
+    if lead > 1:
+        parts = jax.lax.map(lambda a: _partial_sums(a[0][None], st, rt, k, a[1]), (blk, jnp.arange(lead, dtype=u32)))
+        sums = jnp.sum(parts, axis=0, dtype=u32)
+    else:
+        sums = _partial_sums(blk, st, rt, k, u32(0))
     mine = (k % rt.r) == 0
-    sums = jnp.stack([jnp.sum(w, dtype=u32), jnp.sum(w * weight, dtype=u32)])
     return jax.lax.psum(jnp.where(mine, sums, jnp.zeros_like(sums)), axes)
 
 
