@@ -12,10 +12,10 @@ divisible by ``m``; a leaf with no dim sharing a factor with ``m`` is replicated
 holds ``size / g`` elements of the leaf. The element ranks are computed in closed form, so every index table
 is ``m x m`` integers, whatever the leaf size.
 
-Transient memory per device while one bucket is converted: the all-to-all's send and receive buffers, ``m * W``
-elements each, where ``W`` is the largest piece one device sends another (``W <= min(local range, size/g)``),
-so at most ``2 * min(S, size / g) * m``-ish, bounded by twice the largest leaf of the bucket; with leaves
-spread over all devices it is about ``2 * size / m``.
+Transient memory per device: each leaf's all-to-all send and receive buffers, ``m * W`` elements each, where
+``W`` is the largest piece one device sends another (``W <= size / g``), so at most twice one leaf (one layer
+of it: stacked leaves are converted layer by layer in a loop) and about ``2 * size / m`` for a leaf spread over
+all devices. The outputs (the logical leaves, or the packed buckets) are one more copy of the device's share.
 """
 
 from __future__ import annotations
@@ -258,7 +258,12 @@ def _to_logical_fn(plan: Plan):
             stacked = bucket.layers is not None
             buf2 = buf if stacked else buf[None]
             for i, st, rt in zip(bucket.leaves, storages, routes, strict=True):
-                blk = _leaf_out(buf2, rt, k, axes) if rt.n else jnp.zeros((buf2.shape[0], 0), buf.dtype)
+                if not rt.n:
+                    blk = jnp.zeros((buf2.shape[0], 0), buf.dtype)
+                elif stacked:  # one layer at a time: the all-to-all buffers hold one layer's piece
+                    blk = jax.lax.map(lambda row, rt=rt: _leaf_out(row[None], rt, k, axes)[0], buf2)
+                else:
+                    blk = _leaf_out(buf2, rt, k, axes)
                 blk = jnp.reshape(blk, (buf2.shape[0], *_local_shape(st)))
                 sums[i] = _block_sums(blk, st, rt, k, axes)
                 outs[i] = blk if stacked else blk[0]
@@ -290,7 +295,10 @@ def _from_logical_fn(plan: Plan):
             for i, st, rt in zip(bucket.leaves, storages, routes, strict=True):
                 blk = jnp.reshape(leaves[i], (lead, *_local_shape(st)))
                 sums[i] = _block_sums(blk, st, rt, k, axes)
-                if rt.n:
+                if rt.n and stacked:  # one layer at a time, as in to_logical
+                    out = jax.lax.map(lambda a, rt=rt: _leaf_in(a[0][None], a[1][None], rt, k, axes)[0],
+                                      (jnp.reshape(blk, (lead, -1)), out))
+                elif rt.n:
                     out = _leaf_in(jnp.reshape(blk, (lead, -1)), out, rt, k, axes)
             out = out[:, :S]
             bufs.append(out if stacked else out[0])

@@ -25,14 +25,11 @@ import os
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-import jax
-import numpy as np
 import orbax.checkpoint as ocp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from vescale_jax import _integrity, _logical
-from vescale_jax.buffer import PerDevice, ShardedParams
+from vescale_jax import _integrity, _stored
+from vescale_jax._stored import abstract_logical, logical_tree
+from vescale_jax.buffer import ShardedParams
 from vescale_jax.plan import Plan
 
 __all__ = [
@@ -47,200 +44,6 @@ __all__ = [
 
 FORMAT = "vescale_jax.checkpoint/1"
 _VJ, _PARAMS, _OPT, _META = "vescale_jax", "params", "opt_state", "metadata"
-
-
-# ------------------------------------------------------------------------------------------------ key paths
-_name, _raw_path = _integrity.key_name, _integrity.raw_path
-
-
-def _is_node(x: Any) -> bool:
-    return isinstance(x, (ShardedParams, PerDevice))
-
-
-def _nest(items: list[tuple[list[str], Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for parts, value in items:
-        d = out
-        for p in parts[:-1]:
-            d = d.setdefault(p, {})
-        d[parts[-1] if parts else "value"] = value
-    return out
-
-
-# --------------------------------------------------------------------------------------- logical conversion
-def _leaf_paths(plan: Plan, prefix: str = "") -> list[str]:
-    flat, _ = jax.tree_util.tree_flatten_with_path(jax.tree_util.tree_unflatten(plan.treedef, range(len(plan.leaves))))
-    return [prefix + _raw_path(p) for p, _ in flat]
-
-
-def _named(plan: Plan, sums: np.ndarray, prefix: str = "") -> dict[str, list[int]]:
-    return {p: [int(v) for v in row] for p, row in zip(_leaf_paths(plan, prefix), sums, strict=True)}
-
-
-def _logical_and_sums(params: ShardedParams, prefix: str = "") -> tuple[Any, dict[str, list[int]]]:
-    plan = params.plan
-    leaves, sums = _logical.to_logical(params.buffers, plan)
-    return jax.tree_util.tree_unflatten(plan.treedef, leaves), _named(plan, sums, prefix)
-
-
-def logical_tree(params: ShardedParams) -> Any:
-    """The logical parameter tree of ``params``, each leaf a global array evenly sharded for storage.
-
-    Args:
-      params: sharded parameters (or any parameter-shaped optimizer state).
-
-    Returns:
-      A tree of ``params.plan``'s structure (e.g. an NNX ``State``) whose leaves equal ``vj.unshard(params)``'s.
-
-    Sharding:
-      Each leaf is split over the plan's devices on its largest dim sharing the most factors with the device
-      count (replicated only if none does); the buckets are converted by one all-to-all per leaf, never gathered.
-    """
-    return _logical_and_sums(params)[0]
-
-
-def abstract_logical(plan: Plan) -> Any:
-    """The restore target of :func:`logical_tree`: ``jax.ShapeDtypeStruct`` leaves with storage shardings."""
-    shardings = _logical.logical_shardings(plan)
-    leaves = [jax.ShapeDtypeStruct(s.shape, np.dtype(s.dtype), sharding=sh) for s, sh in zip(plan.leaves, shardings,
-                                                                                             strict=True)]
-    return jax.tree_util.tree_unflatten(plan.treedef, leaves)
-
-
-def _storable(tree: Any) -> Any:
-    """Zero-size leaves as ``None`` (Orbax refuses to write an empty array; there is nothing to store)."""
-    return jax.tree.map(lambda x: None if 0 in tuple(x.shape) else x, tree)
-
-
-def _pack(tree: Any, plan: Plan, expected: Mapping[str, list[int]] | None = None, *, prefix: str = "",
-          item: str = "params", where: str = "") -> ShardedParams:
-    """Packs restored logical leaves into ``plan``'s buckets, checking their checksums against ``expected``."""
-    leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: x is None)
-    if len(leaves) != len(plan.leaves):
-        raise ValueError(f"vj.checkpoint: restored {len(leaves)} leaves for a plan of {len(plan.leaves)}.")
-    leaves = [jax.numpy.zeros(s.shape, s.dtype) if x is None else x for x, s in zip(leaves, plan.leaves, strict=True)]
-    buffers, sums = _logical.from_logical(leaves, plan)
-    if expected is not None:
-        _integrity.compare(_named(plan, sums, prefix), expected, item=item, where=where)
-    return ShardedParams(buffers, plan)
-
-
-def _replicated(plan: Plan) -> NamedSharding:
-    return NamedSharding(plan.mesh, P())
-
-
-def _opt_state_items(opt_state: Any) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, list[int]]]:
-    """``opt_state`` as a nested dict of storable values, the JSON description of each node, its checksums."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=_is_node)
-    items, info, others, sums = [], [], [], {}
-    for path, node in flat:
-        parts, name = [_name(k) for k in path], _raw_path(path)
-        if isinstance(node, ShardedParams):
-            tree, node_sums = _logical_and_sums(node, prefix=name + "/")
-            items.append((parts, _storable(tree)))
-            sums.update(node_sums)
-            info.append({"path": name, "kind": "sharded", "plan": node.plan.fingerprint()})
-            continue
-        if isinstance(node, PerDevice):
-            layout = getattr(node, "layout", None)
-            if layout is not None:
-                value: Any = dict(layout.to_logical(node.value))
-                info.append({"path": name, "kind": "per_device_logical", "layout": type(layout).__name__})
-            else:
-                value = node.value
-                info.append({"path": name, "kind": "per_device", "plan": node.plan.fingerprint(),
-                             "shape": list(node.value.shape)})
-        else:
-            value = node if isinstance(node, jax.Array) else np.asarray(node)
-            info.append({"path": name, "kind": "array"})
-        items.append((parts, value))
-        others.append((parts, value))
-    sums.update(_integrity.checksums(_nest(others)))
-    return _nest(items), info, sums
-
-
-def _abstract(x: Any, sharding: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(tuple(x.shape), np.dtype(x.dtype), sharding=sharding)
-
-
-def _opt_state_target(template: Any, saved: Mapping[str, dict[str, Any]], default: Plan) -> tuple[dict, list]:
-    """The Orbax restore target of an optimizer-state template, and how to rebuild each node."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(template, is_leaf=_is_node)
-    items, rebuild = [], []
-    for path, node in flat:
-        parts, name = [_name(k) for k in path], _raw_path(path)
-        stored = saved.get(name)
-        if stored is None:
-            raise ValueError(
-                f"vj.checkpoint: optimizer-state leaf {name!r} of the target template is not in the checkpoint "
-                f"(it holds {sorted(saved)[:8]}); build the template with the optimizer the checkpoint was saved "
-                "with, or restore params only (opt_state=None) and re-initialise the optimizer."
-            )
-        if isinstance(node, ShardedParams):
-            if stored["kind"] != "sharded":
-                raise ValueError(f"vj.checkpoint: optimizer-state leaf {name!r} was saved as {stored['kind']}, the "
-                                 "template has parameter-shaped ShardedParams there; use the same optimizer.")
-            items.append((parts, _storable(abstract_logical(node.plan))))
-            rebuild.append(("sharded", node))
-        elif isinstance(node, PerDevice):
-            layout = getattr(node, "layout", None)
-            if layout is not None:
-                if stored["kind"] != "per_device_logical":
-                    raise ValueError(
-                        f"vj.checkpoint: optimizer-state leaf {name!r} was saved by device index (its PerDevice "
-                        "had no layout), so it can only be restored into the identical plan; restore with the "
-                        "saved plan, or re-initialise this state."
-                    )
-                shapes = {
-                    k: _abstract(s, s.sharding if getattr(s, "sharding", None) is not None else
-                                 _logical.storage_sharding(s.shape, node.plan, stacked=False))
-                    for k, s in layout.logical_shapes().items()
-                }
-                items.append((parts, shapes))
-                rebuild.append(("per_device_logical", node))
-            else:
-                if stored["kind"] != "per_device" or stored["plan"] != node.plan.fingerprint():
-                    raise ValueError(
-                        f"vj.checkpoint: optimizer-state leaf {name!r} is a PerDevice array without a layout: it is "
-                        f"stored by device index and restores only into the plan it was saved with (saved shape "
-                        f"{tuple(stored.get('shape', ()))}, target {tuple(node.value.shape)}, same plan: "
-                        f"{stored.get('plan') == node.plan.fingerprint()}). Give its PerDevice a layout (to_logical "
-                        "/ from_logical) to re-place it under another plan, restore into the saved plan, or restore "
-                        "params only and re-initialise the optimizer."
-                    )
-                spec = P(node.plan.axis, *[None] * (len(node.value.shape) - 1))
-                items.append((parts, _abstract(node.value, NamedSharding(node.plan.mesh, spec))))
-                rebuild.append(("per_device", node))
-        else:
-            sharding = getattr(node, "sharding", None)
-            if not isinstance(sharding, jax.sharding.Sharding):
-                sharding = _replicated(default)
-            items.append((parts, _abstract(np.asarray(node) if not hasattr(node, "shape") else node, sharding)))
-            rebuild.append(("array", node))
-    return _nest(items), rebuild
-
-
-def _rebuild(template: Any, restored: dict[str, Any], rebuild: list, expected: Mapping[str, list[int]],
-             where: str) -> Any:
-    flat, treedef = jax.tree_util.tree_flatten_with_path(template, is_leaf=_is_node)
-    out, others = [], []
-    for (path, _), (kind, node) in zip(flat, rebuild, strict=True):
-        value: Any = restored
-        for k in path:
-            value = value[_name(k)]
-        if kind == "sharded":
-            out.append(_pack(value, node.plan, expected, prefix=_raw_path(path) + "/", item=_OPT, where=where))
-            continue
-        others.append(([_name(k) for k in path], value))
-        if kind == "per_device_logical":
-            children = [node.layout.from_logical(dict(value))]
-            out.append(jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(node), children))
-        elif kind == "per_device":
-            out.append(jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(node), [value]))
-        else:
-            out.append(value)
-    _integrity.compare(_integrity.checksums(_nest(others)), expected, item=_OPT, where=where)
-    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def _target_plan(params: ShardedParams | Plan) -> Plan:
@@ -262,7 +65,7 @@ def save_params(path: str | os.PathLike, params: ShardedParams, *, force: bool =
       force: overwrite an existing directory.
     """
     ckptr = ocp.StandardCheckpointer()
-    ckptr.save(os.fspath(path), _storable(logical_tree(params)), force=force)
+    ckptr.save(os.fspath(path), _stored.storable(logical_tree(params)), force=force)
     ckptr.wait_until_finished()
 
 
@@ -284,10 +87,10 @@ def restore_params(path: str | os.PathLike, params: ShardedParams | Plan) -> Sha
     """
     plan = _target_plan(params)
     ckptr = ocp.StandardCheckpointer()
-    target = _storable(abstract_logical(plan))
+    target = _stored.storable(abstract_logical(plan))
     stored = _integrity.stored_shapes(ckptr.metadata(os.fspath(path)).item_metadata)
     _integrity.check_against(stored, target, item="params")
-    return _pack(ckptr.restore(os.fspath(path), target), plan)
+    return _stored.pack(ckptr.restore(os.fspath(path), target), plan)
 
 
 # ---------------------------------------------------------------------------------------------------- manager
@@ -374,12 +177,12 @@ class Manager:
                             "use ocp.StandardCheckpointer for a plain tree.")
         if not force and not self._mngr.should_save(step):
             return False
-        logical, param_sums = _logical_and_sums(params)
-        items: dict[str, Any] = {_PARAMS: ocp.args.StandardSave(_storable(logical))}
+        logical, param_sums = _stored.logical_and_sums(params)
+        items: dict[str, Any] = {_PARAMS: ocp.args.StandardSave(_stored.storable(logical))}
         sums = {_PARAMS: param_sums}
         info: list[dict[str, Any]] = []
         if opt_state is not None:
-            tree, info, sums[_OPT] = _opt_state_items(opt_state)
+            tree, info, sums[_OPT] = _stored.opt_state_items(opt_state)
             items[_OPT] = ocp.args.StandardSave(tree)
         description = {"format": FORMAT, "plan": params.plan.to_dict(), "opt_state": info,
                        "has_opt_state": opt_state is not None, "checksums": sums}
@@ -439,7 +242,7 @@ class Manager:
         plan = None
         if params is not None:
             plan = _target_plan(params)
-            target = _storable(abstract_logical(plan))
+            target = _stored.storable(abstract_logical(plan))
             _integrity.check_against(_integrity.stored_shapes(metadata[_PARAMS]), target, item="params")
             args[_PARAMS] = ocp.args.StandardRestore(target)
         rebuild = None
@@ -448,8 +251,8 @@ class Manager:
                 raise ValueError(f"vj.checkpoint: step {step} has no optimizer state; pass opt_state=None and "
                                  "initialise the optimizer.")
             saved = {d["path"]: d for d in desc["opt_state"]}
-            default = plan or _first_plan(opt_state)
-            target_opt, rebuild = _opt_state_target(opt_state, saved, default)
+            default = plan or _stored.first_plan(opt_state)
+            target_opt, rebuild = _stored.opt_state_target(opt_state, saved, default)
             _integrity.check_against(_integrity.stored_shapes(metadata[_OPT]), target_opt, item="opt_state")
             args[_OPT] = ocp.args.StandardRestore(target_opt)
         where = os.path.join(self.directory, str(step))
@@ -461,14 +264,6 @@ class Manager:
                              f"or corrupt ({first}); restore another step (Manager.all_steps()) or re-copy the "
                              "checkpoint.") from e
         sums = desc["checksums"]
-        sp = _pack(out[_PARAMS], plan, sums[_PARAMS], where=where) if plan is not None else None
-        state = _rebuild(opt_state, out[_OPT], rebuild, sums[_OPT], where) if rebuild is not None else None
+        sp = _stored.pack(out[_PARAMS], plan, sums[_PARAMS], where=where) if plan is not None else None
+        state = _stored.rebuild_state(opt_state, out[_OPT], rebuild, sums[_OPT], where) if rebuild is not None else None
         return Restored(step, sp, state, dict(out[_META] or {}))
-
-
-def _first_plan(tree: Any) -> Plan:
-    for node in jax.tree_util.tree_leaves(tree, is_leaf=_is_node):
-        if _is_node(node):
-            return node.plan
-    raise ValueError("vj.checkpoint: pass params= (the target plan) to place an optimizer state without "
-                     "ShardedParams in it.")
