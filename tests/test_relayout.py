@@ -308,7 +308,7 @@ def test_exchange_moves_random_ragged_placements_exactly():
     """The piece exchange alone, against numpy: three tensors of two layers each, random (some empty) device
     ranges on both sides, packed at arbitrary offsets of the source and target buffers on 8 devices."""
     from vescale_jax.layout import RaggedShard
-    from vescale_jax.optim.relayout import _exchange
+    from vescale_jax.optim.exchange import exchange as _exchange
 
     m, layers = 8, 2
     rng = np.random.default_rng(5)
