@@ -102,7 +102,7 @@ def place_state(shapes, plan):
     def one(x):
         if isinstance(x, PerDevice):
             v = x.value
-            return PerDevice(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=per_dev), x.plan)
+            return x.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=per_dev))
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=by_shape.get(tuple(x.shape), rep))
 
     return jax.tree.map(one, shapes, is_leaf=lambda x: isinstance(x, PerDevice))

@@ -7,6 +7,13 @@ and AdamW state live sharded in the planner's flat buffers; each layer of the sc
 inside the loop, one at a time. Prints the plan, a progress bar with loss and tokens/s, the validation loss, and
 writes a loss-curve PNG.
 
+With ``--checkpoint-dir DIR`` the run saves params, optimizer state and the data loader's RNG state every
+``--save-every`` steps (and at the last step) through ``vj.checkpoint.Manager``; ``--resume`` continues from the
+latest finished step (on any device count), ``--stop-after N`` ends the run after step N as if it were killed:
+
+    python examples/train_gpt.py --checkpoint-dir /tmp/gpt --stop-after 100
+    python examples/train_gpt.py --checkpoint-dir /tmp/gpt --resume      # steps 101..250, same losses
+
 As a multi-process job (a cluster's launcher, or processes on one machine) add the coordinator flags; each
 process feeds only its rows of every batch:
 
@@ -83,8 +90,8 @@ def shampoo_plan(shapes, mesh, block: int, stacked: str = "blocks") -> vj.Plan:
                    granularity=lambda path, leaf: vj.rows(block if is_matrix(path, leaf) else 1))
 
 
-def batches(data: np.ndarray, batch: int, seq: int, seed: int):
-    rng = np.random.default_rng(seed)
+def batches(data: np.ndarray, batch: int, seq: int, rng: np.random.Generator):
+    """Random windows of ``data``; the position is ``rng``'s state (saved with checkpoints, JSON)."""
     while True:
         start = rng.integers(0, len(data) - seq - 1, batch)
         window = np.stack([data[s : s + seq + 1] for s in start]).astype(np.int32)
@@ -124,6 +131,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--num-processes", type=int)
     p.add_argument("--process-id", type=int)
     p.add_argument("--local-devices", type=int, help="CPU devices per process (CPU multi-process runs)")
+    p.add_argument("--checkpoint-dir", help="save checkpoints here (vj.checkpoint.Manager)")
+    p.add_argument("--save-every", type=int, default=50, help="steps between checkpoints (and the last step)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
+    p.add_argument("--stop-after", type=int, help="end the run after this step (a simulated kill; --steps still "
+                                                  "sets the schedule)")
     args = p.parse_args(argv)
 
     vj.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
@@ -147,8 +159,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     data = stdlib_text(int(args.data_mb * 2**20))
     split = int(0.95 * len(data))
-    train, val = batches(data[:split], args.batch, args.seq, args.seed), batches(data[split:], args.batch,
-                                                                                args.seq, args.seed + 1)
+    train_rng = np.random.default_rng(args.seed)
+    train = batches(data[:split], args.batch, args.seq, train_rng)
+    val = batches(data[split:], args.batch, args.seq, np.random.default_rng(args.seed + 1))
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, min(100, args.steps // 10 + 1), args.steps)
     if args.optimizer == "muon":  # Newton-Schulz once per matrix, on a load-balanced owner device
         muon_lr = optax.warmup_cosine_decay_schedule(0.0, args.muon_lr, min(100, args.steps // 10 + 1), args.steps)
@@ -165,6 +178,15 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     params = vj.init_sharded(lambda key: init_params(cfg, key), plan, jax.random.key(args.seed))
     opt_state = vj.init_opt_state(tx, params)
+    mngr, first = None, 1
+    if args.checkpoint_dir:
+        mngr = vj.checkpoint.Manager(args.checkpoint_dir, max_to_keep=2, async_save=True)
+        if args.resume and mngr.latest_step() is not None:  # into this run's plan, whatever the device count
+            restored = mngr.restore(params=plan, opt_state=jax.eval_shape(tx.init, params))
+            params, opt_state, first = restored.params, restored.opt_state, restored.step + 1
+            train_rng.bit_generator.state = restored.metadata["train_rng"]
+            if lead:
+                print(f"resumed from step {restored.step} of {args.checkpoint_dir}")
 
     precision = vj.MixedPrecision(compute_dtype="bfloat16", reduce_dtype="float32") if args.bf16 else None
     rows = vj.distributed.local_batch_slice(args.batch)  # this process's rows of every batch
@@ -190,28 +212,35 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     def local(batch):
         return {k: v[rows] for k, v in batch.items()}
 
-    for step in range(1, args.steps + 1):
+    last = min(args.steps, args.stop_after or args.steps)
+    for step in range(first, last + 1):
         params, opt_state, metrics = train_step(params, opt_state, local(next(train)))
         if args.log_json:
-            history.append(metrics["loss"])  # a device scalar: read at the end, no extra sync per step
-        if step == 1:
+            history.append((step, metrics["loss"]))  # a device scalar: read at the end, no extra sync per step
+        if mngr is not None and (step % args.save_every == 0 or step == last):
+            mngr.save(step, params=params, opt_state=opt_state, force=True,
+                      metadata={"train_rng": train_rng.bit_generator.state, "argv": sys.argv[1:]})
+        if step == first:
             losses.append(float(metrics["loss"]))
             t0 = time.perf_counter()  # after the compile
             continue
         tokens += args.batch * args.seq
-        if step % 10 == 0 or step == args.steps:
+        if step % 10 == 0 or step == last:
             losses.append(float(metrics["loss"]))
             if lead:
                 progress(step, args.steps, losses[-1], tokens / (time.perf_counter() - t0))
         else:
             losses.append(float("nan"))
     jax.block_until_ready(params)
-    seconds_per_step = (time.perf_counter() - t0) / max(args.steps - 1, 1)
+    if mngr is not None:
+        mngr.wait()
+        mngr.close()
+    seconds_per_step = (time.perf_counter() - t0) / max(last - first, 1)
     val_loss = float(np.mean([float(eval_step(params, None, local(next(val)))) for _ in range(4)]))
     if args.log_json and lead:
         with open(args.log_json, "w") as f:
             json.dump({"optimizer": args.optimizer, "argv": sys.argv[1:] if argv is None else argv,
-                       "train": {i + 1: float(x) for i, x in enumerate(history)}, "val_loss": val_loss,
+                       "train": {i: float(x) for i, x in history}, "val_loss": val_loss,
                        "s_per_step": seconds_per_step}, f, indent=0)
     if not lead:
         return {"first_loss": losses[0], "last_loss": losses[-1], "val_loss": val_loss}

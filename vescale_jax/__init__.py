@@ -1,11 +1,11 @@
 """vescale_jax: RaggedShard FSDP for JAX.
 
 Public names (DESIGN.md §3): ``plan_bucket``, ``plan``, ``element``/``rows``/``whole``, ``RaggedShard``,
-``shard``/``unshard``, ``ShardedParams``; the runtime ``fsdp``, ``apply``, ``scan_layers``, ``init_opt_state``
-and the Flax adapters in ``vj.flax``.
+``shard``/``unshard``, ``ShardedParams``; the runtime ``fsdp``, ``apply``, ``scan_layers``, ``init_opt_state``,
+the Flax adapters in ``vj.flax`` and Orbax checkpoints in ``vj.checkpoint``.
 """
 
-from vescale_jax import distributed, flax, kernels, optim, padding, redistribute, unpacking
+from vescale_jax import checkpoint, distributed, flax, kernels, optim, padding, redistribute, unpacking
 from vescale_jax.accumulate import accumulate
 from vescale_jax.buffer import GatheredParams, ShardedParams, init_sharded, pack, shard, unpack, unshard
 from vescale_jax.fsdp import apply, data_sharding, fsdp, init_opt_state, place_batch
@@ -32,6 +32,7 @@ __all__ = [
     "accumulate",
     "apply",
     "apply_updates",
+    "checkpoint",
     "data_sharding",
     "distributed",
     "element",

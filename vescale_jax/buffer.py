@@ -100,23 +100,32 @@ class PerDevice:
     Attributes:
       value: the array (a pytree child).
       plan: the :class:`Plan` (static aux data) whose axis dim 0 is sharded over.
+      layout: ``None`` or a hashable description of what the rows hold (static aux data, e.g.
+        :class:`vescale_jax.optim.relayout.BlockLayout`), with ``to_logical(value)``, ``logical_shapes()`` and
+        ``from_logical(arrays)``: a view whose keys and shapes do not depend on the plan, so the state can be
+        checkpointed under one plan and re-placed under another.
 
     Sharding:
       ``PartitionSpec(plan.axis)`` on dim 0; :func:`vescale_jax.init_opt_state` places it so.
     """
 
-    __slots__ = ("plan", "value")
+    __slots__ = ("layout", "plan", "value")
 
-    def __init__(self, value: Any, plan: Plan):
+    def __init__(self, value: Any, plan: Plan, layout: Any = None):
         self.value = value
         self.plan = plan
+        self.layout = layout
 
     def tree_flatten(self):
-        return (self.value,), self.plan
+        return (self.value,), (self.plan, self.layout)
 
     @classmethod
-    def tree_unflatten(cls, plan, children):
-        return cls(children[0], plan)
+    def tree_unflatten(cls, aux, children):
+        return cls(children[0], *aux)
+
+    def replace(self, value: Any) -> PerDevice:
+        """The same plan and layout around another value (e.g. a sharding or a ``ShapeDtypeStruct``)."""
+        return PerDevice(value, self.plan, self.layout)
 
     def __repr__(self) -> str:
         return f"PerDevice{tuple(getattr(self.value, 'shape', ()))}"

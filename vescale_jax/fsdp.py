@@ -504,7 +504,7 @@ def _state_shardings(tree: Any, plan: Plan) -> Any:
     def one(s):
         if isinstance(s, PerDevice):  # the full spec, as shard_map outputs carry it (no recompilation)
             spec = P(plan.axis, *[None] * (len(s.value.shape) - 1))
-            return PerDevice(NamedSharding(plan.mesh, spec), s.plan)
+            return s.replace(NamedSharding(plan.mesh, spec))
         return by_shape.get(tuple(s.shape), replicated)
 
     return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, PerDevice))

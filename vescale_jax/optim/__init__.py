@@ -34,10 +34,13 @@ from vescale_jax.optim.segments import (
     scale_by_trust_ratio,
     scale_leaves,
 )
+from vescale_jax.optim.relayout import BlockLayout, CompactLayout, logical_view, restore_logical
 from vescale_jax.optim.shampoo import ShampooState, inverse_root, scale_by_shampoo, shampoo, shampoo_blocks
 
 __all__ = [
+    "BlockLayout",
     "BlockTables",
+    "CompactLayout",
     "MuonDimensionNumbers",
     "MuonState",
     "Routing",
@@ -55,12 +58,14 @@ __all__ = [
     "leaf_norms",
     "leaf_sums",
     "leaf_table",
+    "logical_view",
     "masked",
     "multi_transform",
     "muon",
     "muon_routing",
     "partition",
     "resolve_dimension_numbers",
+    "restore_logical",
     "scale_by_muon",
     "scale_by_param_block_norm",
     "scale_by_param_block_rms",

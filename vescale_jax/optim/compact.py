@@ -22,6 +22,7 @@ import optax
 
 from vescale_jax.buffer import PerDevice, ShardedParams
 from vescale_jax.optim.leaves import check_sharded, is_placeholder, local_vector, place_state, split_local
+from vescale_jax.optim.relayout import CompactLayout
 from vescale_jax.plan import Plan
 
 __all__ = ["CompactTables", "build_compact", "on_leaves", "split_leaves"]
@@ -140,18 +141,20 @@ def on_leaves(tx: optax.GradientTransformation, plan: Plan, chosen: Sequence[boo
 
     Sharding:
       ``tx``'s state is built over a ``PerDevice`` compact vector: each device keeps state for the chosen
-      elements it holds (``max`` over devices of their count), nothing for the others.
+      elements it holds (``max`` over devices of their count), nothing for the others. Its ``PerDevice``
+      leaves carry a :class:`~vescale_jax.optim.relayout.CompactLayout` (re-placing them under another plan).
     """
     tables = build_compact(plan, chosen)
+    layout = CompactLayout(plan, tuple(bool(c) for c in chosen))
 
     def wrap(buffers):
-        return PerDevice(compact(buffers, plan, tables), plan)
+        return PerDevice(compact(buffers, plan, tables), plan, layout)
 
     # The widest bucket dtype, as in :func:`compact`.
     dtype = max((jnp.dtype(b.dtype) for b in plan.buckets), key=lambda d: d.itemsize, default=jnp.dtype(jnp.float32))
 
     def init_zeros():
-        return tx.init(PerDevice(jnp.zeros((plan.num_devices * tables.size,), dtype), plan))
+        return tx.init(PerDevice(jnp.zeros((plan.num_devices * tables.size,), dtype), plan, layout))
 
     def init_fn(params):
         # The state's shape and dtype, from zeros: element-wise transformations initialise from shapes (and

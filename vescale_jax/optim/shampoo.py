@@ -47,6 +47,7 @@ from vescale_jax.optim.leaves import (
     split_local,
     static_int,
 )
+from vescale_jax.optim.relayout import BlockLayout
 from vescale_jax.plan import Plan
 
 __all__ = ["ShampooState", "inverse_root", "scale_by_shampoo", "shampoo", "shampoo_blocks"]
@@ -62,7 +63,8 @@ class ShampooState(NamedTuple):
       count: steps taken.
       graft: the graft's second moment, sharded like the params (``()`` for ``graft_type="sgd"``).
       stats_left, stats_right, root_left, root_right: ``PerDevice`` arrays ``(m * B, b, b)`` fp32: each
-        device's block slots.
+        device's block slots (empty slots are zero), with a :class:`~vescale_jax.optim.relayout.BlockLayout`
+        to re-place them under another plan.
     """
 
     count: jax.Array
@@ -181,18 +183,22 @@ def scale_by_shampoo(
     gb2 = beta2 if graft_beta2 is None else graft_beta2
     axis = plan.axis
     P = jax.sharding.PartitionSpec
+    layout = BlockLayout(plan, b)
+    per_device = lambda x: PerDevice(x, plan, layout)
+    # Empty slots (beyond a device's blocks) are padding of the state: kept exactly zero, roots included.
+    used = (tables.rows > 0).reshape(-1)
 
     def init_fn(params):
         if is_placeholder(params):  # optax.tree.map_params: the structure, block slots abstract
             slots = jax.ShapeDtypeStruct((m * tables.slots, b, b), jnp.float32)
             return ShampooState(jnp.zeros([], jnp.int32), () if graft_type == "sgd" else params,
-                                *(PerDevice(slots, plan) for _ in range(4)))
+                                *(per_device(slots) for _ in range(4)))
         check_sharded(params, plan, "scale_by_shampoo")
         zeros = jnp.zeros((m * tables.slots, b, b), jnp.float32)
-        eye = jnp.broadcast_to(jnp.eye(b, dtype=jnp.float32), zeros.shape)
+        eye = jnp.where(used[:, None, None], jnp.eye(b, dtype=jnp.float32), zeros)
         graft = () if graft_type == "sgd" else optax.tree.zeros_like(params, dtype=jnp.float32)
-        return place_state(ShampooState(jnp.zeros([], jnp.int32), graft, PerDevice(zeros, plan),
-                                        PerDevice(zeros, plan), PerDevice(eye, plan), PerDevice(eye, plan)), plan)
+        return place_state(ShampooState(jnp.zeros([], jnp.int32), graft, per_device(zeros), per_device(zeros),
+                                        per_device(eye), per_device(eye)), plan)
 
     def blocks(grads, graft, state, refresh, use):
         specs = tuple(plan.partition_spec(bk) for bk in plan.buckets)
@@ -208,10 +214,11 @@ def scale_by_shampoo(
             left = beta2 * left + (1 - beta2) * gram(g, g)
             gt = jnp.swapaxes(g, -1, -2)
             right = beta2 * right + (1 - beta2) * gram(gt, gt)
+            real = (jnp.asarray(tables.rows)[k] > 0)[:, None, None]
             root_l, root_r = jax.lax.cond(
                 refresh,
-                lambda: (inverse_root(left, exponent=exponent, epsilon=matrix_epsilon),
-                         inverse_root(right, exponent=exponent, epsilon=matrix_epsilon)),
+                lambda: (jnp.where(real, inverse_root(left, exponent=exponent, epsilon=matrix_epsilon), 0.0),
+                         jnp.where(real, inverse_root(right, exponent=exponent, epsilon=matrix_epsilon), 0.0)),
                 lambda: (root_l, root_r),
             )
             pre = jnp.matmul(jnp.matmul(root_l, g, precision=_HIGHEST), root_r, precision=_HIGHEST)
@@ -230,7 +237,7 @@ def scale_by_shampoo(
         hyper = [jnp.asarray(v, jnp.float32) for v in (beta2, matrix_epsilon, exponent)]
         out = mapped(*grads, *graft, state.stats_left.value, state.stats_right.value, state.root_left.value,
                      state.root_right.value, refresh, use, *hyper)
-        return list(out[:n]), [PerDevice(x, plan) for x in out[n:]]
+        return list(out[:n]), [per_device(x) for x in out[n:]]
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args

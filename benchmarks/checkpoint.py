@@ -1,0 +1,238 @@
+"""Checkpoint benchmarks: save time against plain Orbax, and peak host memory of save / restore per process.
+
+    python benchmarks/checkpoint.py time [--mib 600] [--repeats 3]
+    python benchmarks/checkpoint.py memory [--processes 4] [--devices 2] [--mib 256]
+
+``time`` (8 simulated CPU devices, one process): a params + Adam state of about ``--mib`` MiB saved with
+``vj.checkpoint.Manager`` (bucket -> logical conversion, checksums, Orbax write) against plain
+``ocp.StandardCheckpointer`` saving the same state as an unsharded tree on one device, same run; medians.
+
+``memory`` (``--processes`` processes x ``--devices`` CPU devices on loopback): every process samples its own
+resident set size every 2 ms while the job saves a ``--mib`` MiB parameter tree and restores it into another
+plan (``rows(1)`` instead of ``element()``), and reports the peak increase over its RSS before the call, next to
+the model size and its own share (model / processes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+MIB = 2**20
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRSS:
+    """Samples this process's RSS in a thread; ``peak - base`` is the increase during the ``with`` block."""
+
+    def __enter__(self):
+        self.base = self.peak = rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss())
+            time.sleep(0.002)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss())
+
+    @property
+    def increase_mib(self) -> float:
+        return (self.peak - self.base) / MIB
+
+
+def model_shapes(mib: float):
+    """A stacked block group plus an embedding whose rows do not divide the device count (ragged), ~mib MiB."""
+    import jax
+    import jax.numpy as jnp
+
+    layers = max(1, int(mib * MIB / 4 / (1024 * 1024 + 4096)) - 1)
+    return {
+        "embed": jax.ShapeDtypeStruct((50257 // 8, 160), jnp.float32),  # 6282 rows: 8 does not divide it
+        "blocks": {"w": jax.ShapeDtypeStruct((layers, 1024, 1024), jnp.float32),
+                   "b": jax.ShapeDtypeStruct((layers, 4096), jnp.float32)},
+    }
+
+
+def init_fn(shapes):
+    import jax
+
+    def init(key):
+        leaves, treedef = jax.tree.flatten(shapes)
+        keys = jax.random.split(key, len(leaves))
+        return jax.tree.unflatten(
+            treedef, [jax.random.normal(k, s.shape, s.dtype) for k, s in zip(keys, leaves, strict=True)])
+
+    return init
+
+
+# ------------------------------------------------------------------------------------------------------ time
+def bench_time(args) -> None:
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    import jax
+    import numpy as np
+    import optax
+    import orbax.checkpoint as ocp
+
+    import vescale_jax as vj
+
+    mesh = jax.make_mesh((jax.device_count(),), ("fsdp",))
+    shapes = model_shapes(args.mib / 3)  # params + mu + nu
+    plan = vj.plan(shapes, mesh, stacked=("blocks",))
+    params = vj.init_sharded(init_fn(shapes), plan, jax.random.key(0))
+    adam, *rest = vj.init_opt_state(optax.adam(1e-3), params)
+    state = (adam._replace(mu=jax.tree.map(lambda x: x * 0.5, params), nu=jax.tree.map(lambda x: x * x, params)),
+             *rest)
+    total = 3 * sum(b.nbytes for b in plan.buckets) / MIB
+    # The unsharded tree a plain Flax job would hold, on one device (built through the host, leaf by leaf).
+    one = jax.devices()[0]
+    plain_tree = {name: jax.tree.map(lambda x: jax.device_put(np.asarray(x), one), vj.checkpoint.logical_tree(sp))
+                  for name, sp in (("params", params), ("mu", state[0].mu), ("nu", state[0].nu))}
+    plain_tree["count"] = jax.device_put(np.asarray(state[0].count), one)
+    jax.block_until_ready((params, state, plain_tree))
+    root = tempfile.mkdtemp(prefix="vj_ckpt_bench_")
+    vj_times, plain_times = [], []
+    try:
+        for r in range(args.repeats + 1):  # the first round compiles the conversion
+            mngr = vj.checkpoint.Manager(os.path.join(root, f"vj{r}"))
+            t = time.perf_counter()
+            mngr.save(1, params=params, opt_state=state)
+            mngr.wait()
+            vj_times.append(time.perf_counter() - t)
+            mngr.close()
+            ckptr = ocp.StandardCheckpointer()
+            t = time.perf_counter()
+            ckptr.save(os.path.join(root, f"plain{r}"), plain_tree)
+            ckptr.wait_until_finished()
+            plain_times.append(time.perf_counter() - t)
+            shutil.rmtree(os.path.join(root, f"vj{r}"))
+            shutil.rmtree(os.path.join(root, f"plain{r}"))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    vj_s, plain_s = float(np.median(vj_times[1:])), float(np.median(plain_times[1:]))
+    print(f"state {total:.0f} MiB (params + Adam mu, nu) on {jax.device_count()} {jax.devices()[0].platform} "
+          f"devices, {len(plan.leaves)} leaves in {len(plan.buckets)} buckets; median of {args.repeats}")
+    print("| save | seconds | MiB/s |\n|---|---|---|")
+    print(f"| vj.checkpoint.Manager (sharded, logical) | {vj_s:.2f} | {total / vj_s:.0f} |")
+    print(f"| plain Orbax, unsharded tree on one device | {plain_s:.2f} | {total / plain_s:.0f} |")
+    print(f"ratio vj / plain: {vj_s / plain_s:.2f} (first, compiling round: vj {vj_times[0]:.2f} s, plain "
+          f"{plain_times[0]:.2f} s)")
+
+
+# ---------------------------------------------------------------------------------------------------- memory
+def memory_worker(pid: int, n: int, port: int, devices: int, mib: float, directory: str) -> None:
+    from vescale_jax import distributed
+
+    distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=n, process_id=pid,
+                           local_device_count=devices, timeout_s=60)
+    import jax
+
+    import vescale_jax as vj
+
+    mesh = jax.make_mesh((jax.device_count(),), ("fsdp",))
+    shapes = model_shapes(mib)
+    plan = vj.plan(shapes, mesh, stacked=("blocks",))
+    other = vj.plan(shapes, mesh, stacked=("blocks",), granularity=vj.rows(1))
+    params = vj.init_sharded(init_fn(shapes), plan, jax.random.key(0))
+    jax.block_until_ready(params)
+    model = sum(b.nbytes for b in plan.buckets) / MIB
+    mngr = vj.checkpoint.Manager(directory)
+    # The first save includes compiling the conversion (as in a real job's first checkpoint).
+    with PeakRSS() as save:
+        mngr.save(1, params=params)
+        mngr.wait()
+    with PeakRSS() as convert:  # the bucket -> logical conversion alone (its output is one share)
+        logical = vj.checkpoint.logical_tree(params)
+        jax.block_until_ready(logical)
+    with PeakRSS() as plain:  # baseline: plain Orbax writing the same, already evenly sharded, tree
+        import orbax.checkpoint as ocp
+
+        ckptr = ocp.StandardCheckpointer()
+        ckptr.save(os.path.join(directory, "plain"), logical)
+        ckptr.wait_until_finished()
+    del params, logical
+    with PeakRSS() as restore:
+        restored = mngr.restore(params=other)
+        jax.block_until_ready(restored.params)
+    mngr.close()
+    print("RESULT " + json.dumps({"process": pid, "model_mib": model, "share_mib": model / n,
+                                  "save_increase_mib": save.increase_mib, "convert_increase_mib":
+                                  convert.increase_mib, "plain_orbax_increase_mib": plain.increase_mib,
+                                  "restore_increase_mib":
+                                  restore.increase_mib, "rss_before_save_mib": save.base / MIB}), flush=True)
+
+
+def bench_memory(args) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = tempfile.mkdtemp(prefix="vj_ckpt_mem_")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get(
+        "PYTHONPATH")) if p))
+    env.pop("XLA_FLAGS", None)
+    procs = [subprocess.Popen([sys.executable, __file__, "_memory_worker", str(i), str(args.processes), str(port),
+                               str(args.devices), str(args.mib), os.path.join(root, "ckpt")], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+             for i in range(args.processes)]
+    results = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=1200)
+            results += [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        shutil.rmtree(root, ignore_errors=True)
+    results.sort(key=lambda r: r["process"])
+    m = results[0]
+    print(f"model {m['model_mib']:.0f} MiB over {args.processes} processes x {args.devices} CPU devices: "
+          f"share {m['share_mib']:.0f} MiB per process")
+    print("| process | RSS before | vj save | of which: conversion alone | plain Orbax save of the converted tree "
+          "| vj restore into rows(1) |\n|---|---|---|---|---|---|")
+    for r in results:
+        cells = [f"{r[k]:.0f} MiB ({r[k] / r['share_mib']:.2f} x share)" for k in
+                 ("save_increase_mib", "convert_increase_mib", "plain_orbax_increase_mib", "restore_increase_mib")]
+        print(f"| {r['process']} | {r['rss_before_save_mib']:.0f} MiB | " + " | ".join(cells) + " |")
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "_memory_worker":
+        pid, n, port, devices, mib, directory = sys.argv[2:8]
+        memory_worker(int(pid), int(n), int(port), int(devices), float(mib), directory)
+        return
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    t = sub.add_parser("time")
+    t.add_argument("--mib", type=float, default=600)
+    t.add_argument("--repeats", type=int, default=3)
+    mem = sub.add_parser("memory")
+    mem.add_argument("--processes", type=int, default=4)
+    mem.add_argument("--devices", type=int, default=2)
+    mem.add_argument("--mib", type=float, default=256)
+    args = p.parse_args()
+    bench_time(args) if args.what == "time" else bench_memory(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,509 @@
+"""Plan-independent views of :class:`~vescale_jax.buffer.PerDevice` optimizer state, to re-place it under another plan.
+
+A ``PerDevice`` array keeps, on device ``k``, rows that only mean something under its plan (block slots of
+Shampoo, the compact vector of :func:`vescale_jax.optim.compact.on_leaves`). Its ``layout`` says what the rows
+hold and converts both ways:
+
+* ``to_logical(value)``: one global array per leaf whose key and shape do not depend on the plan;
+* ``logical_shapes(dtype)``: their ``jax.ShapeDtypeStruct`` (with the shardings ``to_logical`` gives them),
+  the restore target of a checkpoint;
+* ``from_logical(arrays)``: the ``PerDevice`` value under *this* layout's plan from arrays that another plan's
+  ``to_logical`` produced (another device count, granularity or mesh).
+
+Two layouts exist:
+
+* :class:`BlockLayout` (Shampoo statistics and roots ``(m*B, b, b)``): per matrix leaf ``"<path>/blocks"``, its
+  blocks ``(nb, b, b)`` (``(L, nb, b, b)`` for a stacked leaf) in row-major block order, block ``(i, j)`` of a
+  ``(R, C)`` matrix view at index ``i * ceil(C / b) + j``; edge blocks keep their zero-padded ``b x b`` slot
+  exactly as the optimizer holds it.
+* :class:`CompactLayout` (compact vectors): per chosen leaf ``"<path>"``, its elements at the leaf's logical shape.
+
+Sharding of the logical arrays, and how the rows get there (inside one ``shard_map``):
+
+* blocks, when the device count divides ``b``: the rows inside every block are split over the devices, one
+  balanced all-to-all of exactly one device's rows;
+* otherwise, a leaf's (per-layer) dim 0 when the device count divides it, else a stacked leaf's layers when it
+  divides their number: each device's piece of a leaf is one contiguous run of its rows (per layer), i.e. a
+  :class:`~vescale_jax.RaggedShard`, and all pieces move together by :func:`vescale_jax.optim.exchange.exchange`
+  (edge-coloured collective-permutes; a device holds its rows, its share and about what it sends);
+* otherwise the leaf is replicated, whole on each device (one all-gather of that leaf).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from vescale_jax import redistribute
+from vescale_jax.buffer import PerDevice
+from vescale_jax.layout import RaggedShard
+from vescale_jax.optim.blocks import build_blocks, matrix_view
+from vescale_jax.optim.exchange import exchange
+from vescale_jax.plan import Plan
+
+__all__ = ["BlockLayout", "CompactLayout", "logical_view", "restore_logical"]
+
+P = jax.sharding.PartitionSpec
+_TRACER = getattr(jax.core, "Tracer", ())  # from_logical inside jit: leave the shardings to the caller
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Entry:
+    """One logical array: ``layers`` copies (``None``: not stacked) of a per-layer tensor placed by ``rs``.
+
+    ``start[k, l]`` is where device ``k``'s piece of layer ``l`` begins in its flattened local value; the
+    piece is ``rs.local_sizes[k]`` elements long. ``slots`` (block layouts whose block edge the device count
+    divides): ``(L, nb)`` global slot (``device * B + slot``) of each block; the logical array is then split
+    over the rows inside each block.
+    """
+
+    key: str
+    layers: int | None
+    rs: RaggedShard
+    start: np.ndarray
+    slots: np.ndarray | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.rs.shape if self.layers is None else (self.layers, *self.rs.shape)
+
+    def spec(self, axis: Any, m: int) -> P:
+        """Even sharding of the logical array, spelled out over every dim: the rows inside each block with
+        ``slots``; else its per-layer dim 0 when the device count divides it; else its layers when the device
+        count divides their number; else replicated (the leaf is then gathered whole on every device)."""
+        dims: list[Any] = [None] * len(self.shape)
+        if self.slots is not None:
+            dims[-2] = axis
+        elif self.rs.shape and self.rs.shape[0] % m == 0 and self.rs.shape[0] >= m:
+            dims[0 if self.layers is None else 1] = axis
+        elif self.layers is not None and self.layers % m == 0 and self.rs.size:
+            dims[0] = axis  # whole layers per device
+        return P(*dims)
+
+    def replicated(self, axis: Any, m: int) -> bool:
+        return all(d is None for d in self.spec(axis, m))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Tables:
+    entries: tuple[_Entry, ...]
+    local_shape: tuple[int, ...]  # one device's rows of the PerDevice value
+
+
+def _check_pieces(what: str, key: str, counts: Sequence[int], firsts: Sequence[int]) -> None:
+    """Device pieces must tile the leaf in device order (true of every plan: a device owns one range)."""
+    cursor = 0
+    for k, (n, first) in enumerate(zip(counts, firsts, strict=True)):
+        if n and first != cursor:
+            raise AssertionError(f"{what}: {key}: device {k}'s piece starts at {first}, expected {cursor}")
+        cursor += n
+
+
+class _Relayout:
+    """Shared conversion machinery; subclasses build the entries (static tables from the plan)."""
+
+    plan: Plan
+
+    def _build(self) -> _Tables:
+        raise NotImplementedError
+
+    @property
+    def _tables(self) -> _Tables:
+        cache = _TABLES.setdefault(type(self), {})
+        if self not in cache:
+            cache[self] = self._build()
+        return cache[self]
+
+    def _sharding(self, entry: _Entry) -> jax.sharding.NamedSharding:
+        return jax.sharding.NamedSharding(self.plan.mesh, entry.spec(self.plan.axis, self.plan.num_devices))
+
+    def default_dtype(self) -> Any:
+        raise NotImplementedError
+
+    def logical_shapes(self, dtype: Any = None) -> dict[str, jax.ShapeDtypeStruct]:
+        """The abstract result of :meth:`to_logical` for a value of ``dtype`` (default: the optimizer's usual
+        state dtype), with the shardings :meth:`to_logical` gives (the restore target of a checkpoint).
+
+        Sharding:
+          Each array is split evenly over the plan's axis on its (per-layer) dim 0 when the device count
+          divides it, replicated otherwise.
+        """
+        dtype = jnp.dtype(self.default_dtype() if dtype is None else dtype)
+        return {e.key: jax.ShapeDtypeStruct(e.shape, dtype, sharding=self._sharding(e)) for e in self._tables.entries}
+
+    def _check_value(self, value: Any) -> None:
+        want = (self.plan.num_devices * self._tables.local_shape[0], *self._tables.local_shape[1:])
+        if tuple(value.shape) != want:
+            raise ValueError(
+                f"{type(self).__name__}.to_logical: the PerDevice value has shape {tuple(value.shape)}, but this "
+                f"layout's rows are {want} (plan of {self.plan.num_devices} devices); the state was built for "
+                f"another plan or by a transformation that reshapes its state."
+            )
+
+    def to_logical(self, value: jax.Array) -> dict[str, jax.Array]:
+        """The plan-independent arrays held by a ``PerDevice`` value of this layout.
+
+        Args:
+          value: the ``PerDevice`` value (``(m * rows, ...)`` sharded over the plan's axis on dim 0).
+
+        Returns:
+          ``{key: array}``, keys and shapes as in :meth:`logical_shapes`; values exact (a permutation).
+
+        Sharding:
+          See :meth:`logical_shapes`. Pieces move by collective-permutes between the devices that exchange data;
+          a device holds its own rows, its share of the result and the messages (a whole leaf only where the
+          result is replicated).
+        """
+        self._check_value(value)
+        if not self._tables.entries:
+            return {}
+        return dict(zip([e.key for e in self._tables.entries], _to_logical_fn(self)(value), strict=True))
+
+    def from_logical(self, arrays: Mapping[str, jax.Array]) -> jax.Array:
+        """The ``PerDevice`` value under this layout's plan, from :meth:`to_logical` of any plan.
+
+        Args:
+          arrays: ``{key: array}`` with exactly the keys and shapes of :meth:`logical_shapes` (one dtype); arrays
+            on other devices or with other shardings are moved to the shardings of :meth:`logical_shapes`.
+
+        Returns:
+          ``(m * rows, ...)`` sharded over the plan's axis on dim 0; rows no leaf uses are zero.
+        """
+        entries = self._tables.entries
+        keys = [e.key for e in entries]
+        missing, extra = [k for k in keys if k not in arrays], [k for k in arrays if k not in keys]
+        if missing or extra:
+            raise ValueError(
+                f"{type(self).__name__}.from_logical: missing keys {missing[:5]}, unexpected keys {extra[:5]}; the "
+                f"arrays come from a state over another tree or another optimizer configuration (block size, "
+                f"leaves handled by the optimizer)."
+            )
+        dtypes = {jnp.dtype(arrays[k].dtype) for k in keys}
+        if len(dtypes) > 1:
+            raise ValueError(f"{type(self).__name__}.from_logical: arrays of several dtypes {sorted(map(str, dtypes))}")
+        for e in entries:
+            got = tuple(arrays[e.key].shape)
+            if got != e.shape:
+                raise ValueError(
+                    f"{type(self).__name__}.from_logical: {e.key!r} has shape {got}, this layout expects {e.shape}; "
+                    f"the arrays come from another tree, block size or stacking of layers."
+                )
+        placed = []
+        for e in entries:
+            x, want = arrays[e.key], self._sharding(e)
+            sharding = getattr(x, "sharding", None)
+            if not isinstance(x, _TRACER) and not (
+                    isinstance(sharding, jax.sharding.Sharding) and sharding.device_set == want.device_set
+                    and sharding.is_equivalent_to(want, len(e.shape))):
+                x = jax.device_put(x, want)
+            placed.append(x)
+        dtype = dtypes.pop() if dtypes else jnp.dtype(self.default_dtype())
+        if not entries:  # nothing to hold (no matrix leaf, no chosen leaf): the rows are all padding
+            shape = (self.plan.num_devices * self._tables.local_shape[0], *self._tables.local_shape[1:])
+            spec = P(self.plan.axis, *[None] * (len(shape) - 1))
+            return jax.device_put(jnp.zeros(shape, dtype), jax.sharding.NamedSharding(self.plan.mesh, spec))
+        return _from_logical_fn(self, dtype)(*placed)
+
+
+_TABLES: dict[type, dict[Any, _Tables]] = {}
+_FNS: dict[Any, Any] = {}
+
+
+def _moves(entries: Sequence[_Entry], axis: Any, m: int):
+    """The pieces :func:`_exchange` moves between the rows and the logical arrays split over the devices.
+
+    Returns:
+      ``(moves, value_at, logical_at, shares, size)``: per moved tensor its ``(rows placement, logical
+      placement)`` and offset tables (value side, logical side); per entry index, the offset and local shape
+      of its share in one flat buffer of all shares; that buffer's size.
+    """
+    moves, value_at, logical_at, shares, cursor = [], [], [], {}, 0
+    for i, e in enumerate(entries):
+        if not e.rs.size or e.slots is not None or e.replicated(axis, m):
+            continue
+        layers, size = e.layers or 1, e.rs.size
+        if e.layers is not None and e.spec(axis, m)[0] is not None:  # whole layers per device
+            per = layers // m
+            for layer in range(layers):
+                owner = tuple(size if k == layer // per else 0 for k in range(m))
+                moves.append((e.rs, RaggedShard(e.rs.shape, 1, owner)))
+                value_at.append(e.start[:, layer: layer + 1])
+                logical_at.append(np.full((m, 1), cursor + (layer % per) * size, np.int64))
+            shares[i] = (cursor, (per, *e.rs.shape))
+            cursor += per * size
+        else:
+            share = size // m
+            moves.append((e.rs, RaggedShard.dim0(e.rs.shape, m)))
+            value_at.append(e.start)
+            logical_at.append(np.broadcast_to(cursor + share * np.arange(layers, dtype=np.int64), (m, layers)))
+            local = (e.rs.shape[0] // m, *e.rs.shape[1:])
+            shares[i] = (cursor, local if e.layers is None else (layers, *local))
+            cursor += share * layers
+    return moves, value_at, logical_at, shares, cursor
+
+
+def _to_logical_fn(layout: _Relayout):
+    key = ("to", layout)
+    if key in _FNS:
+        return _FNS[key]
+    plan, tables = layout.plan, layout._tables
+    axis, m = plan.axis, plan.num_devices
+    moves, value_at, logical_at, shares_of, share_size = _moves(tables.entries, axis, m)
+    chunked = any(e.slots is not None for e in tables.entries)
+
+    def local(v):
+        k = jax.lax.axis_index(axis)
+        flat = jnp.reshape(v, (-1,))
+        if chunked:  # device d gets rows [d*c, (d+1)*c) of every block: one balanced all-to-all
+            slots, b = v.shape[0], v.shape[-1]
+            x = jnp.swapaxes(jnp.reshape(v, (slots, m, b // m, b)), 0, 1)
+            rows = jnp.reshape(jax.lax.all_to_all(x, axis, 0, 0), (m * slots, b // m, b))
+        shares = exchange(flat, value_at, jnp.zeros((share_size,), v.dtype), logical_at, moves, axis, m)
+        width = max([e.rs.max_local_size for e in tables.entries] + [1])
+        padded = jnp.pad(flat, (0, width))
+        out = []
+        for i, e in enumerate(tables.entries):
+            if e.slots is not None:
+                x = jnp.take(rows, jnp.asarray(e.slots), axis=0)
+                out.append(x[0] if e.layers is None else x)
+            elif e.rs.size == 0:  # an empty leaf: replicated zeros of its shape
+                out.append(jnp.zeros(e.shape, v.dtype))
+            elif e.replicated(axis, m):
+                w = e.rs.max_local_size
+                valid = jnp.arange(w) < jnp.asarray(np.asarray(e.rs.local_sizes, np.int32))[k]
+                pieces = jax.vmap(lambda s, w=w: jax.lax.dynamic_slice(padded, (s,), (w,)))(jnp.asarray(e.start)[k])
+                pieces = jnp.where(valid[None], pieces, jnp.zeros((), v.dtype))
+                x = jax.vmap(lambda p, rs=e.rs: redistribute.from_ragged(p, rs, axis=axis))(pieces)
+                out.append(x[0] if e.layers is None else x)
+            else:
+                lo, shape = shares_of[i]
+                out.append(jnp.reshape(shares[lo: lo + math.prod(shape)], shape))
+        return tuple(out)
+
+    specs = tuple(e.spec(axis, m) for e in tables.entries)
+    fn = jax.jit(jax.shard_map(local, mesh=plan.mesh, in_specs=P(axis), out_specs=specs, check_vma=False))
+    _FNS[key] = fn
+    return fn
+
+
+def _from_logical_fn(layout: _Relayout, dtype: Any):
+    key = ("from", layout, jnp.dtype(dtype).name)
+    if key in _FNS:
+        return _FNS[key]
+    plan, tables = layout.plan, layout._tables
+    axis, m = plan.axis, plan.num_devices
+    size = math.prod(tables.local_shape)
+    moves, value_at, logical_at, shares_of, _ = _moves(tables.entries, axis, m)
+    chunked = any(e.slots is not None for e in tables.entries)
+
+    def local(*xs):
+        k = jax.lax.axis_index(axis)
+        out = jnp.zeros((size,), dtype)
+        if chunked:  # inverse of to_logical's all-to-all
+            slots, b = tables.local_shape[0], tables.local_shape[-1]
+            rows = jnp.zeros((m * slots, b // m, b), dtype)
+            for e, x in zip(tables.entries, xs, strict=True):
+                if e.slots is not None:
+                    rows = rows.at[jnp.asarray(e.slots)].set((x[None] if e.layers is None else x).astype(dtype))
+            x = jax.lax.all_to_all(jnp.reshape(rows, (m, slots, b // m, b)), axis, 0, 0)
+            out = jnp.reshape(jnp.swapaxes(x, 0, 1), (size,))
+        for e, x in zip(tables.entries, xs, strict=True):
+            if e.rs.size == 0 or e.slots is not None or not e.replicated(axis, m):
+                continue
+            x = (x[None] if e.layers is None else x).astype(dtype)
+            pieces = jax.vmap(lambda t, rs=e.rs: redistribute.to_ragged(t, rs, axis=axis))(x)
+            w = e.rs.max_local_size
+            valid = jnp.arange(w) < jnp.asarray(np.asarray(e.rs.local_sizes, np.int32))[k]
+            index = jnp.asarray(e.start)[k][:, None] + jnp.arange(w, dtype=jnp.int32)[None]
+            out = out.at[jnp.where(valid[None], index, size)].set(pieces, mode="drop")  # past the end: dropped
+        sharded = [jnp.reshape(xs[i], (-1,)).astype(dtype) for i in sorted(shares_of)]  # in offset order
+        if sharded:
+            src = jnp.concatenate(sharded) if len(sharded) > 1 else sharded[0]
+            out = exchange(src, logical_at, out, value_at, [(b, a) for a, b in moves], axis, m)
+        return jnp.reshape(out, tables.local_shape)
+
+    specs = tuple(e.spec(axis, m) for e in tables.entries)
+    fn = jax.jit(jax.shard_map(local, mesh=plan.mesh, in_specs=specs, out_specs=P(axis), check_vma=False))
+    _FNS[key] = fn
+    return fn
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockLayout(_Relayout):
+    """Rows of Shampoo's block statistics and roots: ``(m * B, b, b)``, slot ``s`` of device ``k`` one block
+    (see :func:`vescale_jax.optim.shampoo_blocks`).
+
+    Logical form: per matrix leaf, key ``"<path>/blocks"``, shape ``(nb, b, b)`` (``(L, nb, b, b)`` for a stacked
+    leaf), ``nb = ceil(R / b) * ceil(C / b)`` blocks of its ``(R, C)`` matrix view in row-major block order.
+
+    Attributes:
+      plan: the plan.
+      block_size: ``b``.
+    """
+
+    plan: Plan
+    block_size: int
+
+    def default_dtype(self) -> Any:
+        return jnp.float32
+
+    def _build(self) -> _Tables:
+        plan, b = self.plan, self.block_size
+        t = build_blocks(plan, b, what="shampoo")
+        m, bb = plan.num_devices, b * b
+        bases, cursor = {}, 0
+        for bk in t.buckets:
+            bases[bk] = cursor
+            cursor += math.prod(plan.buckets[bk].local_shape)
+        # Per slot: (leaf, layer, logical block index).
+        where: dict[tuple[int, int], list[list[tuple[int, int]]]] = {}
+        for k in range(m):
+            for s in range(t.slots):
+                if t.rows[k, s] == 0:
+                    continue
+                i = int(t.leaf[k, s])
+                spec = plan.leaves[i]
+                bucket = plan.buckets[spec.bucket]
+                size, offset = bucket.layout.shard_size, bucket.layout.offsets[spec.slot]
+                rel_local = int(t.base[k, s]) - bases[spec.bucket]
+                layer, within = divmod(rel_local, size)
+                rel = k * size + within - offset
+                _, c = matrix_view(plan.layer_shape(spec))
+                row, col = divmod(rel, c)
+                nbc = -(-c // b)
+                if row % b or col % b:
+                    raise AssertionError(f"BlockLayout: slot {s} of device {k} does not start a block of {spec.path}")
+                where.setdefault((i, layer), [[] for _ in range(m)])[k].append((s, (row // b) * nbc + col // b))
+        entries = []
+        for i, spec in enumerate(plan.leaves):
+            if not t.matrix_leaves[i]:
+                continue
+            r, c = matrix_view(plan.layer_shape(spec))
+            nb = -(-r // b) * -(-c // b)
+            layers = plan.buckets[spec.bucket].layers
+            start = np.zeros((m, layers or 1), np.int32)
+            global_slot = np.zeros((layers or 1, nb), np.int32)
+            units = None
+            for layer in range(layers or 1):
+                per_device = where[(i, layer)]
+                for k, x in enumerate(per_device):
+                    for slot, j in x:
+                        global_slot[layer, j] = k * t.slots + slot
+                counts = [len(x) for x in per_device]
+                for k, x in enumerate(per_device):
+                    slots, idx = [s for s, _ in x], [j for _, j in x]
+                    if x and (slots != list(range(slots[0], slots[0] + len(x)))
+                              or idx != list(range(idx[0], idx[0] + len(x)))):
+                        raise AssertionError(f"BlockLayout: {spec.path} layer {layer}: device {k}'s blocks are not "
+                                             "one run of slots")
+                    start[k, layer] = slots[0] * bb if x else 0
+                _check_pieces("BlockLayout", spec.path, counts, [x[0][1] if x else 0 for x in per_device])
+                if units is None:
+                    units = tuple(counts)
+                elif units != tuple(counts):
+                    raise AssertionError(f"BlockLayout: {spec.path}: layers are placed differently")
+            rs = RaggedShard((nb, b, b), bb, units)
+            chunk = b % m == 0  # every block's rows split evenly: one balanced all-to-all, never a whole leaf
+            entries.append(_Entry(f"{spec.path}/blocks", layers, rs, start, global_slot if chunk else None))
+        return _Tables(tuple(entries), (t.slots, b, b))
+
+
+@dataclasses.dataclass(frozen=True)
+class CompactLayout(_Relayout):
+    """Rows of a compact vector of :func:`vescale_jax.optim.compact.on_leaves`: ``(m * n,)``, each device's
+    elements of the chosen leaves (see :func:`vescale_jax.optim.compact.build_compact`).
+
+    Logical form: per chosen leaf, key ``"<path>"``, its elements at the leaf's shape.
+
+    Attributes:
+      plan: the plan.
+      chosen: per leaf (flattening order), whether the compact vector holds it.
+    """
+
+    plan: Plan
+    chosen: tuple[bool, ...]
+
+    def default_dtype(self) -> Any:
+        dtypes = [jnp.dtype(b.dtype) for b in self.plan.buckets]
+        return max(dtypes, key=lambda d: d.itemsize, default=jnp.dtype(jnp.float32))
+
+    def _build(self) -> _Tables:
+        from vescale_jax.optim.compact import build_compact  # compact builds its state with this layout
+
+        plan = self.plan
+        t = build_compact(plan, self.chosen)
+        m = plan.num_devices
+        bases, cursor = [], 0
+        for bk in plan.buckets:
+            bases.append(cursor)
+            cursor += math.prod(bk.local_shape)
+        runs = [{int(t.start[k, j]): j for j in range(t.start.shape[1]) if t.length[k, j]} for k in range(m)]
+        entries = []
+        for i, spec in enumerate(plan.leaves):
+            if not self.chosen[i]:
+                continue
+            bucket = plan.buckets[spec.bucket]
+            layers = bucket.layers
+            rs = plan.shard_of(spec.path) if spec.size else RaggedShard(plan.layer_shape(spec), 1, (0,) * m)
+            size = bucket.layout.shard_size
+            start = np.zeros((m, layers or 1), np.int32)
+            for k in range(m):
+                if not rs.local_sizes[k]:
+                    continue
+                lo = max(bucket.layout.offsets[spec.slot], k * size)
+                for layer in range(layers or 1):
+                    j = runs[k].get(bases[spec.bucket] + layer * size + lo - k * size)
+                    if j is None or int(t.length[k, j]) != rs.local_sizes[k]:
+                        raise AssertionError(f"CompactLayout: no run of {spec.path} layer {layer} on device {k}")
+                    start[k, layer] = t.position[k, j]
+            entries.append(_Entry(spec.path, layers, rs, start))
+        return _Tables(tuple(entries), (t.size,))
+
+
+def _is_per_device(x: Any) -> bool:
+    return isinstance(x, PerDevice)
+
+
+def logical_view(state: Any) -> Any:
+    """``state`` with every ``PerDevice`` leaf that has a layout replaced by its ``to_logical`` dict.
+
+    Args:
+      state: any pytree (an optimizer state).
+
+    Returns:
+      The same tree, each such ``PerDevice`` a ``{key: array}`` dict; everything else unchanged.
+    """
+
+    def one(x):
+        if _is_per_device(x) and x.layout is not None:
+            return x.layout.to_logical(x.value)
+        return x
+
+    return jax.tree.map(one, state, is_leaf=_is_per_device)
+
+
+def restore_logical(target: Any, view: Any) -> Any:
+    """Inverse of :func:`logical_view` into ``target``'s plan: ``target`` (a state or its ``jax.eval_shape``) gives
+    the structure and each ``PerDevice``'s layout; ``view`` (same structure, from :func:`logical_view` under any
+    plan) the values.
+
+    Args:
+      target: a state (arrays or ``ShapeDtypeStruct`` leaves) whose ``PerDevice`` leaves carry their layouts.
+      view: the logical view of a state of the same optimizer over the same logical tree.
+
+    Returns:
+      A state like ``target``: its ``PerDevice`` values from ``from_logical``, other leaves from ``view``.
+    """
+
+    def one(t, v):
+        if _is_per_device(t) and t.layout is not None:
+            return t.replace(t.layout.from_logical(v))
+        return v
+
+    return jax.tree.map(one, target, view, is_leaf=_is_per_device)
