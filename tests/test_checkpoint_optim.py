@@ -3,7 +3,9 @@ roots, compact AdamW moments, momentum, graft moments, counts) saved under one d
 another through ``vj.checkpoint.Manager``; exact, and training continues as on the saved plan."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from test_relayout import (
     BEFORE,
@@ -13,6 +15,7 @@ from test_relayout import (
     assert_bitwise,
     logical,
     per_device,
+    plan_of,
     setup,
     train,
     trained,
@@ -63,3 +66,26 @@ def test_optimizer_state_restores_into_another_device_count(tmp_path, opt, a, b)
     sp_b2, _ = train(opt, b, GRADS[BEFORE:], r.params, r.opt_state)
     for x, y in zip(as_numpy(logical(sp_a2)), as_numpy(logical(sp_b2)), strict=True):
         np.testing.assert_allclose(y, x, rtol=1e-6, atol=1e-6)
+
+
+def test_low_precision_state_restores_in_its_own_dtype(tmp_path):
+    """A bf16 momentum over fp32 params (ShardedParams and compact PerDevice moments) keeps its dtype."""
+    plans = {name: plan_of("muon", name) for name in ("m3", "m8")}
+    txs = {n: vj.optim.muon(0.01, plan=p, mu_dtype=jnp.bfloat16) for n, p in plans.items()}
+    _, _, _, shard = setup("muon", "m3")
+    sp = shard(PARAMS)
+    state = txs["m3"].init(sp)
+    u, state = jax.jit(txs["m3"].update)(shard(GRADS[0]), state, sp)
+    sp = optax.apply_updates(sp, u)
+    low = [x for x in jax.tree.leaves(state) if x.dtype == jnp.bfloat16]
+    assert low, "the test needs bf16 state"
+    with vj.checkpoint.Manager(tmp_path) as mngr:
+        mngr.save(1, params=sp, opt_state=state)
+        mngr.wait()
+        for name in ("m3", "m8"):
+            template = jax.eval_shape(txs[name].init, jax.eval_shape(lambda n=name: vj.shard(PARAMS, plans[n])))
+            r = mngr.restore(params=plans[name], opt_state=template)
+            assert [x.dtype for x in jax.tree.leaves(r.opt_state)] == [x.dtype for x in jax.tree.leaves(template)]
+            assert_bitwise(sharded_views(r.opt_state), sharded_views(state), f"ShardedParams on {name}")
+            assert_bitwise(logical_view(per_device(r.opt_state)), logical_view(per_device(state)),
+                           f"PerDevice on {name}")

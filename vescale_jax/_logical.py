@@ -290,19 +290,19 @@ def _to_logical_fn(plan: Plan):
 
 
 @functools.lru_cache(maxsize=64)
-def _from_logical_fn(plan: Plan):
+def _from_logical_fn(plan: Plan, dtypes: tuple[str, ...]):
     tables, axes, mesh = _plan_tables(plan), _factor_axes(plan), storage_mesh(plan)
 
     def local(*leaves):
         k = jax.lax.axis_index(axes)
         sums: list[Any] = [None] * len(plan.leaves)
         bufs = []
-        for bucket, storages, routes in tables:
+        for b, (bucket, storages, routes) in enumerate(tables):
             stacked = bucket.layers is not None
             S = bucket.layout.shard_size
             pad = max([rt.local_max for rt in routes], default=0)
             lead = bucket.layers if stacked else 1
-            dtype = jnp.dtype(bucket.dtype)
+            dtype = jnp.dtype(dtypes[b])
             for i, st, rt in zip(bucket.leaves, storages, routes, strict=True):
                 sums[i] = _block_sums(jnp.reshape(leaves[i], (lead, *_local_shape(st))), st, rt, k, axes)
             rows = [jnp.reshape(leaves[i], (lead, -1)) for i in bucket.leaves]
@@ -379,7 +379,12 @@ def from_logical(leaves: Sequence[jax.Array], plan: Plan) -> tuple[tuple[jax.Arr
       ``(buffers, sums)``: one buffer per bucket with ``plan.shardings()`` (padding zero), and the input
       leaves' checksums as in :func:`to_logical`.
     """
-    fn, in_shardings = _from_logical_fn(plan)
+    # A parameter-shaped optimizer state may hold another dtype than the params (e.g. bf16 momentum): each
+    # bucket takes its leaves' dtype.
+    dtypes = tuple(
+        np.dtype(leaves[b.leaves[0]].dtype).name if b.leaves else b.dtype for b in plan.buckets
+    )
+    fn, in_shardings = _from_logical_fn(plan, dtypes)
     bufs, sums = fn(*[_relabel(x, s) for x, s in zip(leaves, in_shardings, strict=True)])
     out = tuple(_relabel(b, s) for b, s in zip(bufs, plan.shardings(), strict=True))
     return out, np.asarray(jax.device_get(sums))

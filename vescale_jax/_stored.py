@@ -7,7 +7,7 @@ leaves as ``None``, since Orbax refuses empty arrays) and back, given restore te
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -83,11 +83,15 @@ def logical_tree(params: ShardedParams) -> Any:
     return logical_and_sums(params)[0]
 
 
-def abstract_logical(plan: Plan) -> Any:
-    """The restore target of :func:`logical_tree`: ``jax.ShapeDtypeStruct`` leaves with storage shardings."""
+def abstract_logical(plan: Plan, buffers: Sequence[Any] | None = None) -> Any:
+    """The restore target of :func:`logical_tree`: ``jax.ShapeDtypeStruct`` leaves with storage shardings.
+
+    ``buffers`` (e.g. a parameter-shaped optimizer state's) give each bucket's dtype; default the plan's.
+    """
     shardings = _logical.logical_shardings(plan)
-    leaves = [jax.ShapeDtypeStruct(s.shape, np.dtype(s.dtype), sharding=sh) for s, sh in zip(plan.leaves, shardings,
-                                                                                             strict=True)]
+    dtypes = [np.dtype(s.dtype if buffers is None else buffers[s.bucket].dtype) for s in plan.leaves]
+    leaves = [jax.ShapeDtypeStruct(s.shape, d, sharding=sh)
+              for s, d, sh in zip(plan.leaves, dtypes, shardings, strict=True)]
     return jax.tree_util.tree_unflatten(plan.treedef, leaves)
 
 
@@ -97,12 +101,14 @@ def storable(tree: Any) -> Any:
 
 
 def pack(tree: Any, plan: Plan, expected: Mapping[str, list[int]] | None = None, *, prefix: str = "",
-          item: str = "params", where: str = "") -> ShardedParams:
+          item: str = "params", where: str = "", buffers: Sequence[Any] | None = None) -> ShardedParams:
     """Packs restored logical leaves into ``plan``'s buckets, checking their checksums against ``expected``."""
     leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: x is None)
     if len(leaves) != len(plan.leaves):
         raise ValueError(f"vj.checkpoint: restored {len(leaves)} leaves for a plan of {len(plan.leaves)}.")
-    leaves = [jax.numpy.zeros(s.shape, s.dtype) if x is None else x for x, s in zip(leaves, plan.leaves, strict=True)]
+    dtypes = [s.dtype if buffers is None else buffers[s.bucket].dtype for s in plan.leaves]
+    leaves = [jax.numpy.zeros(s.shape, d) if x is None else x
+              for x, s, d in zip(leaves, plan.leaves, dtypes, strict=True)]
     buffers, sums = _logical.from_logical(leaves, plan)
     if expected is not None:
         _integrity.compare(_named(plan, sums, prefix), expected, item=item, where=where)
@@ -167,7 +173,7 @@ def opt_state_target(template: Any, saved: Mapping[str, dict[str, Any]], default
             if stored["kind"] != "sharded":
                 raise ValueError(f"vj.checkpoint: optimizer-state leaf {name!r} was saved as {stored['kind']}, the "
                                  "template has parameter-shaped ShardedParams there; use the same optimizer.")
-            items.append((parts, storable(abstract_logical(node.plan))))
+            items.append((parts, storable(abstract_logical(node.plan, node.buffers))))
             rebuild.append(("sharded", node))
         elif isinstance(node, PerDevice):
             layout = getattr(node, "layout", None)
@@ -181,7 +187,7 @@ def opt_state_target(template: Any, saved: Mapping[str, dict[str, Any]], default
                 shapes = {
                     k: _abstract(s, s.sharding if getattr(s, "sharding", None) is not None else
                                  _logical.storage_sharding(s.shape, node.plan, stacked=False))
-                    for k, s in layout.logical_shapes().items()
+                    for k, s in layout.logical_shapes(node.value.dtype).items()
                 }
                 items.append((parts, shapes))
                 rebuild.append(("per_device_logical", node))
@@ -200,7 +206,10 @@ def opt_state_target(template: Any, saved: Mapping[str, dict[str, Any]], default
                 rebuild.append(("per_device", node))
         else:
             sharding = getattr(node, "sharding", None)
-            if not isinstance(sharding, jax.sharding.Sharding):
+            # jax.eval_shape templates on Explicit axes carry shardings over an AbstractMesh: not placeable.
+            if not isinstance(sharding, jax.sharding.Sharding) or isinstance(
+                getattr(sharding, "mesh", None), jax.sharding.AbstractMesh
+            ):
                 sharding = _replicated(default)
             items.append((parts, _abstract(np.asarray(node) if not hasattr(node, "shape") else node, sharding)))
             rebuild.append(("array", node))
@@ -216,7 +225,8 @@ def rebuild_state(template: Any, restored: dict[str, Any], rebuild: list, expect
         for k in path:
             value = value[_name(k)]
         if kind == "sharded":
-            out.append(pack(value, node.plan, expected, prefix=_raw_path(path) + "/", item=OPT, where=where))
+            out.append(pack(value, node.plan, expected, prefix=_raw_path(path) + "/", item=OPT, where=where,
+                            buffers=node.buffers))
             continue
         others.append(([_name(k) for k in path], value))
         if kind == "per_device_logical":

@@ -22,6 +22,7 @@ from vescale_jax.optim.muon import (
     scale_by_shape,
 )
 from vescale_jax.optim.owners import Routing, build_routing
+from vescale_jax.optim.relayout import BlockLayout, CompactLayout, logical_view, restore_logical
 from vescale_jax.optim.segments import (
     clip_by_block_rms,
     clip_by_global_norm,
@@ -34,7 +35,6 @@ from vescale_jax.optim.segments import (
     scale_by_trust_ratio,
     scale_leaves,
 )
-from vescale_jax.optim.relayout import BlockLayout, CompactLayout, logical_view, restore_logical
 from vescale_jax.optim.shampoo import ShampooState, inverse_root, scale_by_shampoo, shampoo, shampoo_blocks
 
 __all__ = [

@@ -220,7 +220,7 @@ def place_state(state: Any, plan: Plan) -> Any:
             if not hasattr(x.value, "shape"):
                 return x
             spec = P(plan.axis, *[None] * (len(x.value.shape) - 1))
-            return PerDevice(put(x.value, jax.sharding.NamedSharding(plan.mesh, spec)), x.plan)
+            return x.replace(put(x.value, jax.sharding.NamedSharding(plan.mesh, spec)))
         return put(x, state_sharding(x, plan)) if hasattr(x, "shape") else x
 
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, PerDevice))
