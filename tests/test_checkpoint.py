@@ -53,7 +53,8 @@ def plan_of(tree, m, granularity=None, mesh=None, axis="fsdp"):
     """Two units (the stacked group and the rest): three buckets with the bf16 leaf, few compiles."""
     mesh = make_mesh(m) if mesh is None else mesh
     units = lambda path, leaf: "blocks" if vj.plan_path(path).startswith("blocks") else "top"
-    return vj.plan(tree, mesh, axis=axis, stacked=("blocks",), granularity=granularity, units=units)
+    stacked = ("blocks",) if "blocks" in tree else ()
+    return vj.plan(tree, mesh, axis=axis, stacked=stacked, granularity=granularity, units=units)
 
 
 def host_shard(tree, plan):
@@ -212,7 +213,7 @@ class EvenChunks:
     def to_logical(self, value):  # a test stand-in: replicates (a real layout moves only the owned blocks)
         return {"v": jax.device_put(value, NamedSharding(self.plan.mesh, P()))[: self.n], "n": jnp.asarray(self.n)}
 
-    def logical_shapes(self):
+    def logical_shapes(self, dtype=None):
         return {"v": jax.ShapeDtypeStruct((self.n,), jnp.float32), "n": jax.ShapeDtypeStruct((), jnp.int32)}
 
     def from_logical(self, arrays):

@@ -290,7 +290,7 @@ def _to_logical_fn(plan: Plan):
 
 
 @functools.lru_cache(maxsize=64)
-def _from_logical_fn(plan: Plan, dtypes: tuple[str, ...]):
+def _from_logical_fn(plan: Plan, dtypes: tuple[str, ...] | None = None):
     tables, axes, mesh = _plan_tables(plan), _factor_axes(plan), storage_mesh(plan)
 
     def local(*leaves):
@@ -302,7 +302,7 @@ def _from_logical_fn(plan: Plan, dtypes: tuple[str, ...]):
             S = bucket.layout.shard_size
             pad = max([rt.local_max for rt in routes], default=0)
             lead = bucket.layers if stacked else 1
-            dtype = jnp.dtype(dtypes[b])
+            dtype = jnp.dtype(bucket.dtype if dtypes is None else dtypes[b])
             for i, st, rt in zip(bucket.leaves, storages, routes, strict=True):
                 sums[i] = _block_sums(jnp.reshape(leaves[i], (lead, *_local_shape(st))), st, rt, k, axes)
             rows = [jnp.reshape(leaves[i], (lead, -1)) for i in bucket.leaves]
