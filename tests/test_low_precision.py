@@ -105,3 +105,41 @@ def test_default_reduce_dtype_of_low_precision_masters():
     assert vj.MixedPrecision().grad_dtype(jnp.float32) == np.float32
     assert vj.MixedPrecision(reduce_dtype=jnp.bfloat16).grad_dtype(jnp.bfloat16) == jnp.bfloat16
     assert vj.MixedPrecision(compute_dtype=jnp.bfloat16).grad_dtype(jnp.float32) == jnp.bfloat16
+
+
+def stacked_init():
+    k = jax.random.split(jax.random.key(1), 2)
+    return {"layers": {"w": jax.random.normal(k[0], (3, 16, 16)) / 4,
+                       "b": jax.random.normal(k[1], (3, 16)).astype(jnp.bfloat16)}}
+
+
+def stacked_layer(p, h):
+    return jnp.tanh(h @ p["w"] + p["b"].astype(jnp.float32))
+
+
+def stacked_loss(p, x, y):
+    h = jax.lax.scan(lambda h, lp: (stacked_layer(lp, h), None), x, p["layers"])[0]
+    return jnp.mean((h - y) ** 2)
+
+
+@pytest.mark.parametrize("m", [3, 8])
+def test_bf16_leaf_of_a_stacked_group_reduces_like_unsharded(m):
+    """The same inside vj.scan_layers: each layer's bf16 gradient is summed over devices in fp32, rounded once."""
+    params = stacked_init()
+    plan = vj.plan(params, make_mesh(m), stacked=("layers",))
+
+    @vj.fsdp(plan=plan, donate=False)
+    def grad_step(p, o, batch):
+        def f(p):
+            h = vj.apply(lambda q, x: vj.scan_layers(stacked_layer, q["layers"], x), p, batch["x"])
+            return jnp.mean((h - batch["y"]) ** 2)
+        return p, o, jax.grad(f)(p)
+
+    x, y = data(0)
+    y = y[:, :16]
+    ref = jax.jit(jax.grad(stacked_loss))(params, x, y)
+    got = vj.unshard(grad_step(vj.shard(params, plan), None, {"x": x, "y": y})[2])
+    b, rb = got["layers"]["b"], ref["layers"]["b"]
+    assert b.dtype == jnp.bfloat16
+    assert np.max(ulps(b, rb)) <= 1, int(np.sum(ulps(b, rb) > 0))
+    np.testing.assert_allclose(np.asarray(got["layers"]["w"]), np.asarray(ref["layers"]["w"]), rtol=1e-5, atol=1e-7)

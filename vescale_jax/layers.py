@@ -31,6 +31,7 @@ import numpy as np
 from vescale_jax.plan import Plan
 from vescale_jax.precision import MixedPrecision, reduce_scatter_cast, vary
 from vescale_jax.unpacking import unpack_gathered
+from vescale_jax.widen import widened
 
 __all__ = ["LayerShard", "scan_layers"]
 
@@ -195,6 +196,21 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
     gather_dtypes = tuple(
         np.dtype(r.dtype) if policy is None else policy.gather_dtype(r.dtype) for r in rows
     )
+    # A low-precision bucket whose gradient reduces wider (bf16 -> fp32 by default) is gathered wide: the layer
+    # body sees its leaves in the gather dtype, but their per-device gradient partial sums stay fp32 until the
+    # reduce-scatter (as unsharded, where the batch sum is rounded once; see vescale_jax.widen).
+    base = policy or MixedPrecision()
+    wide_dtypes = tuple(
+        base.grad_dtype(r.dtype) if (jnp.issubdtype(d, jnp.floating) and np.dtype(r.dtype).itemsize < 4
+                                     and base.grad_dtype(r.dtype).itemsize > np.dtype(d).itemsize) else None
+        for r, d in zip(rows, gather_dtypes, strict=True)
+    )
+    full_dtypes = tuple(d if w is None else w for w, d in zip(wide_dtypes, gather_dtypes, strict=True))
+    narrow = [
+        gather_dtypes[bucket_ids.index(plan.leaves[s.index].bucket)]
+        if wide_dtypes[bucket_ids.index(plan.leaves[s.index].bucket)] is not None else None
+        for s in shards
+    ]
     num_layers = rows[0].shape[0]
     if has_xs:
         for x in jax.tree.leaves(xs):
@@ -209,13 +225,18 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
         out = [by_bucket[plan.leaves[s.index].bucket][plan.leaves[s.index].slot] for s in shards]
         return jax.tree_util.tree_unflatten(treedef, out)
 
+    def call(params, c, x):
+        return _call(body, params, c, x, has_xs)
+
+    wide_body = widened(call, narrow)
+
     def layer(fulls, c, x):
-        return _call(body, unpack_layer(fulls), c, x, has_xs)
+        return wide_body(unpack_layer(fulls), c, x)
 
     # Example values with the right varying-axes types (dead code once converted; no collective is traced).
     example_fulls = tuple(
-        jnp.tile(vary(r[0], replica_axes), plan.buckets[b].layout.num_devices).astype(d)
-        for r, b, d in zip(rows, bucket_ids, gather_dtypes, strict=True)
+        jnp.tile(vary(r[0], replica_axes), plan.buckets[b].layout.num_devices).astype(d).astype(f)
+        for r, b, d, f in zip(rows, bucket_ids, gather_dtypes, full_dtypes, strict=True)
     )
     x0 = jax.tree.map(lambda a: a[0], xs)
     fn, consts = jax.closure_convert(layer, example_fulls, carry, x0)
@@ -223,10 +244,10 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
 
     def gather(rows_, i):  # the local row is cast to the gather dtype first: the wire carries it
         return tuple(
-            jax.lax.all_gather(
+            (jax.lax.all_gather(
                 vary(jax.lax.dynamic_index_in_dim(r, i, keepdims=False), replica_axes).astype(d), axis, tiled=True
-            ) if r.shape[-1] else vary(r[i], replica_axes).astype(d)  # zero-size leaves only: nothing to gather
-            for r, d in zip(rows_, gather_dtypes, strict=True)
+            ) if r.shape[-1] else vary(r[i], replica_axes).astype(d)).astype(f)  # zero-size leaves: no gather
+            for r, d, f in zip(rows_, gather_dtypes, full_dtypes, strict=True)
         )
 
     def x_at(i):
