@@ -223,29 +223,11 @@ class EvenChunks:
         return pad(arrays["v"])
 
 
-@jax.tree_util.register_pytree_node_class
-class LaidOut(PerDevice):
-    """``PerDevice`` with the optional static ``layout`` field (as the optimizers add it)."""
-
-    __slots__ = ("layout",)
-
-    def __init__(self, value, plan, layout=None):
-        super().__init__(value, plan)
-        self.layout = layout
-
-    def tree_flatten(self):
-        return (self.value,), (self.plan, self.layout)
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        return cls(children[0], *aux)
-
-
 def per_device(plan, n, *, layout: bool):
     lay = EvenChunks(plan, n)
     v = jnp.pad(jnp.arange(n, dtype=jnp.float32) + 0.5, (0, plan.num_devices * lay.width - n))
     v = jax.device_put(v, NamedSharding(plan.mesh, P(plan.axis)))
-    return LaidOut(v, plan, lay if layout else None)
+    return PerDevice(v, plan, lay if layout else None)
 
 
 def test_per_device_state_with_a_layout_moves_to_another_plan(tmp_path):

@@ -114,22 +114,21 @@ def _check_params(params: Any, plan: Plan, what: str = "params", fn: str = "vj.f
 def _check_not_donated(params: ShardedParams, opt_state: Any, *rest: Any) -> None:
     """Raises, naming the bucket or state leaf, on an input whose buffers were deleted (donated to an earlier
     step): executing a step on them crashes the process instead of raising."""
-    for bucket, buf in zip(params.plan.buckets, params.buffers, strict=True):
-        if isinstance(buf, jax.Array) and buf.is_deleted():
-            raise ValueError(
-                f"vj.fsdp: these params were donated to the last step; use the returned ones (the buffer of bucket "
-                f"{bucket.name!r} is deleted). The step donates params and opt_state: write "
-                "`params, opt_state, ... = step(params, opt_state, batch)`, or compile with donate=False to keep "
-                "the inputs."
-            )
+    names = [f"the buffer of bucket {b.name!r}" for b in params.plan.buckets]
+    trees = [("params", "these params", list(zip(names, params.buffers, strict=True)))]
     for what, tree in (("opt_state", opt_state), ("batch", rest[0] if rest else None), ("extra argument", rest[1:])):
-        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+        trees.append((what, f"this {what}", [(f"{what} leaf {jax.tree_util.keystr(p) or '<root>'}", x)
+                                             for p, x in leaves]))
+    for what, these, named in trees:
+        for name, leaf in named:
             if isinstance(leaf, jax.Array) and leaf.is_deleted():
+                one = "ones" if what == "params" else "one"
                 raise ValueError(
-                    f"vj.fsdp: this {what} was donated to the last step; use the returned one ({what} leaf "
-                    f"{jax.tree_util.keystr(path) or '<root>'} is deleted). The step donates params and opt_state: "
-                    "write `params, opt_state, ... = step(params, opt_state, batch)`, or compile with "
-                    "donate=False to keep the inputs."
+                    f"vj.fsdp: {these} {'were' if what == 'params' else 'was'} donated to the last step; use the "
+                    f"returned {one} ({name} is deleted). The step donates params and opt_state: write "
+                    "`params, opt_state, ... = step(params, opt_state, batch)`, or compile with donate=False to "
+                    "keep the inputs."
                 )
 
 
