@@ -150,6 +150,8 @@ def test_dynamic_trip_count_is_flagged_and_counted_once():
 
 
 def test_two_dimensional_mesh_group_sizes():
+    if len(jax.devices()) < 8:
+        pytest.skip(f"needs 8 devices, {len(jax.devices())} available")
     mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:8])
     x = jnp.ones((8 * S,), jnp.float32)
     spec = P(("a", "b"))
