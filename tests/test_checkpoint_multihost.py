@@ -7,13 +7,12 @@ and the Adam moments, bit for bit. Uses the fail-fast harness of tests/test_mult
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
-from test_multihost import Worker, child_env, free_port, run_workers
+from test_multihost import Worker, free_port, run_workers
+from test_multihost import launch as multihost_launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -21,19 +20,7 @@ WORKER = os.path.join(HERE, "checkpoint_worker.py")
 
 
 def launch(name: str, args: list[str], start: float) -> Worker:
-    import threading
-
-    popen = subprocess.Popen([sys.executable, WORKER, *args], env=child_env(), cwd=ROOT, stdin=subprocess.DEVNULL,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
-    worker = Worker(name, popen)
-
-    def read():
-        for line in popen.stdout:
-            worker.lines.append((time.monotonic() - start, line.rstrip("\n")))
-
-    worker.reader = threading.Thread(target=read, daemon=True)
-    worker.reader.start()
-    return worker
+    return multihost_launch(name, args, start, worker=WORKER)
 
 
 def job(n: int, devices: int, mode: str, directory: str, out: str, start: float) -> list[Worker]:

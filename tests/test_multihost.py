@@ -79,9 +79,9 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def launch(name: str, args: list[str], start: float) -> Worker:
+def launch(name: str, args: list[str], start: float, *, worker: str = WORKER) -> Worker:
     popen = subprocess.Popen(
-        [sys.executable, WORKER, *args], env=child_env(), cwd=ROOT, stdin=subprocess.DEVNULL,
+        [sys.executable, worker, *args], env=child_env(), cwd=ROOT, stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
     )
     worker = Worker(name, popen)

@@ -15,16 +15,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vescale_jax.plan import _key_name
+
 __all__ = ["check_against", "checksums", "compare", "flat_shapes", "raw_path", "stored_shapes", "words"]
 
 Shapes = Mapping[str, tuple[tuple[int, ...], str]]
 
 
-def key_name(key: Any) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
+key_name = _key_name  # one spelling of a key, as the plan's paths use
 
 
 def raw_path(path: Any) -> str:
