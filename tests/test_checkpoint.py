@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import vescale_jax as vj
 from vescale_jax import _integrity, _logical
-from vescale_jax.buffer import PerDevice
+from vescale_jax._buffer import PerDevice
 from vescale_jax.testing import census, memory
 
 HERE = os.path.dirname(os.path.abspath(__file__))

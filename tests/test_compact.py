@@ -8,7 +8,7 @@ import pytest
 from conftest import make_mesh
 
 import vescale_jax as vj
-from vescale_jax.optim.compact import build_compact, compact, expand, on_leaves
+from vescale_jax.optim._compact import build_compact, compact, expand, on_leaves
 
 
 def tree():
@@ -56,6 +56,6 @@ def test_on_leaves_adamw_matches_optax_on_those_leaves():
         want = np.asarray(x, np.float32) if keep else np.zeros(x.shape, np.float32)
         np.testing.assert_allclose(np.asarray(y, np.float32), want, rtol=1e-2 if x.dtype == jnp.bfloat16 else 1e-6,
                                    atol=1e-6)
-    moments = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, vj.buffer.PerDevice))
-               if isinstance(x, vj.buffer.PerDevice)]
+    moments = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, vj.PerDevice))
+               if isinstance(x, vj.PerDevice)]
     assert len(moments) == 2 and all(x.value.shape == (3 * build_compact(plan, chosen).size,) for x in moments)

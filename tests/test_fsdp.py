@@ -332,8 +332,10 @@ def test_pallas_kernels_on_the_gather_path_give_identical_gradients(monkeypatch)
     sp = vj.shard(init_params(cfg, jax.random.key(0)), plan)
     batch = {"x": np.arange(48).reshape(6, 8) % cfg.vocab, "y": (np.arange(48).reshape(6, 8) + 1) % cfg.vocab}
     results, calls = {}, []
-    unpack = vj.unpacking.kernels.unpack
-    monkeypatch.setattr(vj.unpacking.kernels, "unpack", lambda *a, **k: calls.append(k) or unpack(*a, **k))
+    from vescale_jax import _unpacking
+
+    unpack = _unpacking.kernels.unpack
+    monkeypatch.setattr(_unpacking.kernels, "unpack", lambda *a, **k: calls.append(k) or unpack(*a, **k))
     for mode in ("xla", "pallas"):
         monkeypatch.setenv("VESCALE_JAX_KERNELS", mode)
 

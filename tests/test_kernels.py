@@ -17,7 +17,7 @@ import pytest
 
 import vescale_jax as vj
 from vescale_jax import kernels as _K
-from vescale_jax.kernels.schedule import ZERO
+from vescale_jax.kernels._schedule import ZERO
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 

@@ -11,7 +11,7 @@ import pytest
 from conftest import make_mesh
 
 import vescale_jax as vj
-from vescale_jax.guards import PerLeafOnBucketsError
+from vescale_jax._guards import PerLeafOnBucketsError
 
 STEPS = 3
 
@@ -43,7 +43,7 @@ def setup(m):
 def sharded(m):
     """The params and grads of ``setup(m)`` as ShardedParams (one compile)."""
     params, plan, grads = setup(m)
-    shard = jax.jit(lambda xs: vj.buffer.pack(xs, plan), out_shardings=plan.shardings())
+    shard = jax.jit(lambda xs: vj._buffer.pack(xs, plan), out_shardings=plan.shardings())
     return [vj.ShardedParams(shard(jax.tree.leaves(t)), plan) for t in [params, *grads]]
 
 
@@ -62,7 +62,7 @@ def run_cases(cases, m, steps=STEPS):
                 u, s = tx.update(sg, s, p)
                 p = optax.apply_updates(p, u)
             full = [jax.reshard(x, jax.sharding.PartitionSpec()) for x in p.buffers]  # gathered, as vj.unshard
-            out[name] = (p_ref, jax.tree_util.tree_unflatten(plan.treedef, vj.buffer.unpack(full, plan)))
+            out[name] = (p_ref, jax.tree_util.tree_unflatten(plan.treedef, vj._buffer.unpack(full, plan)))
         return out
 
     with jax.set_mesh(plan.mesh):

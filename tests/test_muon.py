@@ -10,7 +10,7 @@ from conftest import make_mesh
 import vescale_jax as vj
 import vescale_jax.optim as vjo
 from vescale_jax import testing
-from vescale_jax.optim.owners import ns_macs, split_macs
+from vescale_jax.optim._owners import ns_macs, split_macs
 
 STEPS = 10
 MDN = optax.contrib.MuonDimensionNumbers
@@ -74,9 +74,9 @@ def reference(name, params, grads, **kw):
 def shard_fns(plan):
     """Cached (jitted once) shard / unshard for a plan: vj.shard / vj.unshard re-trace on every call."""
     replicated = jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec())
-    pack = jax.jit(lambda xs: vj.ShardedParams(vj.pack(jax.tree.leaves(xs), plan), plan),
+    pack = jax.jit(lambda xs: vj.ShardedParams(vj._buffer.pack(jax.tree.leaves(xs), plan), plan),
                    out_shardings=vj.ShardedParams(plan.shardings(), plan))
-    unpack_fn = jax.jit(lambda bufs: jax.tree_util.tree_unflatten(plan.treedef, vj.unpack(bufs, plan)),
+    unpack_fn = jax.jit(lambda bufs: jax.tree_util.tree_unflatten(plan.treedef, vj._buffer.unpack(bufs, plan)),
                         out_shardings=replicated)
     return pack, lambda sp: unpack_fn([jax.device_put(x, replicated) for x in sp.buffers])
 
@@ -133,8 +133,8 @@ def test_parity_element(m):
     for x in bucket_leaves:
         assert x.sharding.is_equivalent_to(by_shape[x.shape], x.ndim), (x.shape, x.sharding)
     # AdamW's moments cover the non-Muon leaves only, each device keeping those it holds.
-    adam = [x.value for x in jax.tree.leaves(state.adam, is_leaf=lambda x: isinstance(x, vj.buffer.PerDevice))
-            if isinstance(x, vj.buffer.PerDevice)]
+    adam = [x.value for x in jax.tree.leaves(state.adam, is_leaf=lambda x: isinstance(x, vj.PerDevice))
+            if isinstance(x, vj.PerDevice)]
     dims = vjo.resolve_dimension_numbers(plan, dims_tree)
     non_muon = sum(s.size for s, d in zip(plan.leaves, dims, strict=True) if d is None)
     assert len(adam) == 2
@@ -311,7 +311,7 @@ def _simulate_routing(plan, routing, dims_tree):
     sizes = [int(np.prod(s)) for s in shapes]
     bases = np.cumsum([1, *sizes[:-1]])
     ids = [jnp.asarray(b + np.arange(n).reshape(s), jnp.float32) for b, n, s in zip(bases, sizes, shapes, strict=True)]
-    bufs = [jax.device_put(x, s) for x, s in zip(vj.pack(ids, plan), plan.shardings(), strict=True)]
+    bufs = [jax.device_put(x, s) for x, s in zip(vj._buffer.pack(ids, plan), plan.shardings(), strict=True)]
     devices = list(plan.mesh.devices.flat)
     local = [[None] * m for _ in bufs]
     for b, buf in enumerate(bufs):
@@ -362,7 +362,7 @@ def _simulate_routing(plan, routing, dims_tree):
 
 @pytest.mark.parametrize("m,granularity", [(3, None), (3, vj.rows(2)), (8, None), (8, vj.rows(2))])
 def test_run_tables_match_brute_force(m, granularity, monkeypatch):
-    from vescale_jax.optim import owners
+    from vescale_jax.optim import _owners as owners
 
     shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), RUN_SHAPES,
                           is_leaf=lambda x: isinstance(x, tuple))

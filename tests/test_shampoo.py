@@ -12,7 +12,7 @@ from shampoo_reference import reference_shampoo
 import vescale_jax as vj
 import vescale_jax.optim as vjo
 from vescale_jax import testing
-from vescale_jax.plan import path_str
+from vescale_jax._plan import path_str
 
 STEPS = 10
 BLOCK = 4

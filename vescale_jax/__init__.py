@@ -1,31 +1,34 @@
 """vescale_jax: RaggedShard FSDP for JAX.
 
-Public names (DESIGN.md §3): ``plan_bucket``, ``plan``, ``element``/``rows``/``whole``, ``RaggedShard``,
-``shard``/``unshard``, ``ShardedParams``; the runtime ``fsdp``, ``apply``, ``scan_layers``, ``init_opt_state``,
-the Flax adapters in ``vj.flax`` and Orbax checkpoints in ``vj.checkpoint``.
+The public surface is what this module exports (``__all__``) and the namespaces ``vj.optim`` (Optax
+transformations), ``vj.flax`` (NNX / Linen adapters), ``vj.checkpoint`` (Orbax checkpoints), ``vj.kernels``
+(Pallas pack / unpack), ``vj.distributed`` (multi-process start-up), ``vj.redistribute`` (moving one tensor
+between placements) and ``vj.testing`` (HLO census and memory estimates). Every other module is private.
 """
 
-from vescale_jax import checkpoint, distributed, flax, kernels, optim, padding, redistribute, unpacking
-from vescale_jax.accumulate import accumulate
-from vescale_jax.buffer import GatheredParams, ShardedParams, init_sharded, pack, shard, unpack, unshard
-from vescale_jax.fsdp import apply, data_sharding, fsdp, init_opt_state, place_batch
-from vescale_jax.granularity import Granularity, element, rows, whole
-from vescale_jax.layers import LayerShard, scan_layers
-from vescale_jax.layout import RaggedShard
-from vescale_jax.padding import apply_updates, global_norm, tree_map, zero_padding
-from vescale_jax.plan import Bucket, LeafSpec, Plan, plan
-from vescale_jax.plan import path_str as plan_path
-from vescale_jax.planner import BucketLayout, plan_bucket
-from vescale_jax.precision import MixedPrecision
+from vescale_jax import checkpoint, distributed, flax, kernels, optim, redistribute, testing
+from vescale_jax._accumulate import accumulate
+from vescale_jax._buffer import PerDevice, ShardedParams, init_sharded, shard, unshard
+from vescale_jax._fsdp import apply, data_sharding, fsdp, init_opt_state, place_batch
+from vescale_jax._granularity import Granularity, element, rows, whole
+from vescale_jax._guards import PerLeafOnBucketsError
+from vescale_jax._layers import LayerShard, scan_layers
+from vescale_jax._layout import RaggedShard
+from vescale_jax._padding import apply_updates, global_norm, tree_map, zero_padding
+from vescale_jax._plan import Bucket, LeafSpec, Plan, plan
+from vescale_jax._plan import path_str as plan_path
+from vescale_jax._planner import BucketLayout, plan_bucket
+from vescale_jax._precision import MixedPrecision
 
 __all__ = [
     "Bucket",
     "BucketLayout",
-    "GatheredParams",
     "Granularity",
     "LayerShard",
     "LeafSpec",
     "MixedPrecision",
+    "PerDevice",
+    "PerLeafOnBucketsError",
     "Plan",
     "RaggedShard",
     "ShardedParams",
@@ -43,8 +46,6 @@ __all__ = [
     "init_sharded",
     "kernels",
     "optim",
-    "pack",
-    "padding",
     "place_batch",
     "plan",
     "plan_bucket",
@@ -53,9 +54,8 @@ __all__ = [
     "rows",
     "scan_layers",
     "shard",
+    "testing",
     "tree_map",
-    "unpack",
-    "unpacking",
     "unshard",
     "whole",
     "zero_padding",

@@ -83,7 +83,7 @@ def plan_difference(got: Any, want: Any) -> str:
 
 def check_sharded_params(x: Any, fn: str, *, what: str = "params") -> None:
     """TypeError unless ``x`` is a ``vj.ShardedParams`` (the fix depends on what was passed instead)."""
-    from vescale_jax.buffer import GatheredParams, PerDevice, ShardedParams
+    from vescale_jax._buffer import GatheredParams, PerDevice, ShardedParams
 
     if isinstance(x, ShardedParams):
         return
@@ -102,7 +102,7 @@ def check_sharded_params(x: Any, fn: str, *, what: str = "params") -> None:
 
 def plan_states(tree: Any) -> list[tuple[str, Any]]:
     """``(key path, node)`` of every ``ShardedParams`` / ``PerDevice`` inside an optimizer-state tree."""
-    from vescale_jax.buffer import PerDevice, ShardedParams
+    from vescale_jax._buffer import PerDevice, ShardedParams
 
     kinds = ShardedParams | PerDevice
     flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda v: isinstance(v, kinds))[0]
@@ -151,7 +151,7 @@ def check_axes(axes: Sequence[str], mesh: Any, what: str) -> None:
 
 def check_precision_type(precision: Any, fn: str) -> None:
     """TypeError unless ``precision`` is ``None`` or a ``vj.MixedPrecision``."""
-    from vescale_jax.precision import MixedPrecision
+    from vescale_jax._precision import MixedPrecision
 
     if precision is None or isinstance(precision, MixedPrecision):
         return
@@ -182,7 +182,7 @@ def check_microbatches(k: Any, fn: str) -> int | None:
 
 def check_granularity_factory(g: Any, where: str) -> None:
     """TypeError for ``vj.rows`` / ``vj.element`` / ``vj.whole`` passed uncalled (or returned uncalled)."""
-    from vescale_jax import granularity as gran
+    from vescale_jax import _granularity as gran
 
     names = {gran.element: "vj.element()", gran.rows: "vj.rows(1)", gran.whole: "vj.whole()"}
     for factory, fix in names.items():
@@ -210,7 +210,7 @@ def check_x64(path: str, dtype: np.dtype) -> None:
 
 def check_step_outputs(out: Any, plan: Any, opt_state: Any) -> None:
     """Checks a donating ``vj.fsdp`` step returned ``(params, opt_state, *rest)`` (at trace time, so once)."""
-    from vescale_jax.buffer import ShardedParams
+    from vescale_jax._buffer import ShardedParams
 
     contract = ("a vj.fsdp step returns (params, opt_state, *rest) — the new ShardedParams first, the new optimizer "
                 "state second, then metrics")

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vescale_jax.plan import _key_name
+from vescale_jax._plan import _key_name
 
 __all__ = ["check_against", "checksums", "compare", "flat_shapes", "raw_path", "stored_shapes", "words"]
 

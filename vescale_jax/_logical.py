@@ -31,7 +31,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from vescale_jax.plan import Bucket, Plan
+from vescale_jax._plan import Bucket, Plan
 
 __all__ = ["LeafStorage", "from_logical", "leaf_storage", "storage_mesh", "to_logical"]
 

@@ -16,8 +16,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from vescale_jax import _integrity, _logical
-from vescale_jax.buffer import PerDevice, ShardedParams
-from vescale_jax.plan import Plan
+from vescale_jax._buffer import PerDevice, ShardedParams
+from vescale_jax._plan import Plan
 
 __all__ = [
     "abstract_logical",

@@ -28,9 +28,9 @@ from typing import Any, NamedTuple
 import orbax.checkpoint as ocp
 
 from vescale_jax import _integrity, _stored
+from vescale_jax._buffer import ShardedParams
+from vescale_jax._plan import Plan
 from vescale_jax._stored import abstract_logical, logical_tree
-from vescale_jax.buffer import ShardedParams
-from vescale_jax.plan import Plan
 
 __all__ = [
     "FORMAT",

@@ -204,7 +204,7 @@ def initialize(
         )
     _configure_cpu(local_device_count, cpu_collectives, multiprocess=True)
     if coordinator_address is not None:
-        from vescale_jax.rendezvous import rendezvous
+        from vescale_jax._rendezvous import rendezvous
 
         rendezvous(coordinator_address, num_processes, process_id, timeout_s=timeout_s)
     kwargs = _supported({

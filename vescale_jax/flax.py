@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from vescale_jax.buffer import ShardedParams
-from vescale_jax.fsdp import apply
-from vescale_jax.layers import scan_layers
+from vescale_jax._buffer import ShardedParams
+from vescale_jax._fsdp import apply
+from vescale_jax._layers import scan_layers
 
 __all__ = ["linen_apply", "nnx_apply", "nnx_scan_layers"]
 

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vescale_jax.layout import RaggedShard
+from vescale_jax._layout import RaggedShard
 
 __all__ = ["from_dim0", "from_ragged", "reshard", "to_dim0", "to_ragged"]
 

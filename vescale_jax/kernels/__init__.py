@@ -4,7 +4,7 @@
 casts (and a scale on pack) fused; ``choose_backend`` tells a caller whether to use them or the XLA reference.
 """
 
-from vescale_jax.kernels.ragged import (
+from vescale_jax.kernels._ragged import (
     DEFAULT_CHUNK,
     Backend,
     choose_backend,
@@ -14,7 +14,7 @@ from vescale_jax.kernels.ragged import (
     unpack,
     unpack_reference,
 )
-from vescale_jax.kernels.schedule import Schedule, Segment, pack_schedule, unpack_schedule
+from vescale_jax.kernels._schedule import Schedule, Segment, pack_schedule, unpack_schedule
 
 __all__ = [
     "DEFAULT_CHUNK",

@@ -1,8 +1,8 @@
 """Optax transformations over :class:`~vescale_jax.ShardedParams`: ``vj.optim.muon``, ``vj.optim.shampoo`` and
 their primitives."""
 
-from vescale_jax.optim.blocks import BlockTables, build_blocks
-from vescale_jax.optim.logical import (
+from vescale_jax.optim._blocks import BlockTables, build_blocks
+from vescale_jax.optim._logical import (
     adamw,
     add_decayed_weights,
     leaf_labels,
@@ -12,7 +12,7 @@ from vescale_jax.optim.logical import (
     partition,
     select_leaves,
 )
-from vescale_jax.optim.muon import (
+from vescale_jax.optim._muon import (
     MuonDimensionNumbers,
     MuonState,
     muon,
@@ -21,9 +21,9 @@ from vescale_jax.optim.muon import (
     scale_by_muon,
     scale_by_shape,
 )
-from vescale_jax.optim.owners import Routing, build_routing
-from vescale_jax.optim.relayout import BlockLayout, CompactLayout, logical_view, restore_logical
-from vescale_jax.optim.segments import (
+from vescale_jax.optim._owners import Routing, build_routing
+from vescale_jax.optim._relayout import BlockLayout, CompactLayout, logical_view, restore_logical
+from vescale_jax.optim._segments import (
     clip_by_block_rms,
     clip_by_global_norm,
     lamb,
@@ -35,7 +35,7 @@ from vescale_jax.optim.segments import (
     scale_by_trust_ratio,
     scale_leaves,
 )
-from vescale_jax.optim.shampoo import ShampooState, inverse_root, scale_by_shampoo, shampoo, shampoo_blocks
+from vescale_jax.optim._shampoo import ShampooState, inverse_root, scale_by_shampoo, shampoo, shampoo_blocks
 
 __all__ = [
     "BlockLayout",

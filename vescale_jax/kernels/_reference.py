@@ -1,6 +1,6 @@
 """Plain-jnp pack / unpack: what XLA does on its own (a concatenate, static slices), and the kernels' reference.
 
-Both stand alone on a :class:`~vescale_jax.planner.BucketLayout`; the scale and cast semantics here are the
+Both stand alone on a :class:`~vescale_jax._planner.BucketLayout`; the scale and cast semantics here are the
 ones the kernels in :mod:`vescale_jax.kernels.ragged` fuse.
 """
 
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vescale_jax.planner import BucketLayout
+from vescale_jax._planner import BucketLayout
 
 __all__ = ["pack_reference", "unpack_reference"]
 

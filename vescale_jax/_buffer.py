@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from vescale_jax._checks import check_sharded_params, tree_difference
-from vescale_jax.guards import check_children
-from vescale_jax.plan import Bucket, Plan, path_str
-from vescale_jax.planner import BucketLayout
+from vescale_jax._guards import check_children
+from vescale_jax._plan import Bucket, Plan, path_str
+from vescale_jax._planner import BucketLayout
 
 __all__ = [
     "GatheredParams",
@@ -101,7 +101,7 @@ class PerDevice:
       value: the array (a pytree child).
       plan: the :class:`Plan` (static aux data) whose axis dim 0 is sharded over.
       layout: ``None`` or a hashable description of what the rows hold (static aux data, e.g.
-        :class:`vescale_jax.optim.relayout.BlockLayout`), with ``to_logical(value)``, ``logical_shapes()`` and
+        :class:`vescale_jax.optim._relayout.BlockLayout`), with ``to_logical(value)``, ``logical_shapes()`` and
         ``from_logical(arrays)``: a view whose keys and shapes do not depend on the plan, so the state can be
         checkpointed under one plan and re-placed under another.
 

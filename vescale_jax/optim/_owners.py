@@ -1,7 +1,7 @@
 """Owner routing for distributed Muon: which device orthogonalises which matrix, and the static run tables
 that move each matrix's elements from the devices that hold them to its owner and back.
 
-Everything here is NumPy over the :class:`~vescale_jax.plan.Plan`, built once per plan. :func:`route_newton_schulz`
+Everything here is NumPy over the :class:`~vescale_jax._plan.Plan`, built once per plan. :func:`route_newton_schulz`
 is the device side: one ``shard_map`` with at most two padded all-to-alls (there and back) around batched
 Newton–Schulz on the owners.
 
@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vescale_jax.optim.leaves import local_vector, split_local
-from vescale_jax.plan import Plan
+from vescale_jax._plan import Plan
+from vescale_jax.optim._leaves import local_vector, split_local
 
 __all__ = [
     "MatrixRoute", "Routing", "RunLookup", "build_routing", "expand_runs", "matrix_indices",

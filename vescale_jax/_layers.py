@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vescale_jax.plan import Plan
-from vescale_jax.precision import MixedPrecision, reduce_scatter_cast, vary
-from vescale_jax.unpacking import unpack_gathered
-from vescale_jax.widen import widened
+from vescale_jax._plan import Plan
+from vescale_jax._precision import MixedPrecision, reduce_scatter_cast, vary
+from vescale_jax._unpacking import unpack_gathered
+from vescale_jax._widen import widened
 
 __all__ = ["LayerShard", "scan_layers"]
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vescale_jax.layout import RaggedShard
+from vescale_jax._layout import RaggedShard
 
 __all__ = ["exchange", "schedule"]
 

@@ -3,7 +3,7 @@
 Optax's per-leaf transformations (LAMB's trust ratio, ``scale_by_param_block_norm`` / ``_rms``,
 ``clip_by_block_rms``) reduce over each leaf; on the flat buckets they would reduce over a whole bucket. Here
 each device sums its own elements into one slot per logical leaf (a local ``segment_sum`` keyed by
-:func:`vescale_jax.padding.local_leaf_ids`), one ``psum`` of ``num_leaves`` scalars adds the devices up, and the
+:func:`vescale_jax._padding.local_leaf_ids`), one ``psum`` of ``num_leaves`` scalars adds the devices up, and the
 per-leaf result is spread back over the leaf's elements locally. A stacked leaf ``(L, ...)`` is one logical
 leaf: one norm over all its layers, as Optax computes on the unsharded tree. Padding is excluded.
 """
@@ -18,10 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from vescale_jax.buffer import ShardedParams
-from vescale_jax.optim.logical import _plan_of, add_decayed_weights, masked
-from vescale_jax.padding import global_norm, local_leaf_ids, zero_padding
-from vescale_jax.plan import Plan
+from vescale_jax._buffer import ShardedParams
+from vescale_jax._padding import global_norm, local_leaf_ids, zero_padding
+from vescale_jax._plan import Plan
+from vescale_jax.optim._logical import _plan_of, add_decayed_weights, masked
 
 __all__ = [
     "clip_by_block_rms", "clip_by_global_norm", "lamb", "lars", "leaf_norms", "leaf_sums", "scale_by_param_block_norm",

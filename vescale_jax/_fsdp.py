@@ -9,8 +9,8 @@ parameters it needs:
 * every non-stacked bucket is all-gathered once and unpacked by static slices; with reshard-after-forward (the
   default) the gathered copy is tagged so ``jax.checkpoint`` drops it after the forward and the backward gathers
   it again;
-* stacked layer groups stay as :class:`~vescale_jax.layers.LayerShard` stand-ins that
-  :func:`~vescale_jax.layers.scan_layers` gathers one layer per loop iteration, with the next layer prefetched;
+* stacked layer groups stay as :class:`~vescale_jax._layers.LayerShard` stand-ins that
+  :func:`~vescale_jax._layers.scan_layers` gathers one layer per loop iteration, with the next layer prefetched;
 * the transpose of each gather is one reduce-scatter of the packed gradient into the local shard, so ``grads``
   come back as a :class:`ShardedParams` in the same layout, with exactly zero gradient in the padding.
 """
@@ -30,6 +30,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from vescale_jax._buffer import GatheredParams, PerDevice, ShardedParams, pack_bucket, unpack
 from vescale_jax._checks import (
     check_axes,
     check_microbatches,
@@ -41,14 +42,13 @@ from vescale_jax._checks import (
     plan_difference,
     plan_states,
 )
-from vescale_jax.buffer import GatheredParams, PerDevice, ShardedParams, pack_bucket, unpack
-from vescale_jax.gather import gather_bucket
-from vescale_jax.layers import LayerShard
-from vescale_jax.padding import zero_padding
-from vescale_jax.plan import Plan
-from vescale_jax.precision import MixedPrecision, reduce_scatter_cast
-from vescale_jax.unpacking import kernel_mode
-from vescale_jax.widen import widened
+from vescale_jax._gather import gather_bucket
+from vescale_jax._layers import LayerShard
+from vescale_jax._padding import zero_padding
+from vescale_jax._plan import Plan
+from vescale_jax._precision import MixedPrecision, reduce_scatter_cast
+from vescale_jax._unpacking import kernel_mode
+from vescale_jax._widen import widened
 
 __all__ = ["apply", "data_sharding", "fsdp", "init_opt_state", "place_batch"]
 
@@ -518,7 +518,7 @@ def init_opt_state(tx: Any, params: ShardedParams) -> Any:
 
     Returns:
       The optimizer state; leaves shaped like a bucket carry that bucket's ``NamedSharding``,
-      :class:`~vescale_jax.buffer.PerDevice` leaves are split over the plan's axis on dim 0, others (counts,
+      :class:`~vescale_jax._buffer.PerDevice` leaves are split over the plan's axis on dim 0, others (counts,
       scalars) are replicated.
     """
     if isinstance(tx, ShardedParams) and not isinstance(params, ShardedParams):

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 import jax
 
 from vescale_jax import kernels
-from vescale_jax.buffer import unpack_layout
-from vescale_jax.planner import BucketLayout
+from vescale_jax._buffer import unpack_layout
+from vescale_jax._planner import BucketLayout
 
 __all__ = ["kernel_mode", "unpack_gathered"]
 

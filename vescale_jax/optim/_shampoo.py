@@ -29,16 +29,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from vescale_jax.buffer import PerDevice, ShardedParams
-from vescale_jax.optim.blocks import (
+from vescale_jax._buffer import PerDevice, ShardedParams
+from vescale_jax._plan import Plan
+from vescale_jax.optim._blocks import (
     BlockTables,
     build_blocks,
     gather_blocks,
     matrix_view,
     scatter_blocks,
 )
-from vescale_jax.optim.compact import split_leaves
-from vescale_jax.optim.leaves import (
+from vescale_jax.optim._compact import split_leaves
+from vescale_jax.optim._leaves import (
     check_sharded,
     is_placeholder,
     local_vector,
@@ -47,8 +48,7 @@ from vescale_jax.optim.leaves import (
     split_local,
     static_int,
 )
-from vescale_jax.optim.relayout import BlockLayout
-from vescale_jax.plan import Plan
+from vescale_jax.optim._relayout import BlockLayout
 
 __all__ = ["ShampooState", "inverse_root", "scale_by_shampoo", "shampoo", "shampoo_blocks"]
 
@@ -63,7 +63,7 @@ class ShampooState(NamedTuple):
       count: steps taken.
       graft: the graft's second moment, sharded like the params (``()`` for ``graft_type="sgd"``).
       stats_left, stats_right, root_left, root_right: ``PerDevice`` arrays ``(m * B, b, b)`` fp32: each
-        device's block slots (empty slots are zero), with a :class:`~vescale_jax.optim.relayout.BlockLayout`
+        device's block slots (empty slots are zero), with a :class:`~vescale_jax.optim._relayout.BlockLayout`
         to re-place them under another plan.
     """
 
@@ -296,7 +296,7 @@ def _momentum(beta1: float, nesterov: bool) -> optax.GradientTransformation:
 
 class SplitState(NamedTuple):
     """State of :func:`shampoo`: the Shampoo branch's (matrix leaves) and the AdamW branch's (the other leaves'
-    elements only, ``PerDevice``; see :func:`vescale_jax.optim.compact.on_leaves`)."""
+    elements only, ``PerDevice``; see :func:`vescale_jax.optim._compact.on_leaves`)."""
 
     shampoo: Any
     adam: Any

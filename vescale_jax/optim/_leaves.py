@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from vescale_jax.buffer import ShardedParams
-from vescale_jax.plan import Plan
+from vescale_jax._buffer import ShardedParams
+from vescale_jax._plan import Plan
 
 __all__ = [
     "abstract_params", "check_sharded", "is_placeholder", "leaf_mask", "local_vector", "masked_decay", "per_element",
@@ -203,7 +203,7 @@ def place_state(state: Any, plan: Plan) -> Any:
     state ``tx.update`` returns: a jitted step then compiles once, and ``lax.cond``/``select`` over states
     (``optax.MultiSteps``) sees matching shardings.
     """
-    from vescale_jax.buffer import PerDevice
+    from vescale_jax._buffer import PerDevice
 
     P = jax.sharding.PartitionSpec
     auto = all(t == jax.sharding.AxisType.Auto for t in plan.mesh.axis_types)

@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from vescale_jax.kernels.reference import (
+from vescale_jax._planner import BucketLayout
+from vescale_jax.kernels._reference import (
     Scale,
     _check_leaves,
     _check_unpack,
@@ -39,8 +40,7 @@ from vescale_jax.kernels.reference import (
     pack_reference,
     unpack_reference,
 )
-from vescale_jax.kernels.schedule import ZERO, Schedule, pack_schedule, unpack_schedule
-from vescale_jax.planner import BucketLayout
+from vescale_jax.kernels._schedule import ZERO, Schedule, pack_schedule, unpack_schedule
 
 __all__ = [
     "DEFAULT_CHUNK",

@@ -1,7 +1,7 @@
-"""Plan-independent views of :class:`~vescale_jax.buffer.PerDevice` optimizer state, to re-place it under another plan.
+"""Plan-independent views of :class:`~vescale_jax._buffer.PerDevice` optimizer state, to re-place it under another plan.
 
 A ``PerDevice`` array keeps, on device ``k``, rows that only mean something under its plan (block slots of
-Shampoo, the compact vector of :func:`vescale_jax.optim.compact.on_leaves`). Its ``layout`` says what the rows
+Shampoo, the compact vector of :func:`vescale_jax.optim._compact.on_leaves`). Its ``layout`` says what the rows
 hold and converts both ways:
 
 * ``to_logical(value)``: one global array per leaf whose key and shape do not depend on the plan;
@@ -24,7 +24,7 @@ Sharding of the logical arrays, and how the rows get there (inside one ``shard_m
   balanced all-to-all of exactly one device's rows;
 * otherwise, a leaf's (per-layer) dim 0 when the device count divides it, else a stacked leaf's layers when it
   divides their number: each device's piece of a leaf is one contiguous run of its rows (per layer), i.e. a
-  :class:`~vescale_jax.RaggedShard`, and all pieces move together by :func:`vescale_jax.optim.exchange.exchange`
+  :class:`~vescale_jax.RaggedShard`, and all pieces move together by :func:`vescale_jax.optim._exchange.exchange`
   (edge-coloured collective-permutes; a device holds its rows, its share and about what it sends);
 * otherwise the leaf is replicated, whole on each device (one all-gather of that leaf).
 """
@@ -41,11 +41,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from vescale_jax import redistribute
-from vescale_jax.buffer import PerDevice
-from vescale_jax.layout import RaggedShard
-from vescale_jax.optim.blocks import build_blocks, matrix_view
-from vescale_jax.optim.exchange import exchange
-from vescale_jax.plan import Plan
+from vescale_jax._buffer import PerDevice
+from vescale_jax._layout import RaggedShard
+from vescale_jax._plan import Plan
+from vescale_jax.optim._blocks import build_blocks, matrix_view
+from vescale_jax.optim._exchange import exchange
 
 __all__ = ["BlockLayout", "CompactLayout", "logical_view", "restore_logical"]
 
@@ -416,8 +416,8 @@ class BlockLayout(_Relayout):
 
 @dataclasses.dataclass(frozen=True)
 class CompactLayout(_Relayout):
-    """Rows of a compact vector of :func:`vescale_jax.optim.compact.on_leaves`: ``(m * n,)``, each device's
-    elements of the chosen leaves (see :func:`vescale_jax.optim.compact.build_compact`).
+    """Rows of a compact vector of :func:`vescale_jax.optim._compact.on_leaves`: ``(m * n,)``, each device's
+    elements of the chosen leaves (see :func:`vescale_jax.optim._compact.build_compact`).
 
     Logical form: per chosen leaf, key ``"<path>"``, its elements at the leaf's shape.
 
@@ -434,7 +434,7 @@ class CompactLayout(_Relayout):
         return max(dtypes, key=lambda d: d.itemsize, default=jnp.dtype(jnp.float32))
 
     def _build(self) -> _Tables:
-        from vescale_jax.optim.compact import build_compact  # compact builds its state with this layout
+        from vescale_jax.optim._compact import build_compact  # compact builds its state with this layout
 
         plan = self.plan
         t = build_compact(plan, self.chosen)

@@ -22,9 +22,9 @@ import jax
 import numpy as np
 
 from vescale_jax._checks import check_granularity_factory, check_x64
-from vescale_jax.granularity import Granularity, element
-from vescale_jax.layout import RaggedShard
-from vescale_jax.planner import BucketLayout, plan_bucket
+from vescale_jax._granularity import Granularity, element
+from vescale_jax._layout import RaggedShard
+from vescale_jax._planner import BucketLayout, plan_bucket
 
 __all__ = ["Bucket", "LeafSpec", "Plan", "plan"]
 

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from vescale_jax.buffer import ShardedParams
-from vescale_jax.plan import Plan
+from vescale_jax._buffer import ShardedParams
+from vescale_jax._plan import Plan
 
 __all__ = [
     "apply_updates", "global_norm", "has_padding", "leaf_runs", "local_leaf_ids", "local_padding_mask",

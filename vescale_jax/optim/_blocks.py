@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vescale_jax.plan import Plan
+from vescale_jax._plan import Plan
 
 __all__ = ["BlockTables", "build_blocks", "gather_blocks", "matrix_view", "scatter_blocks"]
 

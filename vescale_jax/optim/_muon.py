@@ -1,4 +1,4 @@
-"""Distributed Muon over :class:`~vescale_jax.buffer.ShardedParams`, each matrix orthogonalised once, on one owner.
+"""Distributed Muon over :class:`~vescale_jax._buffer.ShardedParams`, each matrix orthogonalised once, on one owner.
 
 ``optax.contrib.muon`` under JAX's sharding all-gathers every matrix and runs Newton–Schulz on every device.
 Here momentum, shape scaling, weight decay and the AdamW branch are element-wise on the flat local shards,
@@ -30,9 +30,10 @@ import numpy as np
 import optax
 from optax.contrib import _muon as optax_muon
 
-from vescale_jax.buffer import ShardedParams
-from vescale_jax.optim.compact import split_leaves
-from vescale_jax.optim.leaves import (
+from vescale_jax._buffer import ShardedParams
+from vescale_jax._plan import Plan
+from vescale_jax.optim._compact import split_leaves
+from vescale_jax.optim._leaves import (
     abstract_params,
     check_sharded,
     is_placeholder,
@@ -43,8 +44,7 @@ from vescale_jax.optim.leaves import (
     prefix_per_leaf,
     static_int,
 )
-from vescale_jax.optim.owners import Routing, build_routing, route_newton_schulz
-from vescale_jax.plan import Plan
+from vescale_jax.optim._owners import Routing, build_routing, route_newton_schulz
 
 __all__ = [
     "MuonDimensionNumbers", "MuonState", "muon", "muon_routing", "newton_schulz", "scale_by_muon",
@@ -294,7 +294,7 @@ def _is_zero(value: Any) -> bool:
 
 class SelectState(NamedTuple):
     """State of :func:`muon`: the Muon branch's (sharded like the params) and the AdamW branch's (over the
-    non-Muon leaves' elements only, ``PerDevice``; see :func:`vescale_jax.optim.compact.on_leaves`)."""
+    non-Muon leaves' elements only, ``PerDevice``; see :func:`vescale_jax.optim._compact.on_leaves`)."""
 
     muon: Any
     adam: Any

@@ -20,10 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from vescale_jax.buffer import PerDevice, ShardedParams
-from vescale_jax.optim.leaves import check_sharded, is_placeholder, local_vector, place_state, split_local
-from vescale_jax.optim.relayout import CompactLayout
-from vescale_jax.plan import Plan
+from vescale_jax._buffer import PerDevice, ShardedParams
+from vescale_jax._plan import Plan
+from vescale_jax.optim._leaves import check_sharded, is_placeholder, local_vector, place_state, split_local
+from vescale_jax.optim._relayout import CompactLayout
 
 __all__ = ["CompactTables", "build_compact", "on_leaves", "split_leaves"]
 
@@ -142,7 +142,7 @@ def on_leaves(tx: optax.GradientTransformation, plan: Plan, chosen: Sequence[boo
     Sharding:
       ``tx``'s state is built over a ``PerDevice`` compact vector: each device keeps state for the chosen
       elements it holds (``max`` over devices of their count), nothing for the others. Its ``PerDevice``
-      leaves carry a :class:`~vescale_jax.optim.relayout.CompactLayout` (re-placing them under another plan).
+      leaves carry a :class:`~vescale_jax.optim._relayout.CompactLayout` (re-placing them under another plan).
     """
     tables = build_compact(plan, chosen)
     layout = CompactLayout(plan, tuple(bool(c) for c in chosen))

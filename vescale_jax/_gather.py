@@ -16,9 +16,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from vescale_jax.plan import Bucket, Plan
-from vescale_jax.precision import MixedPrecision, all_gather_cast, vary
-from vescale_jax.unpacking import unpack_gathered
+from vescale_jax._plan import Bucket, Plan
+from vescale_jax._precision import MixedPrecision, all_gather_cast, vary
+from vescale_jax._unpacking import unpack_gathered
 
 __all__ = ["gather_bucket", "gather_params"]
 
@@ -41,9 +41,9 @@ def gather_bucket(
       precision: cast the local shard to the policy's compute dtype before the all-gather (and reduce-scatter
         the gradient in its reduce dtype).
       vary_axes: HSDP replica axes: the shard is marked varying over them before the gather, so the sum of the
-        gradient over replicas happens on the shard (see ``vescale_jax.precision.vary``).
+        gradient over replicas happens on the shard (see ``vescale_jax._precision.vary``).
       widen: return low-precision leaves upcast to their reduce dtype (fp32) so their cotangents arrive
-        unrounded (see ``vescale_jax.precision.all_gather_cast`` and :mod:`vescale_jax.widen`).
+        unrounded (see ``vescale_jax._precision.all_gather_cast`` and :mod:`vescale_jax.widen`).
 
     Returns:
       The bucket's leaves in slot order, with their logical shapes (per-layer shapes for a stacked bucket).

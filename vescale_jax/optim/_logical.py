@@ -5,7 +5,7 @@ On a :class:`~vescale_jax.ShardedParams` every bucket is one flat buffer, so Opt
 here take the mask or the labels over the plan's *logical* tree — a (prefix) tree of bools / labels, or a
 callable called on the logical abstract tree (``jax.ShapeDtypeStruct`` leaves, so ``x.ndim`` and ``x.shape``
 are the real ones) — turn them into a per-leaf table and apply it per element: each device looks up the leaf
-of each of its elements with a local iota and a static range table (:func:`vescale_jax.padding.local_leaf_ids`),
+of each of its elements with a local iota and a static range table (:func:`vescale_jax._padding.local_leaf_ids`),
 no communication.
 
 The inner transformation sees a ``ShardedParams`` whose masked-out elements (and padding) are zero, so its
@@ -24,11 +24,11 @@ import numpy as np
 import optax
 from optax.tree_utils import _state_utils as optax_state_utils
 
-from vescale_jax.buffer import ShardedParams
-from vescale_jax.optim.compact import on_leaves
-from vescale_jax.optim.leaves import abstract_params
-from vescale_jax.padding import local_leaf_ids
-from vescale_jax.plan import Plan
+from vescale_jax._buffer import ShardedParams
+from vescale_jax._padding import local_leaf_ids
+from vescale_jax._plan import Plan
+from vescale_jax.optim._compact import on_leaves
+from vescale_jax.optim._leaves import abstract_params
 
 __all__ = [
     "adamw",
@@ -198,7 +198,7 @@ def masked(
       mask_compatible_extra_args: also mask extra arguments that are ``ShardedParams`` of the same plan.
       plan: the plan (default: the ``plan`` of the params / updates the transformation sees).
       compact: run ``inner`` only on the masked-in leaves' elements, gathered into a compact per-device vector
-        (:func:`vescale_jax.optim.compact.on_leaves`): its state then covers those elements only, as in
+        (:func:`vescale_jax.optim._compact.on_leaves`): its state then covers those elements only, as in
         Optax. Only for element-wise ``inner`` (or ones whose reductions are global sums); the default
         runs ``inner`` on the whole buffers with the masked-out elements zeroed, which works with any
         transformation (``vj.optim.scale_by_trust_ratio`` included) but keeps its state for every element.

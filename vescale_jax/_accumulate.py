@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vescale_jax.buffer import GatheredParams, ShardedParams
-from vescale_jax.precision import MixedPrecision
+from vescale_jax._buffer import GatheredParams, ShardedParams
+from vescale_jax._precision import MixedPrecision
 
 __all__ = ["accumulate"]
 
@@ -78,7 +78,7 @@ def accumulate(
 
 def _micro_count(batch: Any) -> int:
     """The leading micro-batch count ``k`` shared by every batch leaf (checked against ``vj.fsdp(microbatches=)``)."""
-    from vescale_jax.fsdp import _OPTIONS
+    from vescale_jax._fsdp import _OPTIONS
 
     flat = jax.tree_util.tree_flatten_with_path(batch)[0]
     if not flat:
@@ -105,7 +105,7 @@ def _micro_count(batch: Any) -> int:
 
 
 def _policy_and_axes(plan):
-    from vescale_jax.fsdp import _OPTIONS
+    from vescale_jax._fsdp import _OPTIONS
 
     opts = _OPTIONS.get()
     if opts is not None and opts.replica_axes:

@@ -34,7 +34,7 @@ import itertools
 import math
 from collections.abc import Sequence
 
-from vescale_jax.layout import RaggedShard
+from vescale_jax._layout import RaggedShard
 
 __all__ = ["BucketLayout", "plan_bucket"]
 
