@@ -325,29 +325,56 @@ def test_second_step_does_not_recompile():
 # --- Pallas unpack / pack on the gather path ---------------------------------------------------------------------
 
 
-def test_pallas_kernels_on_the_gather_path_give_identical_gradients(monkeypatch):
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
+def test_pallas_kernels_on_the_gather_path_give_identical_gradients(monkeypatch, reshard):
     cfg = GPTConfig(vocab=67, max_len=8, d_model=12, num_heads=2, num_layers=2, d_ff=20)
     graphdef, shapes = abstract_model(cfg)
     plan = vj.plan(shapes, make_mesh(3), stacked=("blocks",))
     sp = vj.shard(init_params(cfg, jax.random.key(0)), plan)
     batch = {"x": np.arange(48).reshape(6, 8) % cfg.vocab, "y": (np.arange(48).reshape(6, 8) + 1) % cfg.vocab}
-    results, calls = {}, []
-    from vescale_jax import _unpacking
-
-    unpack = _unpacking.kernels.unpack
-    monkeypatch.setattr(_unpacking.kernels, "unpack", lambda *a, **k: calls.append(k) or unpack(*a, **k))
+    results, calls = {}, {"pack": [], "unpack": []}
+    for name in calls:  # record the layouts each kernel is launched on
+        real = getattr(vj.kernels, name)
+        spy = lambda *a, _real=real, _name=name, **k: calls[_name].append(a[1]) or _real(*a, **k)
+        monkeypatch.setattr(vj.kernels, name, spy)
     for mode in ("xla", "pallas"):
-        monkeypatch.setenv("VESCALE_JAX_KERNELS", mode)
+        for got in calls.values():
+            got.clear()
 
-        @vj.fsdp(plan=plan, donate=False)
+        @vj.fsdp(plan=plan, donate=False, reshard_after_forward=reshard, kernels=vj.kernels.KernelPolicy(mode=mode))
         def grad_step(params, _, batch):
             return jax.value_and_grad(lambda p: loss_fn(vj.flax.nnx_apply(graphdef, p, batch["x"]), batch["y"]))(
                 params
             )
 
         results[mode] = grad_step(sp, None, batch)
-        assert bool(calls) == (mode == "pallas")  # the kernel ran on the gather path only when switched on
+        for got in calls.values():
+            # The kernels ran only when switched on, and then for every bucket, stacked or not, both ways.
+            assert set(got) == ({b.layout for b in plan.buckets} if mode == "pallas" else set())
     (loss_x, g_x), (loss_p, g_p) = results["xla"], results["pallas"]
     assert float(loss_x) == float(loss_p)
     for a, b in zip(g_x.buffers, g_p.buffers, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_kernel_policy_comes_from_the_environment_when_the_step_is_built(monkeypatch):
+    """VESCALE_JAX_KERNELS is read once, by vj.fsdp: changing it afterwards changes nothing."""
+    cfg = GPTConfig(vocab=67, max_len=8, d_model=12, num_heads=2, num_layers=2, d_ff=20)
+    graphdef, shapes = abstract_model(cfg)
+    plan = vj.plan(shapes, make_mesh(2), stacked=("blocks",))
+    sp = vj.shard(init_params(cfg, jax.random.key(0)), plan)
+    batch = {"x": np.arange(32).reshape(4, 8) % cfg.vocab, "y": (np.arange(32).reshape(4, 8) + 1) % cfg.vocab}
+    calls = []
+    real = vj.kernels.unpack
+    monkeypatch.setattr(vj.kernels, "unpack", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setenv("VESCALE_JAX_KERNELS", "pallas")
+
+    @vj.fsdp(plan=plan, donate=False)
+    def loss_step(params, _, batch):
+        return loss_fn(vj.flax.nnx_apply(graphdef, params, batch["x"]), batch["y"])
+
+    monkeypatch.setenv("VESCALE_JAX_KERNELS", "xla")
+    loss_step(sp, None, batch)
+    assert calls  # built under "pallas"
+    with pytest.raises(TypeError, match=r"kernels= must be a vj\.kernels\.KernelPolicy"):
+        vj.fsdp(lambda *a: a, plan=plan, kernels="pallas")

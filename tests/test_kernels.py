@@ -20,12 +20,15 @@ from vescale_jax import kernels as _K
 from vescale_jax.kernels._schedule import ZERO
 
 F32, BF16 = jnp.float32, jnp.bfloat16
+# On a GPU the kernels run compiled with the lowering VESCALE_JAX_KERNEL_BACKEND names (benchmarks/gpu_check.sh).
+BACKEND = _K.KernelPolicy.from_env().backend
 
 
 def _skip_unsupported(fn):
     """Compiled on GPU with backend=mosaic_gpu, casts/scales/unaligned buckets are unsupported: skip those."""
 
     def wrapped(*args, **kwargs):
+        kwargs.setdefault("backend", BACKEND)
         try:
             return fn(*args, **kwargs)
         except NotImplementedError as e:
@@ -37,7 +40,7 @@ def _skip_unsupported(fn):
 
 
 # The module's own names: on CPU these run interpreted; on a GPU (JAX_PLATFORMS=cuda) they run compiled with
-# $VESCALE_JAX_KERNEL_BACKEND (benchmarks/gpu_check.sh).
+# BACKEND.
 class K:  # a namespace standing in for the module
     pack = staticmethod(_skip_unsupported(_K.pack))
     unpack = staticmethod(_skip_unsupported(_K.unpack))
@@ -244,15 +247,45 @@ def test_unpack_errors():
 # Backends
 
 
-def test_choose_backend(monkeypatch):
+def test_choose_backend():
     layout, _ = _bucket([(3,), (4,)], align=4)
     assert K.choose_backend(layout, F32, F32, platform="cpu") == "xla"
-    monkeypatch.delenv("VESCALE_JAX_KERNEL_BACKEND", raising=False)
     assert K.choose_backend(layout, F32, BF16, platform="gpu") == "triton"
-    monkeypatch.setenv("VESCALE_JAX_KERNEL_BACKEND", "mosaic_gpu")
-    assert K.choose_backend(layout, F32, BF16, platform="gpu") == "triton"  # casts are not fused there
+    assert K.choose_backend(layout, F32, BF16, platform="gpu", backend="mosaic_gpu") == "triton"  # casts: not there
     aligned = vj.plan_bucket([8, 16], [1, 1], 2, align=4)
-    assert K.choose_backend(aligned, F32, F32, platform="gpu") == "mosaic_gpu"
+    assert K.choose_backend(aligned, F32, F32, platform="gpu", backend="mosaic_gpu") == "mosaic_gpu"
+    empty = vj.plan_bucket([0], [1], 2)
+    assert K.choose_backend(empty, F32, F32, platform="gpu") == "xla"
+    with pytest.raises(ValueError, match="backend="):
+        K.choose_backend(layout, F32, F32, platform="gpu", backend="cuda")
+
+
+def test_kernel_policy_reads_the_environment_only_in_from_env(monkeypatch):
+    monkeypatch.setenv("VESCALE_JAX_KERNELS", "pallas")
+    monkeypatch.setenv("VESCALE_JAX_KERNEL_BACKEND", "mosaic_gpu")
+    assert _K.KernelPolicy() == _K.KernelPolicy(mode="auto", backend="triton")  # the constructor ignores it
+    assert _K.KernelPolicy.from_env() == _K.KernelPolicy(mode="pallas", backend="mosaic_gpu")
+    assert _K.KernelPolicy.from_env({}) == _K.KernelPolicy()
+    with pytest.raises(ValueError, match="VESCALE_JAX_KERNELS='fast'"):
+        _K.KernelPolicy.from_env({"VESCALE_JAX_KERNELS": "fast"})
+    with pytest.raises(ValueError, match="mode="):
+        _K.KernelPolicy(mode="fast")
+
+
+def test_kernel_policy_xla_answer_means_xla():
+    """A bucket the compiled kernel cannot take (choose_backend answers "xla") is unpacked by XLA, not by the
+    policy's preferred lowering."""
+    layout = vj.plan_bucket([8, 16], [1, 1], 2)
+    empty = vj.plan_bucket([0], [1], 2)
+    pallas = _K.KernelPolicy(mode="pallas", backend="mosaic_gpu")
+    assert pallas.implementation(empty, F32, F32, platform="gpu") == "xla"
+    assert pallas.implementation(layout, F32, F32, platform="cpu") == "interpret"
+    assert pallas.implementation(layout, F32, F32, platform="gpu") == "mosaic_gpu"
+    assert pallas.implementation(layout, F32, BF16, platform="gpu") == "triton"
+    for mode in ("auto", "xla"):
+        assert _K.KernelPolicy(mode=mode).implementation(layout, F32, F32, platform="gpu") == "xla"
+    assert not pallas.check_vma or jax.default_backend() != "cpu"
+    assert _K.KernelPolicy().check_vma
 
 
 @pytest.mark.parametrize("backend", ["triton", "mosaic_gpu"])

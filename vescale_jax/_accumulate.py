@@ -9,8 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vescale_jax import _collectives as collectives
 from vescale_jax._buffer import GatheredParams, ShardedParams
-from vescale_jax._precision import MixedPrecision
+from vescale_jax._collectives import Gather
+from vescale_jax.kernels import KernelPolicy
 
 __all__ = ["accumulate"]
 
@@ -58,10 +60,10 @@ def accumulate(
         return (loss_sum + loss, jax.tree.map(lambda a, g: a + g.astype(a.dtype), grad_sum, grads)), aux
 
     if reduce == "once":  # accumulate unreduced gradients in the reduce dtype
-        policy = _policy_and_axes(params.plan)[0]
+        policy = _gather_options().policy
         zeros = GatheredParams(
             [
-                jnp.zeros_like(x, dtype=(policy or MixedPrecision()).grad_dtype(b.dtype))
+                jnp.zeros_like(x, dtype=policy.grad_dtype(b.dtype))
                 for x, b in zip(params.buffers, reduced.buffers, strict=True)
             ],
             params.plan,
@@ -104,49 +106,37 @@ def _micro_count(batch: Any) -> int:
     return k
 
 
-def _policy_and_axes(plan):
+def _gather_options() -> Gather:
+    """The enclosing ``vj.fsdp``'s gather options (precision, kernels); HSDP is not supported here."""
     from vescale_jax._fsdp import _OPTIONS
 
     opts = _OPTIONS.get()
     if opts is not None and opts.replica_axes:
         raise ValueError("vj.accumulate(reduce='once') does not support HSDP replica axes; use reduce='each'.")
-    return (opts.precision if opts is not None else None), plan.axis
+    if opts is None:
+        return Gather(kernels=KernelPolicy.from_env())
+    return Gather(opts.precision, (), opts.kernels)
+
+
+def _specs(plan: Any) -> tuple[Any, ...]:
+    return tuple(plan.partition_spec(b) for b in plan.buckets)
 
 
 def gather_copies(params: ShardedParams) -> GatheredParams:
     """All-gathers every bucket once into a full copy on each device (in the policy's compute dtype)."""
     if not isinstance(params, ShardedParams):
         raise TypeError(f"vj.accumulate(reduce='once'): params must be a vj.ShardedParams, got {type(params)}.")
-    plan = params.plan
-    policy, axis = _policy_and_axes(plan)
-    specs = tuple(plan.partition_spec(b) for b in plan.buckets)
-
-    def local(buffers):
-        out = []
-        for b in buffers:
-            b = b if policy is None else b.astype(policy.gather_dtype(b.dtype))
-            out.append(jax.lax.all_gather(b, axis, axis=b.ndim - 1, tiled=True) if b.shape[-1] else b)
-        return tuple(out)
-
-    copies = jax.shard_map(local, mesh=plan.mesh, in_specs=(specs,), out_specs=specs)(params.buffers)
-    return GatheredParams(copies, plan)
+    plan, how = params.plan, _gather_options()
+    specs = _specs(plan)
+    mapped = jax.shard_map(lambda bufs: collectives.gather_copies(bufs, plan, how), mesh=plan.mesh,
+                           in_specs=(specs,), out_specs=specs, check_vma=how.kernels.check_vma)
+    return GatheredParams(mapped(params.buffers), plan)
 
 
 def reduce_copies(grads: GatheredParams, like: ShardedParams) -> ShardedParams:
     """Reduce-scatters full per-device gradients into the plan's shards (in the policy's reduce dtype)."""
-    plan = like.plan
-    policy, axis = _policy_and_axes(plan)
-    specs = tuple(plan.partition_spec(b) for b in plan.buckets)
-
-    def local(gs):
-        out = []
-        for g, bucket in zip(gs, plan.buckets, strict=True):
-            g = g.astype((policy or MixedPrecision()).grad_dtype(bucket.dtype))
-            if not g.shape[-1]:  # a bucket of zero-size leaves: nothing to reduce
-                out.append(g.astype(bucket.dtype))
-                continue
-            out.append(jax.lax.psum_scatter(g, axis, scatter_dimension=g.ndim - 1, tiled=True).astype(bucket.dtype))
-        return tuple(out)
-
-    buffers = jax.shard_map(local, mesh=plan.mesh, in_specs=(specs,), out_specs=specs)(grads.buffers)
-    return ShardedParams(buffers, plan)
+    plan, how = like.plan, _gather_options()
+    specs = _specs(plan)
+    mapped = jax.shard_map(lambda gs: collectives.reduce_copies(gs, plan, how), mesh=plan.mesh,
+                           in_specs=(specs,), out_specs=specs, check_vma=how.kernels.check_vma)
+    return ShardedParams(mapped(grads.buffers), plan)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vescale_jax import _collectives as collectives
 from vescale_jax._checks import check_sharded_params, tree_difference
 from vescale_jax._guards import check_children
 from vescale_jax._plan import Bucket, Plan, path_str
@@ -167,6 +168,9 @@ def check_tree(params: Any, plan: Plan, *, what: str = "params") -> list[Any]:
 def pack_bucket(leaves: Sequence[jax.Array], bucket: Bucket, *, dtype: Any = None) -> jax.Array:
     """Lays ``leaves`` (the bucket's, in slot order) into its global flat buffer; padding is zero.
 
+    The XLA path of :func:`vescale_jax._collectives.pack` (the kernels' ``pack_reference``), mapped over the
+    layer dim of a stacked bucket.
+
     Args:
       leaves: one array per slot, of the logical shape (stacked leaves with their layer dim first).
       bucket: the bucket.
@@ -175,22 +179,9 @@ def pack_bucket(leaves: Sequence[jax.Array], bucket: Bucket, *, dtype: Any = Non
     Returns:
       The ``(m*S,)`` (or ``(L, m*S)``) buffer.
     """
-    layout, lead = bucket.layout, () if bucket.layers is None else (bucket.layers,)
+    lead = () if bucket.layers is None else (bucket.layers,)
     dtype = jnp.dtype(bucket.dtype if dtype is None else dtype)
-    pieces, cursor = [], 0
-    for slot in sorted(range(len(leaves)), key=lambda i: layout.offsets[i]):
-        n, o = layout.sizes[slot], layout.offsets[slot]
-        if not n:
-            continue
-        if o > cursor:
-            pieces.append(jnp.zeros((*lead, o - cursor), dtype))
-        pieces.append(jnp.reshape(leaves[slot], (*lead, n)).astype(dtype))
-        cursor = o + n
-    if layout.total_size > cursor:
-        pieces.append(jnp.zeros((*lead, layout.total_size - cursor), dtype))
-    if not pieces:
-        return jnp.zeros((*lead, 0), dtype)
-    return jnp.concatenate(pieces, axis=-1) if len(pieces) > 1 else pieces[0]
+    return collectives.pack(leaves, bucket.layout, dtype=dtype, kernels_policy=collectives.DEFAULT_KERNELS, lead=lead)
 
 
 def unpack_bucket(buffer: jax.Array, bucket: Bucket, shapes: Sequence[tuple[int, ...]]) -> list[jax.Array]:
@@ -199,11 +190,9 @@ def unpack_bucket(buffer: jax.Array, bucket: Bucket, shapes: Sequence[tuple[int,
 
 
 def unpack_layout(buffer: jax.Array, layout: BucketLayout, shapes: Sequence[tuple[int, ...]]) -> list[jax.Array]:
-    """Slot ``i`` of a full buffer laid out by ``layout``: ``buffer[..., o:o+n].reshape(shapes[i])``."""
-    return [
-        jnp.reshape(jax.lax.slice_in_dim(buffer, o, o + n, axis=-1), shape)
-        for n, o, shape in zip(layout.sizes, layout.offsets, shapes, strict=True)
-    ]
+    """Slot ``i`` of a full buffer laid out by ``layout``: ``buffer[..., o:o+n].reshape(shapes[i])`` (the
+    kernels' ``unpack_reference``, mapped over leading dims)."""
+    return collectives.unpack(buffer, layout, shapes, kernels_policy=collectives.DEFAULT_KERNELS)
 
 
 def pack(leaves: Sequence[jax.Array], plan: Plan) -> tuple[jax.Array, ...]:

@@ -149,6 +149,17 @@ def check_axes(axes: Sequence[str], mesh: Any, what: str) -> None:
         )
 
 
+def check_kernel_policy(kernels: Any, fn: str) -> Any:
+    """``kernels`` if it is a ``vj.kernels.KernelPolicy``, else a TypeError saying how to write one."""
+    from vescale_jax.kernels import KernelPolicy
+
+    if isinstance(kernels, KernelPolicy):
+        return kernels
+    hint = f"vj.kernels.KernelPolicy(mode={kernels!r})" if isinstance(kernels, str) else "vj.kernels.KernelPolicy()"
+    raise TypeError(f"{fn}: kernels= must be a vj.kernels.KernelPolicy, got {type(kernels).__name__}; write "
+                    f"kernels={hint}.")
+
+
 def check_precision_type(precision: Any, fn: str) -> None:
     """TypeError unless ``precision`` is ``None`` or a ``vj.MixedPrecision``."""
     from vescale_jax._precision import MixedPrecision

@@ -4,13 +4,13 @@ A ``vj.fsdp`` step is traced at the global level: parameters (:class:`ShardedPar
 flat buffers sharded over the plan's axis, so element-wise Optax transforms run on the shards unchanged and
 reductions such as a global norm are global (the partitioner adds a scalar all-reduce). The model itself runs
 through :func:`apply`, a ``shard_map`` over the mesh in which each device sees its batch shard and gathers the
-parameters it needs:
+parameters it needs. Every collective on parameters and gradients is in :mod:`vescale_jax._collectives`:
 
 * every non-stacked bucket is all-gathered once and unpacked by static slices; with reshard-after-forward (the
-  default) the gathered copy is tagged so ``jax.checkpoint`` drops it after the forward and the backward gathers
-  it again;
-* stacked layer groups stay as :class:`~vescale_jax._layers.LayerShard` stand-ins that
-  :func:`~vescale_jax._layers.scan_layers` gathers one layer per loop iteration, with the next layer prefetched;
+  default) the gathered copy is dropped after the forward and the backward gathers it again
+  (``_collectives.reshard_after_forward``);
+* stacked layer groups stay as :class:`vescale_jax.LayerShard` stand-ins that :func:`vescale_jax.scan_layers`
+  gathers one layer per loop iteration;
 * the transpose of each gather is one reduce-scatter of the packed gradient into the local shard, so ``grads``
   come back as a :class:`ShardedParams` in the same layout, with exactly zero gradient in the padding.
 """
@@ -30,9 +30,11 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from vescale_jax._buffer import GatheredParams, PerDevice, ShardedParams, pack_bucket, unpack
+from vescale_jax import _collectives as collectives
+from vescale_jax._buffer import GatheredParams, PerDevice, ShardedParams
 from vescale_jax._checks import (
     check_axes,
+    check_kernel_policy,
     check_microbatches,
     check_precision_type,
     check_sharded_params,
@@ -42,13 +44,13 @@ from vescale_jax._checks import (
     plan_difference,
     plan_states,
 )
-from vescale_jax._gather import gather_bucket
+from vescale_jax._collectives import Gather, gather_flat, unpack_copies
 from vescale_jax._layers import LayerShard
 from vescale_jax._padding import zero_padding
 from vescale_jax._plan import Plan
-from vescale_jax._precision import MixedPrecision, reduce_scatter_cast
-from vescale_jax._unpacking import kernel_mode
+from vescale_jax._precision import MixedPrecision
 from vescale_jax._widen import widened
+from vescale_jax.kernels import KernelPolicy
 
 __all__ = ["apply", "data_sharding", "fsdp", "init_opt_state", "place_batch"]
 
@@ -61,6 +63,7 @@ class _Options:
     precision: MixedPrecision | None = None
     replica_axes: tuple[str, ...] = ()
     microbatches: int | None = None
+    kernels: KernelPolicy = collectives.DEFAULT_KERNELS
 
 
 _OPTIONS: contextvars.ContextVar[_Options | None] = contextvars.ContextVar("vescale_jax_fsdp", default=None)
@@ -177,119 +180,32 @@ def _scalar_leaf(name: str, leaf: Any, data_axes: tuple[str, ...]) -> ValueError
     )
 
 
-# Outputs of these primitives are copies or views of their inputs: under reshard-after-forward they are
-# recomputed in backward rather than saved, so no gathered parameter (or a transposed / cast view of one) is kept.
-_DATA_MOVEMENT = frozenset({
-    "all_gather", "broadcast_in_dim", "concatenate", "convert_element_type", "copy", "dynamic_slice", "expand_dims",
-    "name", "pcast", "pvary", "reduce_precision", "reshape", "slice", "squeeze", "transpose",
-})
-
-
-def _save_policy(prim: Any, *_: Any, **__: Any) -> bool:
-    return prim.name not in _DATA_MOVEMENT
+def _gather(plan: Plan, opts: _Options) -> Gather:
+    """The gather options of a step: low-precision buckets are gathered wide (see :mod:`vescale_jax._widen`)."""
+    return Gather(opts.precision, opts.replica_axes, opts.kernels, widen=True)
 
 
 def _tree(plan: Plan, buffers: Sequence[jax.Array], gathered: dict[int, jax.Array], opts: _Options) -> Any:
+    """The logical tree the model sees: gathered leaves, and stand-ins for stacked layer groups."""
     leaves: list[Any] = [None] * len(plan.leaves)
     for bucket, local in zip(plan.buckets, buffers, strict=True):
         for i in bucket.leaves:
             leaves[i] = (
-                LayerShard(local, plan, i, opts.reshard_after_forward, opts.prefetch, opts.precision, opts.replica_axes)
+                LayerShard(local, plan, i, opts.reshard_after_forward, opts.prefetch, opts.precision,
+                           opts.replica_axes, kernels=opts.kernels)
                 if bucket.layers is not None else gathered[i]
             )
     return jax.tree_util.tree_unflatten(plan.treedef, leaves)
 
 
-def _gather_flat(plan: Plan, buffers: Sequence[jax.Array], opts: _Options) -> dict[int, jax.Array]:
-    out = {}
-    for bucket, local in zip(plan.buckets, buffers, strict=True):
-        if bucket.layers is None:
-            leaves = gather_bucket(local, bucket, plan, precision=opts.precision, vary_axes=opts.replica_axes,
-                                   widen=_widens(bucket, opts))
-            out.update(zip(bucket.leaves, leaves, strict=True))
-    return out
-
-
-def _widens(bucket: Any, opts: _Options) -> bool:
-    """Whether a non-stacked bucket of low-precision parameters is gathered wide: its gradient reduces in a
-    wider dtype (fp32 by default), and the model's per-device partial sums reach it unrounded (see
-    :mod:`vescale_jax.widen`). fp32 masters computing in bf16 keep the bf16 gathered copy (no fp32 copy)."""
-    policy = opts.precision or MixedPrecision()
-    gather, grad = policy.gather_dtype(bucket.dtype), policy.grad_dtype(bucket.dtype)
-    return (bucket.layers is None and jnp.issubdtype(gather, jnp.floating) and np.dtype(bucket.dtype).itemsize < 4
-            and grad.itemsize > gather.itemsize)
-
-
-def _narrow_leaves(plan: Plan, opts: _Options) -> list[Any]:
-    """Per leaf: the dtype the model sees for a leaf gathered wide (:func:`_widens`), else None."""
-    policy = opts.precision or MixedPrecision()
+def _narrow_leaves(plan: Plan, how: Gather) -> list[Any]:
+    """Per leaf: the dtype the model sees for a leaf gathered wide (:meth:`Gather.widens`), else None."""
     out: list[Any] = [None] * len(plan.leaves)
     for bucket in plan.buckets:
-        if _widens(bucket, opts):
+        if bucket.layers is None:
             for i in bucket.leaves:
-                out[i] = policy.gather_dtype(bucket.dtype)
+                out[i] = how.model_dtype(bucket.dtype)
     return out
-
-
-def _dependency(ct: Any) -> jax.Array | None:
-    """A zero scalar that depends on the incoming cotangent: ties the backward re-gather to the backward pass
-    (XLA would otherwise merge it with the forward all-gather, keeping the gathered copy alive)."""
-    for x in jax.tree.leaves(ct):
-        if jnp.issubdtype(x.dtype, jnp.inexact) and x.size:
-            return jnp.ravel(x)[0] * jnp.zeros((), x.dtype)
-    return None
-
-
-def _resharded(fn: Callable[..., Any], plan: Plan, opts: _Options) -> Callable[..., Any]:
-    """``(local_buffers, *args) -> fn(tree, *args)`` whose backward gathers the non-stacked buckets again.
-
-    The forward takes the VJP of ``fn`` under ``jax.checkpoint`` (data-movement outputs are not saved), then drops
-    the gathered leaves from the residuals; the backward all-gathers them again from the local shards, refills
-    the residuals, runs the VJP and reduce-scatters each bucket's packed gradient.
-    """
-    static: dict[str, Any] = {}
-
-    def body(flat, buffers, args):
-        return fn(_tree(plan, buffers, dict(zip(static["keys"], flat, strict=True)), opts), *args)
-
-    @jax.custom_vjp
-    def run(buffers, args):
-        return fn(_tree(plan, buffers, _gather_flat(plan, buffers, opts), opts), *args)
-
-    def run_fwd(buffers, args):
-        gathered = _gather_flat(plan, buffers, opts)
-        static["keys"] = list(gathered)
-        flat = list(gathered.values())
-        out, vjp_fn = jax.vjp(jax.checkpoint(body, policy=_save_policy), flat, buffers, args)
-        res, res_def = jax.tree_util.tree_flatten(vjp_fn)
-        where = {id(x): k for k, x in enumerate(flat)}
-        static["res_def"], static["slots"] = res_def, [where.get(id(r)) for r in res]
-        kept = [None if k is not None else r for r, k in zip(res, static["slots"], strict=True)]
-        return out, (buffers, kept)
-
-    def run_bwd(saved, ct):
-        buffers, kept = saved
-        dep = _dependency(ct)
-        again = [b if dep is None or bucket.layers is not None else b + dep.astype(b.dtype)
-                 for b, bucket in zip(buffers, plan.buckets, strict=True)]
-        flat = list(_gather_flat(plan, again, opts).values())
-        res = [flat[k] if k is not None else r for r, k in zip(kept, static["slots"], strict=True)]
-        vjp_fn = jax.tree_util.tree_unflatten(static["res_def"], res)
-        d_flat, d_buffers, d_args = vjp_fn(ct)
-        grads = dict(zip(static["keys"], d_flat, strict=True))
-        d_buffers = list(d_buffers)
-        for b, bucket in enumerate(plan.buckets):
-            if bucket.layers is None and bucket.layout.total_size:  # an empty bucket has no gradient to scatter
-                policy = opts.precision
-                dtype = (policy or MixedPrecision()).grad_dtype(bucket.dtype)
-                packed = pack_bucket([grads[i] for i in bucket.leaves], bucket, dtype=dtype)
-                d_buffers[b] = d_buffers[b] + reduce_scatter_cast(
-                    packed, plan.axis, policy, bucket.dtype, like=buffers[b]
-                )
-        return tuple(d_buffers), d_args
-
-    run.defvjp(run_fwd, run_bwd)
-    return lambda buffers, *args: run(tuple(buffers), args)
 
 
 def apply(
@@ -302,6 +218,7 @@ def apply(
     precision: MixedPrecision | None = None,
     in_specs: Any = None,
     out_specs: Any = None,
+    kernels: KernelPolicy | None = None,
 ) -> Any:
     """Runs ``fn(logical_params, *args)`` on every device's batch shard with gathered parameters.
 
@@ -319,6 +236,8 @@ def apply(
       in_specs: ``PartitionSpec`` prefix for ``args`` (default: dim 0 over the data axes).
       out_specs: ``PartitionSpec`` prefix for the outputs (default: dim 0 over the data axes, i.e. per-example
         outputs; a scalar computed per device needs ``P()`` and a ``lax.pmean`` over the data axes in ``fn``).
+      kernels: a :class:`vj.kernels.KernelPolicy`: XLA or the Pallas kernels for unpack and pack (default: the
+        enclosing ``vj.fsdp``'s, else ``KernelPolicy.from_env()``).
 
     Returns:
       ``fn``'s outputs as global arrays.
@@ -337,7 +256,7 @@ def apply(
     check_sharded_params(params, "vj.apply")
     check_precision_type(precision, "vj.apply")
     plan = params.plan
-    outer = _OPTIONS.get() or _Options(_axes(plan.axis), True, False, None)
+    outer = _OPTIONS.get() or _Options(_axes(plan.axis), True, False, None, kernels=KernelPolicy.from_env())
     axes = _axes(data_axes) if data_axes is not None else outer.data_axes
     data_sharding(plan, axes)  # checks the axes
     opts = _Options(
@@ -346,6 +265,7 @@ def apply(
         outer.prefetch if prefetch is None else prefetch,
         outer.precision if precision is None else precision,
         tuple(a for a in axes if a not in _axes(plan.axis)),
+        kernels=outer.kernels if kernels is None else check_kernel_policy(kernels, "vj.apply"),
     )
     if in_specs is None:
         _check_batch(args, _data_size(plan.mesh, axes), axes, what="vj.apply argument")
@@ -355,17 +275,19 @@ def apply(
         out_specs = P(axes)
         fn = _per_example_outputs(fn, axes)
 
-    fn = widened(fn, _narrow_leaves(plan, opts), is_leaf=lambda x: isinstance(x, LayerShard))
+    how = _gather(plan, opts)
+    fn = widened(fn, _narrow_leaves(plan, how), is_leaf=lambda x: isinstance(x, LayerShard))
+    build = lambda buffers, gathered: _tree(plan, buffers, gathered, opts)
     if opts.reshard_after_forward:
-        local = _resharded(fn, plan, opts)
+        local = collectives.reshard_after_forward(fn, plan, how, build)
     else:
         def local(buffers, *local_args):
-            return fn(_tree(plan, buffers, _gather_flat(plan, buffers, opts), opts), *local_args)
+            return fn(build(buffers, gather_flat(buffers, plan, how)), *local_args)
 
     specs = tuple(plan.partition_spec(b) for b in plan.buckets)
-    # The Pallas interpreter's loops do not track varying mesh axes: skip the check when the kernels are on.
+    # The Pallas interpreter's loops do not track varying mesh axes: the policy turns the check off then.
     mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(specs, *in_specs), out_specs=out_specs,
-                           check_vma=kernel_mode() != "pallas")
+                           check_vma=opts.kernels.check_vma)
     return mapped(params.buffers, *args)
 
 
@@ -483,12 +405,14 @@ def _apply_gathered(fn, params, args, data_axes, in_specs, out_specs):
     if out_specs is None:
         out_specs = P(axes)
         fn = _per_example_outputs(fn, axes)
+    how = Gather(kernels=outer.kernels if outer else KernelPolicy.from_env())
 
     def local(copies, *local_args):
-        return fn(jax.tree_util.tree_unflatten(plan.treedef, unpack(copies, plan)), *local_args)
+        return fn(jax.tree_util.tree_unflatten(plan.treedef, unpack_copies(copies, plan, how)), *local_args)
 
     specs = tuple(plan.partition_spec(b) for b in plan.buckets)
-    mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(specs, *in_specs), out_specs=out_specs)
+    mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(specs, *in_specs), out_specs=out_specs,
+                           check_vma=how.kernels.check_vma)
     return mapped(params.buffers, *args)
 
 
@@ -518,7 +442,7 @@ def init_opt_state(tx: Any, params: ShardedParams) -> Any:
 
     Returns:
       The optimizer state; leaves shaped like a bucket carry that bucket's ``NamedSharding``,
-      :class:`~vescale_jax._buffer.PerDevice` leaves are split over the plan's axis on dim 0, others (counts,
+      :class:`vescale_jax.PerDevice` leaves are split over the plan's axis on dim 0, others (counts,
       scalars) are replicated.
     """
     if isinstance(tx, ShardedParams) and not isinstance(params, ShardedParams):
@@ -545,6 +469,7 @@ def fsdp(
     precision: MixedPrecision | None = None,
     microbatches: int | None = None,
     donate: bool = True,
+    kernels: KernelPolicy | None = None,
 ) -> Callable[..., Any]:
     """Compiles a train step ``step(params, opt_state, batch, *rest) -> (params, opt_state, ...)`` for FSDP.
 
@@ -570,6 +495,8 @@ def fsdp(
       donate: donate ``params`` and ``opt_state`` buffers to the outputs. The step must then return
         ``(params, opt_state, *rest)`` (checked when it is first traced); with ``donate=False`` (an evaluation
         step) it may return anything.
+      kernels: a :class:`vj.kernels.KernelPolicy`: how gathered buckets are unpacked and gradients packed
+        (XLA or the Pallas kernels). Default: ``KernelPolicy.from_env()``, read once, here.
 
     Returns:
       The compiled step. It checks its inputs (params and every ``ShardedParams`` / ``PerDevice`` of the
@@ -592,13 +519,14 @@ def fsdp(
     if step is None:
         return functools.partial(
             fsdp, plan=plan, data_axes=data_axes, reshard_after_forward=reshard_after_forward, prefetch=prefetch,
-            precision=precision, microbatches=microbatches, donate=donate,
+            precision=precision, microbatches=microbatches, donate=donate, kernels=kernels,
         )
     axes = _axes(plan.axis if data_axes is None else data_axes)
     data_sharding(plan, axes)  # checks the axes
     _check_precision(precision, plan)
     replica_axes = tuple(a for a in axes if a not in _axes(plan.axis))
-    opts = _Options(axes, reshard_after_forward, prefetch, precision, replica_axes, microbatches)
+    kernels = KernelPolicy.from_env() if kernels is None else check_kernel_policy(kernels, "vj.fsdp")
+    opts = _Options(axes, reshard_after_forward, prefetch, precision, replica_axes, microbatches, kernels)
     auto = all(t == jax.sharding.AxisType.Auto for t in plan.mesh.axis_types)
 
     def traced(params, opt_state, batch, *rest):

@@ -28,10 +28,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vescale_jax import _collectives as collectives
+from vescale_jax import kernels
+from vescale_jax._collectives import Gather, gather_leaves, scatter_leaves, vary, varying_axes
 from vescale_jax._plan import Plan
-from vescale_jax._precision import MixedPrecision, reduce_scatter_cast, vary
-from vescale_jax._unpacking import unpack_gathered
+from vescale_jax._precision import MixedPrecision
 from vescale_jax._widen import widened
+from vescale_jax.kernels import KernelPolicy
 
 __all__ = ["LayerShard", "scan_layers"]
 
@@ -48,12 +51,13 @@ class LayerShard:
       prefetch: whether :func:`scan_layers` gathers the next layer while computing the current one.
       precision: the mixed-precision policy (gather / compute and reduce dtypes).
       replica_axes: HSDP replica axes (the rows are marked varying over them before each gather).
+      kernels: the :class:`vescale_jax.kernels.KernelPolicy` for unpacking and packing each layer.
 
     Sharding:
       ``rows`` varies over ``plan.axis``; :func:`scan_layers` all-gathers one layer at a time.
     """
 
-    __slots__ = ("index", "plan", "precision", "prefetch", "replica_axes", "reshard_after_forward", "rows")
+    __slots__ = ("index", "kernels", "plan", "precision", "prefetch", "replica_axes", "reshard_after_forward", "rows")
 
     def __init__(
         self,
@@ -64,18 +68,23 @@ class LayerShard:
         prefetch: bool = False,
         precision: MixedPrecision | None = None,
         replica_axes: tuple[str, ...] = (),
+        *,
+        kernels: KernelPolicy = collectives.DEFAULT_KERNELS,
     ):
         self.rows, self.plan, self.index = rows, plan, index
         self.reshard_after_forward, self.prefetch, self.precision = reshard_after_forward, prefetch, precision
         self.replica_axes = tuple(replica_axes)
+        self.kernels = kernels
 
     def tree_flatten(self):
-        aux = (self.plan, self.index, self.reshard_after_forward, self.prefetch, self.precision, self.replica_axes)
+        aux = (self.plan, self.index, self.reshard_after_forward, self.prefetch, self.precision, self.replica_axes,
+               self.kernels)
         return (self.rows,), aux
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        return cls(children[0], *aux)
+        *rest, kernels = aux
+        return cls(children[0], *rest, kernels=kernels)
 
     @property
     def spec(self):
@@ -192,36 +201,22 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
         rows.setdefault(plan.leaves[s.index].bucket, s.rows)
     rows = tuple(rows[b] for b in bucket_ids)
     keep = not shards[0].reshard_after_forward
-    policy, replica_axes = shards[0].precision, shards[0].replica_axes
-    gather_dtypes = tuple(
-        np.dtype(r.dtype) if policy is None else policy.gather_dtype(r.dtype) for r in rows
-    )
+    first = shards[0]
+    how = Gather(first.precision, first.replica_axes, first.kernels, widen=True)
+    buckets = [plan.buckets[b] for b in bucket_ids]
+    like_axes = tuple(varying_axes(r) for r in rows)
     # A low-precision bucket whose gradient reduces wider (bf16 -> fp32 by default) is gathered wide: the layer
     # body sees its leaves in the gather dtype, but their per-device gradient partial sums stay fp32 until the
-    # reduce-scatter (as unsharded, where the batch sum is rounded once; see vescale_jax.widen).
-    base = policy or MixedPrecision()
-    wide_dtypes = tuple(
-        base.grad_dtype(r.dtype) if (jnp.issubdtype(d, jnp.floating) and np.dtype(r.dtype).itemsize < 4
-                                     and base.grad_dtype(r.dtype).itemsize > np.dtype(d).itemsize) else None
-        for r, d in zip(rows, gather_dtypes, strict=True)
-    )
-    full_dtypes = tuple(d if w is None else w for w, d in zip(wide_dtypes, gather_dtypes, strict=True))
-    narrow = [
-        gather_dtypes[bucket_ids.index(plan.leaves[s.index].bucket)]
-        if wide_dtypes[bucket_ids.index(plan.leaves[s.index].bucket)] is not None else None
-        for s in shards
-    ]
+    # reduce-scatter (as unsharded, where the batch sum is rounded once; see vescale_jax._widen).
+    narrow = [how.model_dtype(plan.buckets[plan.leaves[s.index].bucket].dtype) for s in shards]
     num_layers = rows[0].shape[0]
     if has_xs:
         for x in jax.tree.leaves(xs):
             if x.shape[:1] != (num_layers,):
                 raise ValueError(f"vj.scan_layers: xs leaves need a leading dim of {num_layers} layers, got {x.shape}")
 
-    def unpack_layer(fulls):
-        by_bucket = {}
-        for b, full in zip(bucket_ids, fulls, strict=True):
-            shapes = [plan.layer_shape(plan.leaves[i]) for i in plan.buckets[b].leaves]
-            by_bucket[b] = unpack_gathered(full, plan.buckets[b].layout, shapes)
+    def tree_of(gathered):  # gathered: per bucket, its leaves in slot order
+        by_bucket = dict(zip(bucket_ids, gathered, strict=True))
         out = [by_bucket[plan.leaves[s.index].bucket][plan.leaves[s.index].slot] for s in shards]
         return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -230,24 +225,23 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
 
     wide_body = widened(call, narrow)
 
-    def layer(fulls, c, x):
-        return wide_body(unpack_layer(fulls), c, x)
+    def layer(gathered, c, x):
+        return wide_body(tree_of(gathered), c, x)
 
-    # Example values with the right varying-axes types (dead code once converted; no collective is traced).
-    example_fulls = tuple(
-        jnp.tile(vary(r[0], replica_axes), plan.buckets[b].layout.num_devices).astype(d).astype(f)
-        for r, b, d, f in zip(rows, bucket_ids, gather_dtypes, full_dtypes, strict=True)
+    # Example leaves with the right dtypes and varying-axes types (dead code once converted; no collective).
+    example = tuple(
+        tuple(leaf.astype(how.leaf_dtype(r.dtype)) for leaf in kernels.unpack_reference(
+            jnp.tile(vary(r[0], how.replica_axes), bucket.layout.num_devices).astype(how.policy.gather_dtype(r.dtype)),
+            bucket.layout, [plan.layer_shape(plan.leaves[i]) for i in bucket.leaves]))
+        for r, bucket in zip(rows, buckets, strict=True)
     )
     x0 = jax.tree.map(lambda a: a[0], xs)
-    fn, consts = jax.closure_convert(layer, example_fulls, carry, x0)
-    axis = plan.axis
+    fn, consts = jax.closure_convert(layer, example, carry, x0)
 
-    def gather(rows_, i):  # the local row is cast to the gather dtype first: the wire carries it
+    def gather(rows_, i):  # layer i of every bucket: cast, vary, all-gather, unpack (vescale_jax._collectives)
         return tuple(
-            (jax.lax.all_gather(
-                vary(jax.lax.dynamic_index_in_dim(r, i, keepdims=False), replica_axes).astype(d), axis, tiled=True
-            ) if r.shape[-1] else vary(r[i], replica_axes).astype(d)).astype(f)  # zero-size leaves: no gather
-            for r, d, f in zip(rows_, gather_dtypes, full_dtypes, strict=True)
+            tuple(gather_leaves(jax.lax.dynamic_index_in_dim(r, i, keepdims=False), bucket, plan, how))
+            for r, bucket in zip(rows_, buckets, strict=True)
         )
 
     def x_at(i):
@@ -279,10 +273,10 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
         c_stack, g_stack = saved  # carries into layers 1..L-1 (and those layers, gathered, if keep)
         return out, ((c, c_stack), (g0, g_stack) if keep else None)
 
-    def reduce_scatter(dg):
+    def reduce_scatter(dg):  # the transpose of gather: pack, cast, reduce-scatter, replica sum, per bucket
         return tuple(
-            reduce_scatter_cast(d, axis, policy, r.dtype, like=r) if r.shape[-1] else d.astype(r.dtype)
-            for d, r in zip(dg, rows, strict=True)
+            scatter_leaves(d, bucket, plan, how, like_axes=like)
+            for d, bucket, like in zip(dg, buckets, like_axes, strict=True)
         )
 
     def layer_vjp(g, c_in, x, consts_, ct):

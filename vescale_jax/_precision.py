@@ -3,7 +3,8 @@
 The master shards stay in the plan's dtype (e.g. fp32). With ``compute_dtype=bfloat16`` each floating-point
 bucket's *local shard* is cast before the all-gather, so the wire and the gathered copy are bf16; the
 backward reduce-scatters the packed gradient in ``reduce_dtype`` and casts the result back to the master
-dtype for the optimizer.
+dtype for the optimizer. This module is the policy only; the casts happen on the gather path
+(:mod:`vescale_jax._collectives`).
 """
 
 from __future__ import annotations
@@ -11,11 +12,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["MixedPrecision", "all_gather_cast", "reduce_scatter_cast", "vary", "varying_axes"]
+__all__ = ["MixedPrecision"]
 
 
 def _name(dtype: Any) -> str | None:
@@ -71,86 +71,3 @@ class MixedPrecision:
         if self.reduce_dtype or self.compute_dtype:
             return np.dtype(self.reduce_dtype or self.compute_dtype)
         return np.dtype(np.float32) if dtype.itemsize < 4 else dtype
-
-
-def all_gather_cast(
-    local: jax.Array, axis: Any, policy: MixedPrecision | None, *, vary_axes: Any = (), widen: bool = False
-) -> jax.Array:
-    """``all_gather(local.astype(gather dtype), tiled)`` whose transpose reduce-scatters in the reduce dtype.
-
-    Args:
-      local: this device's ``(S,)`` shard.
-      axis: the mesh axis (or axes) to gather over.
-      policy: the mixed-precision policy; None gathers and reduces in ``local``'s dtype.
-      vary_axes: replica axes to mark the shard varying over first (see :func:`vary`).
-      widen: when the reduce dtype is wider than the gather dtype (a bf16 bucket reducing in fp32), return the
-        gathered buffer upcast to the reduce dtype (exact), so its cotangent arrives unrounded (see
-        :mod:`vescale_jax.widen`).
-
-    Returns:
-      The ``(m*S,)`` buffer in the gather dtype (the reduce dtype with ``widen``). Its cotangent is cast to the
-      reduce dtype, reduce-scattered and cast back to ``local``'s dtype.
-    """
-    policy = policy or MixedPrecision()
-    gather_dtype, grad_dtype = policy.gather_dtype(local.dtype), policy.grad_dtype(local.dtype)
-    if not vary_axes and gather_dtype == local.dtype == grad_dtype:
-        return jax.lax.all_gather(local, axis, tiled=True)
-    out_dtype = grad_dtype if widen and grad_dtype.itemsize > gather_dtype.itemsize else gather_dtype
-    return _gather(local, axis, policy, tuple(vary_axes), out_dtype)
-
-
-def _gather(local, axis, policy, vary_axes, out_dtype):
-    gather_dtype, grad_dtype = policy.gather_dtype(local.dtype), policy.grad_dtype(local.dtype)
-
-    @jax.custom_vjp
-    def gather(x):
-        full = jax.lax.all_gather(vary(x, vary_axes).astype(gather_dtype), axis, tiled=True)
-        return full.astype(out_dtype)
-
-    def fwd(x):
-        return gather(x), None
-
-    def bwd(_, ct):
-        return (reduce_scatter_cast(ct.astype(grad_dtype), axis, None, local.dtype, like=local),)
-
-    gather.defvjp(fwd, bwd)
-    return gather(local)
-
-
-def varying_axes(x: Any) -> frozenset[str]:
-    """Mesh axes ``x`` varies over inside ``shard_map`` (empty outside, or when the check is off)."""
-    t = jax.typeof(x)
-    mat = getattr(t, "manual_axis_type", None)
-    return frozenset(getattr(t, "vma", None) or (mat.varying if mat is not None else ()))
-
-
-def vary(x: jax.Array, axes: Any) -> jax.Array:
-    """Marks ``x`` as varying over ``axes`` (``lax.pcast``) where it does not already.
-
-    HSDP gathers each shard within its replica and computes on that replica's batch: marking the local shard as
-    varying over the replica axes *before* the all-gather keeps the per-replica computation varying, so the
-    gradient's sum over replicas is left to :func:`reduce_scatter_cast`, on the shard after the reduce-scatter,
-    instead of being inserted by autodiff on every full-size gathered leaf.
-    """
-    axes = tuple(a for a in axes if a not in varying_axes(x))
-    if not axes or not varying_axes(x):  # outside shard_map, or with the varying-axes check off
-        return x
-    return jax.lax.pcast(x, axes, to="varying")
-
-
-def reduce_scatter_cast(
-    packed: jax.Array, axis: Any, policy: MixedPrecision | None, master: Any, *, like: Any = None
-) -> jax.Array:
-    """Reduce-scatters a packed gradient in the policy's reduce dtype; the result is in the ``master`` dtype.
-
-    With ``like`` (the local shard the gradient is for), the result is also summed over every mesh axis the
-    gradient varies over but the shard does not: the replica axes of HSDP, where each replica saw other data.
-    That all-reduce runs on the shard, after the reduce-scatter.
-    """
-    packed = packed.astype((policy or MixedPrecision()).grad_dtype(master))
-    out = jax.lax.psum_scatter(packed, axis, tiled=True)
-    if like is not None:
-        extra = varying_axes(out) - varying_axes(like)
-        if extra:
-            out = jax.lax.psum(out, tuple(sorted(extra)))
-    return out.astype(master)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -54,6 +53,8 @@ __all__ = [
 ]
 
 Backend = Literal["triton", "mosaic_gpu", "xla"]
+BACKENDS = ("triton", "mosaic_gpu")
+"""The compiled GPU lowerings."""
 Dispatch = Literal["grid", "serial"]
 
 DEFAULT_CHUNK = {"interpret": 1024, "triton": 8192, "mosaic_gpu": 8192}
@@ -67,14 +68,19 @@ _MAX_ELEMENTS = 2**31 - 1  # window offsets are int32
 
 
 def choose_backend(
-    layout: BucketLayout, src_dtype: Any, dst_dtype: Any, *, scaled: bool = False, platform: str | None = None
+    layout: BucketLayout,
+    src_dtype: Any,
+    dst_dtype: Any,
+    *,
+    scaled: bool = False,
+    platform: str | None = None,
+    backend: str = "triton",
 ) -> Backend:
     """Which implementation a hot path should use for one bucket.
 
-    ``"xla"`` on CPU (the kernels only run interpreted there) and whenever a kernel cannot take the bucket;
-    on GPU the backend named by ``VESCALE_JAX_KERNEL_BACKEND`` (``triton`` | ``mosaic_gpu`` | ``xla``;
-    default ``triton``), with ``mosaic_gpu`` falling back to ``triton`` for casts, scales or offsets and sizes
-    that are not multiples of 16 bytes.
+    ``"xla"`` on CPU (the kernels only run interpreted there) and whenever a kernel cannot take the bucket
+    (empty, or past the kernels' int32 offsets); on GPU ``backend``, with ``mosaic_gpu`` falling back to
+    ``triton`` for casts, scales or offsets and sizes that are not multiples of 16 bytes.
 
     Args:
       layout: the bucket layout.
@@ -82,6 +88,8 @@ def choose_backend(
       dst_dtype: dtype written.
       scaled: whether a scale is fused.
       platform: ``jax.default_backend()`` if None.
+      backend: the preferred GPU lowering, ``"triton"`` or ``"mosaic_gpu"`` (e.g.
+        :attr:`vescale_jax.kernels.KernelPolicy.backend`).
 
     Returns:
       ``"xla"``, ``"triton"`` or ``"mosaic_gpu"``.
@@ -89,12 +97,11 @@ def choose_backend(
     platform = jax.default_backend() if platform is None else platform
     if platform not in ("gpu", "cuda") or layout.total_size > _MAX_ELEMENTS or not layout.total_size:
         return "xla"
-    want = os.environ.get("VESCALE_JAX_KERNEL_BACKEND", "triton")
-    if want not in ("triton", "mosaic_gpu", "xla"):
-        raise ValueError(f"VESCALE_JAX_KERNEL_BACKEND={want!r}; use triton, mosaic_gpu or xla.")
-    if want == "mosaic_gpu" and not _mosaic_ok(layout.sizes, layout.offsets, src_dtype, dst_dtype, scaled):
+    if backend not in BACKENDS:
+        raise ValueError(f"choose_backend: backend={backend!r}; use one of {BACKENDS}.")
+    if backend == "mosaic_gpu" and not _mosaic_ok(layout.sizes, layout.offsets, src_dtype, dst_dtype, scaled):
         return "triton"
-    return want  # type: ignore[return-value]
+    return backend  # type: ignore[return-value]
 
 
 def _mosaic_ok(sizes: Sequence[int], offsets: Sequence[int], src: Any, dst: Any, scaled: bool) -> bool:
@@ -110,8 +117,8 @@ def _resolve(interpret: bool | None, backend: str | None) -> tuple[bool, str]:
         interpret = jax.default_backend() == "cpu"
     if interpret:
         return True, "interpret"
-    backend = backend or os.environ.get("VESCALE_JAX_KERNEL_BACKEND", "triton")
-    if backend not in ("triton", "mosaic_gpu"):
+    backend = backend or "triton"
+    if backend not in BACKENDS:
         raise ValueError(f"backend must be 'triton' or 'mosaic_gpu' for a compiled kernel, got {backend!r}.")
     return False, backend
 
@@ -331,8 +338,8 @@ def pack(
       out: a ``(total_size,)`` buffer of ``dtype`` to write into (aliased: donate it under jit to reuse it).
         Every element is overwritten.
       interpret: run in the Pallas interpreter; None means ``jax.default_backend() == "cpu"``.
-      backend: ``"triton"`` or ``"mosaic_gpu"`` when compiled (default: ``$VESCALE_JAX_KERNEL_BACKEND`` or
-        triton); ``mosaic_gpu`` takes plain copies with 16-byte aligned offsets and sizes only.
+      backend: ``"triton"`` (default) or ``"mosaic_gpu"`` when compiled; ``mosaic_gpu`` takes plain copies with
+        16-byte aligned offsets and sizes only.
       chunk: largest window per program (a power of two; default per backend, ``DEFAULT_CHUNK``).
       dispatch: ``"grid"`` (one program per window, the GPU kernel) or ``"serial"`` (one program looping over
         the windows: the same copies, compiled much faster by the interpreter). Default: serial when

@@ -1,6 +1,6 @@
 """Plain-jnp pack / unpack: what XLA does on its own (a concatenate, static slices), and the kernels' reference.
 
-Both stand alone on a :class:`~vescale_jax._planner.BucketLayout`; the scale and cast semantics here are the
+Both stand alone on a :class:`vescale_jax.BucketLayout`; the scale and cast semantics here are the
 ones the kernels in :mod:`vescale_jax.kernels.ragged` fuse.
 """
 

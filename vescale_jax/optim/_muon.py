@@ -1,4 +1,4 @@
-"""Distributed Muon over :class:`~vescale_jax._buffer.ShardedParams`, each matrix orthogonalised once, on one owner.
+"""Distributed Muon over :class:`vescale_jax.ShardedParams`, each matrix orthogonalised once, on one owner.
 
 ``optax.contrib.muon`` under JAX's sharding all-gathers every matrix and runs Newton–Schulz on every device.
 Here momentum, shape scaling, weight decay and the AdamW branch are element-wise on the flat local shards,

@@ -1,4 +1,4 @@
-"""Plan-independent views of :class:`~vescale_jax._buffer.PerDevice` optimizer state, to re-place it under another plan.
+"""Plan-independent views of :class:`vescale_jax.PerDevice` optimizer state, to re-place it under another plan.
 
 A ``PerDevice`` array keeps, on device ``k``, rows that only mean something under its plan (block slots of
 Shampoo, the compact vector of :func:`vescale_jax.optim._compact.on_leaves`). Its ``layout`` says what the rows

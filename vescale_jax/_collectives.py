@@ -1,0 +1,531 @@
+"""Every collective on parameters and gradients: the bucket all-gather and its transpose, in one place.
+
+Forward, :func:`gather_leaves` (one bucket, or one layer of a stacked bucket, inside ``shard_map``)::
+
+    local (S,) master dtype
+      -> cast to the gather dtype          the wire carries the compute dtype (MixedPrecision.gather_dtype)
+      -> vary over the replica axes        HSDP: the per-replica computation stays varying (see vary)
+      -> all_gather(tiled) over plan.axis  (m*S,)
+      -> unpack                            static slices, or the Pallas unpack kernel (KernelPolicy)
+      -> leaves                            logical shapes; upcast to the reduce dtype when widened
+
+Transpose, :func:`scatter_leaves`::
+
+    the leaves' cotangents
+      -> pack in the reduce dtype          one concatenate with zero padding, or the Pallas pack kernel
+      -> psum_scatter(tiled) over axis     (S,)
+      -> psum over the replica axes        HSDP: replicas saw other data
+      -> cast to the master dtype
+
+:func:`gather_bucket` is the two as one ``custom_vjp`` (what ``vj.apply`` uses without reshard-after-forward);
+:func:`reshard_after_forward` runs a model with them by hand so the backward gathers again;
+``vj.scan_layers`` calls them once per layer; :func:`gather_copies` / :func:`reduce_copies` are the whole-buffer
+versions for ``vj.accumulate(reduce="once")``. :func:`pack` / :func:`unpack` pick XLA or the kernels by policy;
+the XLA path is the kernels' own reference (``vescale_jax.kernels.pack_reference`` / ``unpack_reference``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from vescale_jax import kernels
+from vescale_jax._plan import Bucket, Plan
+from vescale_jax._planner import BucketLayout
+from vescale_jax._precision import MixedPrecision
+from vescale_jax.kernels import KernelPolicy
+
+__all__ = [
+    "Gather",
+    "gather_bucket",
+    "gather_copies",
+    "gather_flat",
+    "gather_leaves",
+    "gather_params",
+    "pack",
+    "reduce_copies",
+    "reshard_after_forward",
+    "save_policy",
+    "scatter_leaves",
+    "tie",
+    "unpack",
+    "unpack_copies",
+    "unpack_differentiable",
+    "vary",
+    "varying_axes",
+]
+
+
+DEFAULT_KERNELS = KernelPolicy()
+"""XLA's slices and concatenate (the policy's defaults; immutable, so one shared instance)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Gather:
+    """How buckets are gathered and their gradients reduced (static: part of what a step is compiled for).
+
+    Attributes:
+      precision: the mixed-precision policy (gather / compute dtype, reduce dtype); None keeps each bucket's.
+      replica_axes: HSDP replica axes: the shard is marked varying over them before the gather and the
+        gradient is summed over them after the reduce-scatter.
+      kernels: how buffers are packed and unpacked (XLA or the Pallas kernels).
+      widen: hand the model low-precision leaves upcast to their reduce dtype where it is wider
+        (:meth:`widens`); ``vj.apply`` does, wrapping the model so it still sees the narrow dtype.
+    """
+
+    precision: MixedPrecision | None = None
+    replica_axes: tuple[str, ...] = ()
+    kernels: KernelPolicy = DEFAULT_KERNELS
+    widen: bool = False
+
+    @property
+    def policy(self) -> MixedPrecision:
+        return self.precision or MixedPrecision()
+
+    def widens(self, dtype: Any) -> bool:
+        """Whether a bucket of ``dtype`` is gathered wide: a low-precision bucket whose gradient reduces in a
+        wider dtype (bf16 parameters reduce in fp32 by default) hands the model an upcast copy, so the model's
+        per-device partial sums reach the reduce-scatter unrounded (see :mod:`vescale_jax._widen`). fp32
+        masters computing in bf16 keep the bf16 gathered copy."""
+        gather, grad = self.policy.gather_dtype(dtype), self.policy.grad_dtype(dtype)
+        return (self.widen and jnp.issubdtype(gather, jnp.floating) and np.dtype(dtype).itemsize < 4
+                and grad.itemsize > gather.itemsize)
+
+    def leaf_dtype(self, dtype: Any) -> np.dtype:
+        """The dtype :func:`gather_leaves` returns a bucket of ``dtype``'s leaves in."""
+        return self.policy.grad_dtype(dtype) if self.widens(dtype) else self.policy.gather_dtype(dtype)
+
+    def model_dtype(self, dtype: Any) -> np.dtype | None:
+        """The dtype the model sees a widened bucket's leaves in (None when the bucket is not widened)."""
+        return self.policy.gather_dtype(dtype) if self.widens(dtype) else None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Varying mesh axes (HSDP)
+
+
+def varying_axes(x: Any) -> frozenset[str]:
+    """Mesh axes ``x`` varies over inside ``shard_map`` (empty outside, or when the check is off)."""
+    t = jax.typeof(x)
+    mat = getattr(t, "manual_axis_type", None)
+    return frozenset(getattr(t, "vma", None) or (mat.varying if mat is not None else ()))
+
+
+def vary(x: jax.Array, axes: Any) -> jax.Array:
+    """Marks ``x`` as varying over ``axes`` (``lax.pcast``) where it does not already.
+
+    HSDP gathers each shard within its replica and computes on that replica's batch: marking the local shard as
+    varying over the replica axes *before* the all-gather keeps the per-replica computation varying, so the
+    gradient's sum over replicas is left to :func:`scatter_leaves`, on the shard after the reduce-scatter,
+    instead of being inserted by autodiff on every full-size gathered leaf.
+    """
+    axes = tuple(a for a in axes if a not in varying_axes(x))
+    if not axes or not varying_axes(x):  # outside shard_map, or with the varying-axes check off
+        return x
+    return jax.lax.pcast(x, axes, to="varying")
+
+
+def _like(x: jax.Array, axes: frozenset[str]) -> jax.Array:
+    """``x`` marked varying over ``axes`` (a gradient that must carry its primal's varying axes)."""
+    missing = tuple(sorted(axes - varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _replica_sum(x: jax.Array, like_axes: frozenset[str]) -> jax.Array:
+    """Sums a reduce-scattered gradient over the mesh axes it varies over but its shard does not (HSDP's
+    replica axes, where each replica saw other data).
+
+    With ``shard_map``'s ``check_vma`` off nothing is typed as varying and this is the identity: ``shard_map``'s
+    own transpose then sums the cotangent of each input over the mesh axes its spec does not name, which are
+    the same replica axes (``tests/test_collectives.py`` checks both give the unsharded gradient)."""
+    extra = varying_axes(x) - like_axes
+    return jax.lax.psum(x, tuple(sorted(extra))) if extra else x
+
+
+def tie(buffers: Sequence[jax.Array], anchor: Any) -> list[jax.Array]:
+    """``buffers`` unchanged bit for bit, as values computed from ``anchor`` (the incoming cotangent).
+
+    The backward re-gather of reshard-after-forward is tied to the cotangent this way, so XLA can neither
+    merge it with the forward's all-gather (same operand: the gathered copy would stay alive through the whole
+    forward) nor hoist it. (``lax.optimization_barrier`` does not do this on CPU: XLA expands it before CSE.)
+    The dependency is ``-0.0`` whatever the cotangent holds: ``select(isfinite(c), -(|c| * 0), -0.0)`` for
+    its first inexact element ``c``; XLA does not fold ``|c| * 0`` (it is NaN for non-finite ``c``, which the
+    select discards), and ``x + -0.0 == x`` for every ``x``, signed zeros and NaN included.
+    """
+    c = next((jnp.ravel(a)[0] for a in jax.tree.leaves(anchor)
+              if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jnp.inexact) and a.size), None)
+    if c is None:
+        return list(buffers)
+    if jnp.issubdtype(c.dtype, jnp.complexfloating):
+        c = jnp.real(c)
+    neg_zero = jnp.array(-0.0, c.dtype)
+    dep = jnp.where(jnp.isfinite(c), -(jnp.abs(c) * jnp.zeros((), c.dtype)), neg_zero)
+    return [b + dep.astype(b.dtype) if b.size and jnp.issubdtype(b.dtype, jnp.number) else b for b in buffers]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Pack / unpack: XLA (the kernels' reference) or the Pallas kernels, by policy
+
+
+def _how(policy: KernelPolicy, layout: BucketLayout, src: Any, dst: Any) -> tuple[str, dict[str, Any]]:
+    impl = policy.implementation(layout, src, dst)
+    if impl == "xla":
+        return "xla", {}
+    if impl == "interpret":
+        return "pallas", {"interpret": True}
+    return "pallas", {"interpret": False, "backend": impl}
+
+
+def unpack(
+    full: jax.Array, layout: BucketLayout, shapes: Sequence[tuple[int, ...]], *, kernels_policy: KernelPolicy
+) -> list[jax.Array]:
+    """Slot ``i`` of a full ``(..., total_size)`` buffer: ``full[..., o:o+n].reshape(shapes[i])``.
+
+    Leading dims (the layers of a stacked bucket) are mapped over; ``shapes`` then include them."""
+    shapes = [tuple(s) for s in shapes]
+    lead = full.shape[:-1]
+    if lead:
+        per = [s[len(lead):] for s in shapes]
+        fn = lambda f: unpack(f, layout, per, kernels_policy=kernels_policy)
+        for _ in lead:
+            fn = jax.vmap(fn)
+        return list(fn(full))
+    how, kw = _how(kernels_policy, layout, full.dtype, full.dtype)
+    if how == "xla":
+        return kernels.unpack_reference(full, layout, shapes)
+    return kernels.unpack(full, layout, shapes, **kw)
+
+
+def pack(
+    leaves: Sequence[jax.Array], layout: BucketLayout, *, dtype: Any, kernels_policy: KernelPolicy,
+    lead: tuple[int, ...] = ()
+) -> jax.Array:
+    """The ``(*lead, total_size)`` buffer of ``leaves`` (cast to ``dtype``), padding zero.
+
+    Args:
+      leaves: one array per slot with ``lead + (anything with layout.sizes[i] elements)`` shape.
+      layout: the bucket layout.
+      dtype: the buffer's dtype (the cast is fused into the kernel).
+      kernels_policy: XLA's concatenate or the Pallas pack kernel.
+      lead: leading dims mapped over (the layers of a stacked bucket).
+    """
+    if lead:
+        fn = lambda *xs: pack(xs, layout, dtype=dtype, kernels_policy=kernels_policy, lead=lead[1:])
+        return jax.vmap(fn)(*leaves)
+    how, kw = _how(kernels_policy, layout, leaves[0].dtype if leaves else dtype, dtype)
+    if how == "xla":
+        return kernels.pack_reference(list(leaves), layout, dtype=dtype)
+    return kernels.pack(list(leaves), layout, dtype=dtype, **kw)
+
+
+def unpack_differentiable(
+    full: jax.Array, layout: BucketLayout, shapes: Sequence[tuple[int, ...]], *, kernels_policy: KernelPolicy
+) -> list[jax.Array]:
+    """:func:`unpack` whose transpose is :func:`pack` (one concatenate or one kernel), padding zero."""
+    shapes = tuple(tuple(s) for s in shapes)
+    lead = tuple(full.shape[:-1])
+
+    @jax.custom_vjp
+    def run(f):
+        return unpack(f, layout, shapes, kernels_policy=kernels_policy)
+
+    def fwd(f):
+        return run(f), None
+
+    def bwd(_, cts):
+        return (pack(cts, layout, dtype=full.dtype, kernels_policy=kernels_policy, lead=lead),)
+
+    run.defvjp(fwd, bwd)
+    return list(run(full))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One bucket: gather and its transpose
+
+
+def _layer_shapes(bucket: Bucket, plan: Plan) -> list[tuple[int, ...]]:
+    return [plan.layer_shape(plan.leaves[i]) for i in bucket.leaves]
+
+
+def gather_leaves(local: jax.Array, bucket: Bucket, plan: Plan, how: Gather) -> list[jax.Array]:
+    """Cast, vary, all-gather and unpack one bucket's local ``(S,)`` shard (not differentiable by itself:
+    :func:`scatter_leaves` is its transpose).
+
+    Returns:
+      The bucket's leaves in slot order (per-layer shapes for a stacked bucket), in ``how.leaf_dtype``.
+
+    Sharding:
+      Input varies over ``plan.axis``; the leaves are the full tensors on every device.
+    """
+    gather_dtype, out_dtype = how.policy.gather_dtype(local.dtype), how.leaf_dtype(local.dtype)
+    x = vary(local, how.replica_axes).astype(gather_dtype)
+    shapes = _layer_shapes(bucket, plan)
+    if not bucket.layout.total_size:  # only zero-size leaves: nothing to gather (XLA rejects an empty all-gather)
+        return [jnp.reshape(x, s).astype(out_dtype) for s in shapes]
+    full = jax.lax.all_gather(x, plan.axis, tiled=True)
+    return [leaf.astype(out_dtype) for leaf in unpack(full, bucket.layout, shapes, kernels_policy=how.kernels)]
+
+
+def scatter_leaves(
+    cts: Sequence[jax.Array], bucket: Bucket, plan: Plan, how: Gather, *, like_axes: frozenset[str] = frozenset()
+) -> jax.Array:
+    """Pack, cast, reduce-scatter and replica-sum one bucket's leaf cotangents into its ``(S,)`` shard.
+
+    Args:
+      cts: the leaves' cotangents, in slot order (per-layer shapes for a stacked bucket).
+      bucket: the bucket.
+      plan: the plan.
+      how: the gather options (reduce dtype, replica axes, kernels).
+      like_axes: the mesh axes the local shard varies over (:func:`varying_axes` of it).
+
+    Returns:
+      The local gradient shard, in the bucket's dtype; padding exactly zero.
+    """
+    master = np.dtype(bucket.dtype)
+    grad_dtype = how.policy.grad_dtype(master)
+    if not bucket.layout.total_size:  # nothing to reduce
+        return _like(jnp.zeros((0,), master), like_axes)
+    packed = pack(cts, bucket.layout, dtype=grad_dtype, kernels_policy=how.kernels)
+    out = jax.lax.psum_scatter(packed, plan.axis, tiled=True)
+    return _replica_sum(out, like_axes).astype(master)
+
+
+def gather_bucket(
+    local: jax.Array,
+    bucket: Bucket,
+    plan: Plan,
+    *,
+    precision: MixedPrecision | None = None,
+    vary_axes: tuple[str, ...] = (),
+    widen: bool = False,
+    kernels_policy: KernelPolicy | None = None,
+) -> list[jax.Array]:
+    """All-gathers one bucket's local shard and unpacks its leaves; differentiable, its transpose is
+    :func:`scatter_leaves` (one pack and one reduce-scatter).
+
+    Args:
+      local: this device's ``(S,)`` shard of the bucket (for a stacked bucket, one layer's ``(S,)`` row).
+      bucket: the bucket.
+      plan: the plan it belongs to.
+      precision: cast the local shard to the policy's compute dtype before the all-gather (and reduce-scatter
+        the gradient in its reduce dtype).
+      vary_axes: HSDP replica axes (see :func:`vary`).
+      widen: return low-precision leaves upcast to their reduce dtype where it is wider, so their cotangents
+        arrive unrounded (see :meth:`Gather.widens`).
+      kernels_policy: XLA or the Pallas kernels for the unpack and the pack (default XLA).
+
+    Returns:
+      The bucket's leaves in slot order, with their logical shapes (per-layer shapes for a stacked bucket).
+
+    Sharding:
+      Input varies over ``plan.axis``; outputs are the full tensors on every device. The transpose is one
+      reduce-scatter of the packed gradient (and a replica all-reduce of the shard under HSDP).
+    """
+    if tuple(local.shape) != (bucket.layout.shard_size,):
+        raise ValueError(
+            f"gather_bucket: bucket {bucket.name!r} expects a local shard of shape ({bucket.layout.shard_size},), "
+            f"got {tuple(local.shape)}; pass one layer's row for a stacked bucket, inside shard_map over "
+            f"{plan.axis!r}."
+        )
+    how = Gather(precision, tuple(vary_axes), kernels_policy or KernelPolicy(), widen)
+    if not bucket.layout.total_size:  # zero-size leaves: nothing to gather or reduce, plain autodiff
+        return gather_leaves(local, bucket, plan, how)
+    like_axes = varying_axes(local)
+
+    @jax.custom_vjp
+    def run(x):
+        return gather_leaves(x, bucket, plan, how)
+
+    def fwd(x):
+        return run(x), None
+
+    def bwd(_, cts):
+        return (scatter_leaves(cts, bucket, plan, how, like_axes=like_axes),)
+
+    run.defvjp(fwd, bwd)
+    return list(run(local))
+
+
+def gather_flat(local_buffers: Sequence[jax.Array], plan: Plan, how: Gather | None = None) -> dict[int, jax.Array]:
+    """Every non-stacked bucket gathered by :func:`gather_bucket` (differentiable): ``{leaf index: leaf}``."""
+    how = how or Gather()
+    out: dict[int, jax.Array] = {}
+    for bucket, local in zip(plan.buckets, local_buffers, strict=True):
+        if bucket.layers is None:
+            gathered = gather_bucket(local, bucket, plan, precision=how.precision, vary_axes=how.replica_axes,
+                                     widen=how.widen, kernels_policy=how.kernels)
+            out.update(zip(bucket.leaves, gathered, strict=True))
+    return out
+
+
+def gather_params(local_buffers: Sequence[jax.Array], plan: Plan, how: Gather | None = None) -> Any:
+    """All-gathers every non-stacked bucket and returns the logical tree (differentiable).
+
+    Stacked buckets are returned as their local ``(L, S)`` shards in place of each leaf's slot: gather them
+    one layer at a time inside the scan body with :func:`gather_bucket`.
+    """
+    gathered = gather_flat(local_buffers, plan, how)
+    leaves = [gathered.get(i) for i in range(len(plan.leaves))]
+    for bucket, local in zip(plan.buckets, local_buffers, strict=True):
+        if bucket.layers is not None:
+            for i in bucket.leaves:
+                leaves[i] = local
+    return jax.tree_util.tree_unflatten(plan.treedef, leaves)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reshard after forward: gather in forward, drop, gather again in backward
+
+
+class _Gathered:
+    """A hole in the saved residuals where gathered leaf ``k`` was: static pytree data, no children."""
+
+    __slots__ = ("k",)
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def __eq__(self, other):
+        return isinstance(other, _Gathered) and other.k == self.k
+
+    def __hash__(self):
+        return hash(("_Gathered", self.k))
+
+
+jax.tree_util.register_pytree_node(_Gathered, lambda h: ((), h.k), lambda k, _: _Gathered(k))
+
+
+def forwarded(residuals: Sequence[Any], inputs: Sequence[Any]) -> list[int | None]:
+    """For each residual, the index of the input it *is* (by identity), else None.
+
+    This is the one place that relies on JAX forwarding a differentiated function's inputs into its VJP's
+    residuals unchanged (``jax.vjp`` of a ``jax.checkpoint``-ed function keeps the inputs it needs as they
+    are). If a JAX version stops doing so, no gathered leaf is found, the memory saving is lost and
+    ``tests/test_collectives.py`` fails; values stay correct either way.
+    """
+    where = {id(x): k for k, x in enumerate(inputs)}
+    return [where.get(id(r)) for r in residuals]
+
+
+# Outputs of these primitives are copies or views of their inputs: under reshard-after-forward they are
+# recomputed in backward rather than saved, so no gathered parameter (or a transposed / cast view of one) is kept.
+_DATA_MOVEMENT = frozenset({
+    "all_gather", "broadcast_in_dim", "concatenate", "convert_element_type", "copy", "dynamic_slice", "expand_dims",
+    "name", "pcast", "pvary", "reduce_precision", "reshape", "slice", "squeeze", "transpose",
+})
+
+
+def save_policy(prim: Any, *_: Any, **__: Any) -> bool:
+    """The ``jax.checkpoint`` policy of reshard-after-forward: save everything but data movement."""
+    return prim.name not in _DATA_MOVEMENT
+
+
+def reshard_after_forward(
+    fn: Callable[..., Any],
+    plan: Plan,
+    how: Gather,
+    build: Callable[[Sequence[jax.Array], dict[int, jax.Array]], Any],
+) -> Callable[..., Any]:
+    """``(local_buffers, args) -> fn(build(buffers, gathered), *args)`` whose backward gathers the
+    non-stacked buckets again instead of keeping them from the forward.
+
+    The forward takes the VJP of ``fn`` under ``jax.checkpoint(policy=save_policy)`` (data movement is
+    recomputed, not saved) with the gathered leaves
+    as inputs, and replaces every residual that *is* a gathered leaf (:func:`forwarded`) by a static hole. The
+    backward ties the local shards to the cotangent (:func:`tie`), gathers them again, fills the holes, runs
+    the VJP and hands each bucket's leaf cotangents to :func:`scatter_leaves`. Everything it needs travels in
+    the residuals; nothing is kept between the forward and backward traces.
+
+    Args:
+      fn: the model ``(tree, *args) -> outputs``.
+      plan: the plan.
+      how: the gather options.
+      build: ``(buffers, {leaf index: gathered leaf}) -> tree`` (stacked buckets become stand-ins there).
+    """
+    flat_buckets = [b for b, bucket in enumerate(plan.buckets) if bucket.layers is None]
+    keys = [i for b in flat_buckets for i in plan.buckets[b].leaves]
+
+    def gather_all(buffers):
+        return [x for b in flat_buckets for x in gather_leaves(buffers[b], plan.buckets[b], plan, how)]
+
+    def body(flat, buffers, args):
+        return fn(build(buffers, dict(zip(keys, flat, strict=True))), *args)
+
+    @jax.custom_vjp
+    def run(buffers, args):
+        return body(gather_all(buffers), buffers, args)
+
+    def run_fwd(buffers, args):
+        flat = gather_all(buffers)
+        out, vjp_fn = jax.vjp(jax.checkpoint(body, policy=save_policy), flat, buffers, args)
+        res, res_def = jax.tree_util.tree_flatten(vjp_fn)
+        holes = forwarded(res, flat)
+        kept = [r if k is None else _Gathered(k) for r, k in zip(res, holes, strict=True)]
+        return out, (buffers, jax.tree_util.tree_unflatten(res_def, kept))
+
+    def run_bwd(saved, ct):
+        buffers, vjp_fn = saved
+        flat = gather_all(tie(buffers, ct))
+        vjp_fn = jax.tree.map(lambda r: flat[r.k] if isinstance(r, _Gathered) else r, vjp_fn,
+                              is_leaf=lambda r: isinstance(r, _Gathered))
+        d_flat, d_buffers, d_args = vjp_fn(ct)
+        grads = dict(zip(keys, d_flat, strict=True))
+        d_buffers = list(d_buffers)
+        for b in flat_buckets:
+            bucket = plan.buckets[b]
+            if not bucket.layout.total_size:  # zero-size leaves: no gradient to scatter
+                continue
+            d = scatter_leaves([grads[i] for i in bucket.leaves], bucket, plan, how, like_axes=varying_axes(buffers[b]))
+            d_buffers[b] = d_buffers[b] + d.astype(d_buffers[b].dtype)
+        return tuple(d_buffers), d_args
+
+    run.defvjp(run_fwd, run_bwd)
+    return lambda buffers, *args: run(tuple(buffers), args)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Whole buffers: vj.accumulate(reduce="once")
+
+
+def gather_copies(buffers: Sequence[jax.Array], plan: Plan, how: Gather) -> tuple[jax.Array, ...]:
+    """Every bucket's full ``(m*S,)`` (stacked ``(L, m*S)``) buffer on each device, in the gather dtype.
+
+    Call inside ``shard_map``; the result's transpose is not needed (gradients come back through
+    :func:`reduce_copies`)."""
+    out = []
+    for b in buffers:
+        b = vary(b, how.replica_axes).astype(how.policy.gather_dtype(b.dtype))
+        out.append(jax.lax.all_gather(b, plan.axis, axis=b.ndim - 1, tiled=True) if b.shape[-1] else b)
+    return tuple(out)
+
+
+def unpack_copies(copies: Sequence[jax.Array], plan: Plan, how: Gather) -> list[jax.Array]:
+    """The logical leaves (flattened, plan order) of full per-device copies; the transpose packs each bucket's
+    cotangents into a full per-device gradient (padding zero) for :func:`reduce_copies`."""
+    leaves: list[Any] = [None] * len(plan.leaves)
+    for bucket, copy in zip(plan.buckets, copies, strict=True):
+        shapes = [plan.leaves[i].shape for i in bucket.leaves]
+        for i, x in zip(bucket.leaves, unpack_differentiable(copy, bucket.layout, shapes, kernels_policy=how.kernels),
+                        strict=True):
+            leaves[i] = x
+    return leaves
+
+
+def reduce_copies(grads: Sequence[jax.Array], plan: Plan, how: Gather) -> tuple[jax.Array, ...]:
+    """Reduce-scatters full per-device gradients into the plan's shards (in the reduce dtype, then the
+    bucket's); inside ``shard_map``."""
+    out = []
+    for g, bucket in zip(grads, plan.buckets, strict=True):
+        g = g.astype(how.policy.grad_dtype(bucket.dtype))
+        if not g.shape[-1]:  # a bucket of zero-size leaves: nothing to reduce
+            out.append(g.astype(bucket.dtype))
+            continue
+        r = jax.lax.psum_scatter(g, plan.axis, scatter_dimension=g.ndim - 1, tiled=True)
+        shard_axes = frozenset((plan.axis,) if isinstance(plan.axis, str) else plan.axis)
+        out.append(_replica_sum(r, shard_axes).astype(bucket.dtype))
+    return tuple(out)
