@@ -492,21 +492,49 @@ def _apply_gathered(fn, params, args, data_axes, in_specs, out_specs):
     return mapped(params.buffers, *args)
 
 
-def _sharding_by_shape(plan: Plan) -> dict[tuple[int, ...], NamedSharding]:
-    return {b.shape: NamedSharding(plan.mesh, plan.partition_spec(b)) for b in plan.buckets}
+def _is_node(x: Any) -> bool:
+    return isinstance(x, ShardedParams | PerDevice)
+
+
+def _bucket_shardings(node: ShardedParams, plan: Plan) -> list[NamedSharding | None]:
+    """Per child of a ``ShardedParams`` of ``plan``: its bucket's sharding where the bucket's spec fits the
+    child's shape (dim and divisibility), else ``None``. Nodes of other plans get ``None`` everywhere."""
+    if node.plan != plan:
+        return [None] * len(node.buffers)
+    m = plan.num_devices
+    out = []
+    for bucket, x in zip(plan.buckets, node.buffers, strict=True):
+        shape = getattr(x, "shape", None)
+        fits = shape is not None and len(shape) == len(bucket.shape) and shape[-1] % m == 0
+        out.append(NamedSharding(plan.mesh, plan.partition_spec(bucket)) if fits else None)
+    return out
+
+
+def _per_device_sharding(node: PerDevice, plan: Plan) -> NamedSharding | None:
+    """``P(axis, None, ...)`` on the value of a ``PerDevice`` of ``plan`` (the full spec, as shard_map outputs
+    carry it: no recompilation), else ``None``."""
+    shape = tuple(getattr(node.value, "shape", None) or ())
+    if node.plan != plan or not shape or shape[0] % plan.num_devices:
+        return None
+    return NamedSharding(plan.mesh, P(plan.axis, *[None] * (len(shape) - 1)))
 
 
 def _state_shardings(tree: Any, plan: Plan) -> Any:
-    by_shape = _sharding_by_shape(plan)
+    """The ``out_shardings`` of an optimizer state, by type: children of a ``ShardedParams`` of ``plan`` like
+    their bucket, ``PerDevice`` values split on dim 0, everything else (counts, scalars, any other array,
+    whatever its shape) replicated."""
     replicated = NamedSharding(plan.mesh, P())
 
-    def one(s):
-        if isinstance(s, PerDevice):  # the full spec, as shard_map outputs carry it (no recompilation)
-            spec = P(plan.axis, *[None] * (len(s.value.shape) - 1))
-            return s.replace(NamedSharding(plan.mesh, spec))
-        return by_shape.get(tuple(s.shape), replicated)
+    def one(x):
+        if isinstance(x, ShardedParams):
+            shardings = _bucket_shardings(x, plan)
+            return ShardedParams([b if not hasattr(b, "shape") else s or replicated  # an empty node stays empty
+                                  for b, s in zip(x.buffers, shardings, strict=True)], x.plan)
+        if isinstance(x, PerDevice):
+            return x.replace(_per_device_sharding(x, plan) or replicated)
+        return replicated
 
-    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, PerDevice))
+    return jax.tree.map(one, tree, is_leaf=_is_node)
 
 
 def init_opt_state(tx: Any, params: ShardedParams) -> Any:
@@ -644,11 +672,19 @@ def fsdp(
 
 
 def _constrain_outputs(out: Any, plan: Plan) -> Any:
-    by_shape = _sharding_by_shape(plan)
-    leaves, treedef = jax.tree.flatten(out)
-    leaves = [
-        jax.lax.with_sharding_constraint(x, by_shape[tuple(x.shape)]) if tuple(getattr(x, "shape", ())) in by_shape
-        else x
-        for x in leaves
-    ]
-    return jax.tree.unflatten(treedef, leaves)
+    """Sharding hints on a step's outputs, by type: children of a ``ShardedParams`` of ``plan`` like their
+    bucket, ``PerDevice`` values split on dim 0; any other output keeps the sharding its computation gives it
+    (even one shaped like a bucket)."""
+
+    def constrain(x, sharding):
+        return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+    def one(x):
+        if isinstance(x, ShardedParams):
+            return ShardedParams([constrain(b, s) for b, s in zip(x.buffers, _bucket_shardings(x, plan), strict=True)],
+                                 x.plan)
+        if isinstance(x, PerDevice):
+            return x.replace(constrain(x.value, _per_device_sharding(x, plan)))
+        return x
+
+    return jax.tree.map(one, out, is_leaf=_is_node)

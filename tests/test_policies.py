@@ -1,0 +1,111 @@
+"""Placement and caching policies: which arrays ``vj.fsdp`` / ``vj.init_opt_state`` shard like a bucket (by type,
+never by shape), ``vj.place_batch`` on batches already on the mesh, and the bounded per-plan caches
+(``vj.shard`` / ``vj.unshard`` compile once per plan; the optimizers' plan tables)."""
+
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import make_mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import vescale_jax as vj
+from vescale_jax._buffer import PerDevice
+
+
+def tree(seed=0):
+    k = jax.random.split(jax.random.key(seed), 2)
+    return {"w": jax.random.normal(k[0], (8, 5), jnp.float32), "b": jax.random.normal(k[1], (5,), jnp.float32)}
+
+
+def setup(m, *, auto=True):
+    mesh = make_mesh(m, auto=auto)
+    params = tree()
+    plan = vj.plan(params, mesh)
+    return plan, params, vj.shard(params, plan)
+
+
+def replicated(plan):
+    return NamedSharding(plan.mesh, P())
+
+
+def assert_sharding(x, want, what):
+    assert x.sharding.is_equivalent_to(want, x.ndim), f"{what}: {x.sharding}, expected {want}"
+
+
+# --- Shardings by type, not by shape -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("m", [2, 3])
+def test_step_output_of_a_bucket_shape_keeps_its_own_sharding(m):
+    """An extra output (a metric) whose shape equals a bucket's is not a parameter: the step leaves its
+    sharding as the computation gives it; params, gradients and state stay sharded like their buckets."""
+    plan, _, sp = setup(m)
+    bucket = plan.buckets[0]
+    tx = optax.sgd(0.1, momentum=0.9)
+
+    def step(params, opt_state, batch):
+        grads = jax.grad(lambda p: vj.apply(lambda t, x: x * jnp.sum(t["w"]) + jnp.sum(t["b"]), p, batch).sum())(
+            params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        metric = jax.lax.with_sharding_constraint(jnp.zeros(bucket.shape, jnp.float32) + batch.sum(),
+                                                  replicated(plan))
+        return optax.apply_updates(params, updates), opt_state, metric, grads
+
+    fn = vj.fsdp(step, plan=plan)
+    params, opt_state, metric, grads = fn(sp, vj.init_opt_state(tx, sp), jnp.ones((2 * m,), jnp.float32))
+    assert metric.shape == bucket.shape
+    assert_sharding(metric, replicated(plan), "the metric")
+    for what, tree in (("params", params), ("grads", grads), ("momentum", opt_state[0].trace)):
+        for x, want in zip(tree.buffers, plan.shardings(), strict=True):
+            assert_sharding(x, want, what)
+
+
+@pytest.mark.parametrize("auto", [True, False])
+def test_init_opt_state_places_by_type(auto):
+    """A state leaf of a bucket's shape that is not a ShardedParams child is replicated; ShardedParams children
+    are sharded like their bucket, PerDevice values split on dim 0."""
+    m = 3
+    plan, _, sp = setup(m, auto=auto)
+    bucket = plan.buckets[0]
+
+    def init(params):
+        return {"mu": jax.tree.map(jnp.zeros_like, params), "table": jnp.zeros(bucket.shape, jnp.float32),
+                "rows": PerDevice(jnp.zeros((m * 2, 4), jnp.float32), plan), "count": jnp.zeros((), jnp.int32)}
+
+    tx = optax.GradientTransformation(init, lambda u, s, p=None: (u, s))
+    state = vj.init_opt_state(tx, sp)
+    for x, want in zip(state["mu"].buffers, plan.shardings(), strict=True):
+        assert_sharding(x, want, "mu")
+    assert_sharding(state["table"], replicated(plan), "table")
+    assert_sharding(state["rows"].value, NamedSharding(plan.mesh, P(plan.axis, None)), "rows")
+    assert_sharding(state["count"], replicated(plan), "count")
+
+
+def test_per_device_step_output_keeps_dim0_split():
+    """A PerDevice state the step computes replicated comes back split on dim 0, as init_opt_state placed it,
+    so the next call does not recompile."""
+    m = 3
+    plan, _, sp = setup(m)
+    rows = NamedSharding(plan.mesh, P(plan.axis, None))
+
+    def init(params):
+        return PerDevice(jnp.zeros((m * 2, 4), jnp.float32), plan)
+
+    def update(u, s, p=None):
+        return u, s.replace(jax.lax.with_sharding_constraint(s.value + 1, replicated(plan)))
+
+    tx = optax.GradientTransformation(init, update)
+
+    def step(params, opt_state, batch):
+        _, opt_state = tx.update(params, opt_state)
+        return params, opt_state
+
+    fn = vj.fsdp(step, plan=plan)
+    params, state = fn(sp, vj.init_opt_state(tx, sp), jnp.ones((m,)))
+    assert_sharding(state.value, rows, "the PerDevice value")
+    params, state = fn(params, state, jnp.ones((m,)))
+    np.testing.assert_array_equal(np.asarray(state.value), np.full((m * 2, 4), 2.0, np.float32))
