@@ -538,16 +538,17 @@ def _state_shardings(tree: Any, plan: Plan) -> Any:
 
 
 def init_opt_state(tx: Any, params: ShardedParams) -> Any:
-    """``tx.init(params)`` jitted so every parameter-shaped leaf is sharded like its bucket (never replicated).
+    """``tx.init(params)`` jitted so every parameter-like state (a ``ShardedParams``) is sharded like the buckets.
 
     Args:
       tx: an ``optax.GradientTransformation``.
       params: the sharded parameters.
 
     Returns:
-      The optimizer state; leaves shaped like a bucket carry that bucket's ``NamedSharding``,
-      :class:`~vescale_jax._buffer.PerDevice` leaves are split over the plan's axis on dim 0, others (counts,
-      scalars) are replicated.
+      The optimizer state. Placement goes by type, not shape: the children of each :class:`ShardedParams` carry
+      their bucket's ``NamedSharding``, :class:`~vescale_jax._buffer.PerDevice` values are split over the plan's
+      axis on dim 0, and every other leaf (counts, scalars, any other array, even one shaped like a bucket) is
+      replicated.
     """
     if isinstance(tx, ShardedParams) and not isinstance(params, ShardedParams):
         raise TypeError("vj.init_opt_state: the arguments are (tx, params); got the params first.")
@@ -602,8 +603,9 @@ def fsdp(
     Returns:
       The compiled step. It checks its inputs (params and every ``ShardedParams`` / ``PerDevice`` of the
       optimizer state against the plan, the batch against the data-parallel size), places the batch with
-      :func:`data_sharding` and keeps parameter-shaped outputs sharded like their buckets. ``.lower(...)``
-      gives the lowered computation for inspection.
+      :func:`data_sharding` and keeps the outputs' ``ShardedParams`` sharded like their buckets and their
+      ``PerDevice`` values split on dim 0 (any other output keeps the sharding its computation gives it).
+      ``.lower(...)`` gives the lowered computation for inspection.
 
     Sharding:
       Params and optimizer state stay sharded over the plan's axis; the batch (argument 2 and any further
