@@ -2,6 +2,7 @@
 never by shape), ``vj.place_batch`` on batches already on the mesh, and the bounded per-plan caches
 (``vj.shard`` / ``vj.unshard`` compile once per plan; the optimizers' plan tables)."""
 
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -109,3 +110,46 @@ def test_per_device_step_output_keeps_dim0_split():
     assert_sharding(state.value, rows, "the PerDevice value")
     params, state = fn(params, state, jnp.ones((m,)))
     np.testing.assert_array_equal(np.asarray(state.value), np.full((m * 2, 4), 2.0, np.float32))
+
+
+# --- vj.shard / vj.unshard compile once per plan -----------------------------------------------------------------
+
+
+class _Compiles(logging.Handler):
+    """Counts JAX's "Compiling ..." log records (``jax.log_compiles``) while installed."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def emit(self, record):
+        if "Compiling" in record.getMessage():
+            self.names.append(record.getMessage()[:80])
+
+    def __enter__(self):
+        self._log = jax.log_compiles(True)
+        self._log.__enter__()
+        logging.getLogger("jax").addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger("jax").removeHandler(self)
+        self._log.__exit__(*exc)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_shard_and_unshard_compile_once_per_plan(m):
+    plan, params, first = setup(m, auto=False)
+    back = vj.unshard(first)
+    other = tree(seed=1)
+    with _Compiles() as compiles:
+        again = vj.shard(other, plan)
+        back_again = vj.unshard(again)
+        vj.shard(params, vj.plan(params, plan.mesh))  # an equal plan built again: the same cache entry
+    assert not compiles.names, compiles.names
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(jax.tree.leaves(back_again), jax.tree.leaves(other), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for x, want in zip(again.buffers, plan.shardings(), strict=True):
+        assert_sharding(x, want, "vj.shard's buffer")
