@@ -2,7 +2,10 @@
 never by shape), ``vj.place_batch`` on batches already on the mesh, and the bounded per-plan caches
 (``vj.shard`` / ``vj.unshard`` compile once per plan; the optimizers' plan tables)."""
 
+import dataclasses
+import gc
 import logging
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import vescale_jax as vj
 from vescale_jax._buffer import PerDevice
+from vescale_jax._cache import PLAN_CACHE_SIZE
 
 
 def tree(seed=0):
@@ -153,3 +157,45 @@ def test_shard_and_unshard_compile_once_per_plan(m):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     for x, want in zip(again.buffers, plan.shardings(), strict=True):
         assert_sharding(x, want, "vj.shard's buffer")
+
+
+# --- Bounded plan-keyed caches -----------------------------------------------------------------------------------
+
+
+def _describe(x):
+    """A comparable description of a table object: dataclass fields, arrays by shape, dtype and bytes."""
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return (type(x).__name__, tuple((f.name, _describe(getattr(x, f.name))) for f in dataclasses.fields(x)))
+    if isinstance(x, np.ndarray):
+        return (x.shape, x.dtype.name, x.tobytes())
+    if isinstance(x, list | tuple):
+        return tuple(_describe(v) for v in x)
+    if isinstance(x, dict):
+        return tuple((k, _describe(v)) for k, v in x.items())
+    return x
+
+
+_TABLES = {
+    "muon_routing": lambda plan: vj.optim.muon_routing(plan),
+    "shampoo_blocks": lambda plan: vj.optim.shampoo_blocks(plan, 4),
+    "block_layout": lambda plan: vj.optim.BlockLayout(plan, 4)._tables,
+}
+
+
+@pytest.mark.parametrize("which", sorted(_TABLES))
+def test_plan_keyed_caches_are_bounded(which):
+    """More distinct plans than the bound: the first plan is evicted (no longer kept alive by the cache), and
+    its tables rebuilt for an equal plan equal the first ones."""
+    mesh, table = make_mesh(3), _TABLES[which]
+
+    def make(i):
+        return vj.plan({"w": jax.ShapeDtypeStruct((8, 4 + i), jnp.float32)}, mesh, granularity=vj.rows(4))
+
+    first = make(0)
+    want, alive = _describe(table(first)), weakref.ref(first)
+    del first
+    for i in range(1, PLAN_CACHE_SIZE + 2):
+        table(make(i))
+    gc.collect()
+    assert alive() is None, f"{which}: a plan-keyed cache keeps every plan alive"
+    assert _describe(table(make(0))) == want
