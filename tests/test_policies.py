@@ -2,6 +2,7 @@
 never by shape), ``vj.place_batch`` on batches already on the mesh, and the bounded per-plan caches
 (``vj.shard`` / ``vj.unshard`` compile once per plan; the optimizers' plan tables)."""
 
+import contextlib
 import dataclasses
 import gc
 import logging
@@ -199,3 +200,94 @@ def test_plan_keyed_caches_are_bounded(which):
     gc.collect()
     assert alive() is None, f"{which}: a plan-keyed cache keeps every plan alive"
     assert _describe(table(make(0))) == want
+
+
+# --- vj.place_batch on arrays already on the mesh ----------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def no_host_copy():
+    """``np.asarray`` / ``np.array`` of a ``jax.Array`` (a device->host copy) raise inside."""
+
+    def guarded(fn):
+        def call(a, *args, **kw):
+            if isinstance(a, jax.Array):
+                raise AssertionError(f"device->host copy of a jax.Array {a.shape} {a.sharding}")
+            return fn(a, *args, **kw)
+
+        return call
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(np, "asarray", guarded(np.asarray))
+        mp.setattr(np, "array", guarded(np.array))
+        yield
+
+
+def host_batch(m, rows=4):
+    return {"x": np.arange(rows * m * 3, dtype=np.float32).reshape(rows * m, 3), "y": np.arange(rows * m)}
+
+
+def assert_same_placement(got, want):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.shape == b.shape and a.sharding == b.sharding, (a.shape, a.sharding, b.shape, b.sharding)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("microbatches", [None, 2])
+@pytest.mark.parametrize("auto", [False, True])
+@pytest.mark.parametrize("m", [1, 3])
+def test_place_batch_passes_placed_arrays_through(m, auto, microbatches):
+    plan, _, _ = setup(m, auto=auto)
+    placed = vj.place_batch(host_batch(m), plan, microbatches=microbatches)
+    with no_host_copy():
+        again = vj.place_batch(placed, plan, microbatches=microbatches)
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(placed), strict=True):
+        assert a is b
+
+
+@pytest.mark.parametrize("microbatches", [None, 2])
+@pytest.mark.parametrize("auto", [False, True])
+def test_place_batch_moves_device_arrays_on_device(auto, microbatches):
+    """Device arrays of another placement (one device, replicated, or the flat batch split on dim 0 when
+    micro-batches are asked for) are moved between devices, never through the host; the result equals placing
+    the host batch."""
+    m = 3
+    plan, _, _ = setup(m, auto=auto)
+    host = host_batch(m)
+    want = vj.place_batch(host, plan, microbatches=microbatches)
+    inputs = [jax.tree.map(jnp.asarray, host), jax.device_put(host, replicated(plan)),
+              vj.place_batch(host, plan)]
+    with no_host_copy():
+        got = [vj.place_batch(batch, plan, microbatches=microbatches) for batch in inputs]
+    for g in got:
+        assert_same_placement(g, want)
+
+
+@pytest.mark.parametrize("auto", [False, True])
+def test_place_batch_checks_device_arrays(auto):
+    m = 3
+    plan, _, _ = setup(m, auto=auto)
+    with pytest.raises(ValueError, match=r"batch leaf \['x'\] has shape \(4, 2\).*divisible by the data-parallel"):
+        vj.place_batch({"x": jnp.ones((4, 2))}, plan)
+    with pytest.raises(ValueError, match=r"batch leaf \['x'\] has shape \(9, 2\).*does not split into 2 micro"):
+        vj.place_batch({"x": jnp.ones((9, 2))}, plan, microbatches=2)
+    with pytest.raises(ValueError, match=r"micro-batch leaf \['x'\] has shape \(2, 2\).*divisible by the data"):
+        vj.place_batch({"x": jnp.ones((6, 2))}, plan, microbatches=3)
+    with pytest.raises(ValueError, match=r"batch leaf \['x'\] is a scalar"):
+        vj.place_batch({"x": jnp.ones(())}, plan)
+
+
+def test_step_takes_a_batch_placed_with_its_microbatches():
+    """A vj.fsdp step with microbatches= given a batch already placed by vj.place_batch(..., microbatches=k)
+    uses it as it is (it is not split a second time)."""
+    m = 3
+    plan, _, sp = setup(m, auto=False)
+
+    def step(params, opt_state, batch):
+        return params, opt_state, batch
+
+    fn = vj.fsdp(step, plan=plan, microbatches=2, donate=False)
+    host = host_batch(m)
+    want = fn(sp, None, host)[2]
+    got = fn(sp, None, vj.place_batch(host, plan, microbatches=2))[2]
+    assert_same_placement(got, want)

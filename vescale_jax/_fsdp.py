@@ -421,8 +421,13 @@ def place_batch(
 
     In a single-process job ``batch`` is the global batch. In a multi-process job each process passes only its
     own part (the rows for its devices, in process order) and the global batch is assembled without copying
-    through one host (``jax.make_array_from_process_local_data``). Leaves that are already global
-    ``jax.Array``s with that sharding pass through.
+    through one host (``jax.make_array_from_process_local_data``).
+
+    Leaves that are already global ``jax.Array``s with the target sharding pass through as they are (with
+    ``microbatches``: ``(k, B/k, ...)`` arrays with dim 1 split, i.e. a batch this function placed). Other device
+    arrays (on one device, replicated, split otherwise) are resharded and, for ``microbatches``, split on device,
+    never copied through the host; shapes are checked from ``.shape`` alone. In a multi-process job a fully
+    addressable array is taken as the process's own part.
 
     Args:
       batch: a pytree of arrays with a leading batch dim.
@@ -435,39 +440,75 @@ def place_batch(
       The batch as global arrays with :func:`data_sharding` (dim 1 of it with ``microbatches``).
     """
     axes = _axes(plan.axis if data_axes is None else data_axes)
-    data_sharding(plan, axes)
+    flat = data_sharding(plan, axes)
     microbatches = check_microbatches(microbatches, "vj.place_batch")
     size = _data_size(plan.mesh, axes)
     k = microbatches or 1
-    sharding = NamedSharding(plan.mesh, P(None, axes) if microbatches else P(axes))
+    sharding = NamedSharding(plan.mesh, P(None, axes)) if microbatches else flat
+    multi = jax.process_count() > 1
+    what = "micro-batch" if microbatches else "batch"
 
-    def split(path, x):
-        x = np.asarray(x)
+    def on_device(x):  # a global array (any array in a single-process job): placed on device, never via the host
+        return isinstance(x, jax.Array) and not (multi and x.is_fully_addressable)
+
+    def split_already(x):  # already (k, B/k, ...) with dim 1 split: a batch placed with these micro-batches
+        return microbatches and x.ndim >= 2 and x.shape[0] == k and _has_sharding(x, sharding)
+
+    def placed_shape(path, x):  # checks a leaf from its shape alone; the shape of its micro-batch (or batch)
         name = jax.tree_util.keystr(path) or "<root>"
-        if not x.ndim:
+        shape = tuple(x.shape) if isinstance(x, jax.Array) else np.shape(x)
+        if not shape:
             raise _scalar_leaf(f"batch leaf {name}", x, axes)
-        if x.shape[0] % k:
+        if on_device(x) and split_already(x):
+            return jax.ShapeDtypeStruct(shape[1:], x.dtype)
+        if shape[0] % k:
             raise ValueError(
-                f"vj.fsdp: batch leaf {name} has shape {x.shape}: its leading dim {x.shape[0]} does not split into "
+                f"vj.fsdp: batch leaf {name} has shape {shape}: its leading dim {shape[0]} does not split into "
                 f"{k} micro-batches (microbatches={k}); use a batch size that is a multiple of {k}."
             )
-        return x.reshape(k, x.shape[0] // k, *x.shape[1:]) if microbatches else x
+        return jax.ShapeDtypeStruct((shape[0] // k, *shape[1:]) if microbatches else shape, np.float32)
 
-    what = "micro-batch" if microbatches else "batch"
-    if jax.process_count() == 1:
-        parts = jax.tree_util.tree_map_with_path(split, batch)
-        _check_batch(jax.tree.map(lambda x: x[0], parts) if microbatches else parts, size, axes, what=what)
-        return jax.tree.map(lambda x: jax.device_put(x, sharding), parts)
-
-    def place(path, x):
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    def device_place(path, x):
+        if _has_sharding(x, sharding) and (not microbatches or split_already(x)):
             return x
-        return jax.make_array_from_process_local_data(sharding, split(path, x))
+        if not microbatches:
+            return jax.device_put(x, sharding)  # device to device (a reshard), or onto the mesh
+        if multi:
+            raise ValueError(
+                f"vj.place_batch: batch leaf {jax.tree_util.keystr(path) or '<root>'} is a global array of shape "
+                f"{tuple(x.shape)}; with microbatches={k} in a multi-process job pass each process's own part "
+                "(micro-batch i is rows [i·b/k, (i+1)·b/k) of every part), or an array placed by "
+                f"vj.place_batch(..., microbatches={k})."
+            )
+        x = x if _has_sharding(x, flat) else jax.device_put(x, flat)
+        shape = (k, x.shape[0] // k, *x.shape[1:])
+        types = dict(zip(plan.mesh.axis_names, plan.mesh.axis_types, strict=True))
+        explicit = any(types[a] == jax.sharding.AxisType.Explicit for a in axes)  # the split dim's sharding is typed
+        y = jnp.reshape(x, shape, out_sharding=sharding) if explicit else jnp.reshape(x, shape)
+        return jax.device_put(y, sharding)  # the spec as placing host data spells it (one jit cache entry)
 
-    out = jax.tree_util.tree_map_with_path(place, batch)
-    _check_batch(jax.tree.map(lambda x: np.empty(x.shape[1:2] if microbatches else x.shape[:1]), out),
-                 size, axes, what=f"global {what} (all processes' parts)")
+    def host_place(x):  # host data (a process's own part in a multi-process job)
+        x = np.asarray(x)
+        x = x.reshape(k, x.shape[0] // k, *x.shape[1:]) if microbatches else x
+        return jax.make_array_from_process_local_data(sharding, x) if multi else jax.device_put(x, sharding)
+
+    shapes = jax.tree_util.tree_map_with_path(placed_shape, batch)
+    if not multi:
+        _check_batch(shapes, size, axes, what=what)
+    out = jax.tree_util.tree_map_with_path(
+        lambda path, x: device_place(path, x) if on_device(x) else host_place(x), batch)
+    if multi:
+        _check_batch(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:2] if microbatches else x.shape[:1],
+                                                                 np.float32), out),
+                     size, axes, what=f"global {what} (all processes' parts)")
     return out
+
+
+def _has_sharding(x: jax.Array, sharding: NamedSharding) -> bool:
+    """Whether ``x`` is laid out as ``sharding`` on its mesh (same mesh and axis types, equivalent spec)."""
+    s = x.sharding
+    return (isinstance(s, NamedSharding) and s.mesh == sharding.mesh and x.ndim >= len(sharding.spec)
+            and s.is_equivalent_to(sharding, x.ndim))
 
 
 def _apply_gathered(fn, params, args, data_axes, in_specs, out_specs):
