@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from vescale_jax import _collectives as collectives
+from vescale_jax._cache import plan_cache
 from vescale_jax._checks import check_sharded_params, tree_difference
 from vescale_jax._guards import check_children
 from vescale_jax._plan import Bucket, Plan, path_str
@@ -231,8 +232,17 @@ def shard(params: Any, plan: Plan) -> ShardedParams:
                 "array; shard real values, or create them straight into the shards with "
                 "vj.init_sharded(init_fn, plan, key) (abstract trees are for vj.plan)."
             )
-    fn = jax.jit(lambda xs: pack(xs, plan), out_shardings=plan.shardings())
-    return ShardedParams(fn(leaves), plan)
+    return ShardedParams(_shard_fn(plan)(leaves), plan)
+
+
+@plan_cache
+def _shard_fn(plan: Plan) -> Callable[[Sequence[Any]], tuple[jax.Array, ...]]:
+    """The jitted pack of :func:`shard`, one per plan (a second call on the plan does not compile again)."""
+
+    def shard_leaves(leaves):
+        return pack(leaves, plan)
+
+    return jax.jit(shard_leaves, out_shardings=plan.shardings())
 
 
 def unshard(sp: ShardedParams) -> Any:
@@ -241,8 +251,18 @@ def unshard(sp: ShardedParams) -> Any:
     plan = sp.plan
     replicated = jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec())
     buffers = [jax.device_put(x, replicated) for x in sp.buffers]  # all-gather; works on Auto and Explicit axes
-    fn = jax.jit(lambda bufs: unpack(bufs, plan), out_shardings=[replicated] * len(plan.leaves))
-    return jax.tree_util.tree_unflatten(plan.treedef, fn(buffers))
+    return jax.tree_util.tree_unflatten(plan.treedef, _unshard_fn(plan)(buffers))
+
+
+@plan_cache
+def _unshard_fn(plan: Plan) -> Callable[[Sequence[jax.Array]], list[jax.Array]]:
+    """The jitted unpack of :func:`unshard`, one per plan."""
+    replicated = jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec())
+
+    def unshard_buffers(buffers):
+        return unpack(buffers, plan)
+
+    return jax.jit(unshard_buffers, out_shardings=[replicated] * len(plan.leaves))
 
 
 def _auto_mesh(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:

@@ -343,8 +343,13 @@ def place_batch(
 
     In a single-process job ``batch`` is the global batch. In a multi-process job each process passes only its
     own part (the rows for its devices, in process order) and the global batch is assembled without copying
-    through one host (``jax.make_array_from_process_local_data``). Leaves that are already global
-    ``jax.Array``s with that sharding pass through.
+    through one host (``jax.make_array_from_process_local_data``).
+
+    Leaves that are already global ``jax.Array``s with the target sharding pass through as they are (with
+    ``microbatches``: ``(k, B/k, ...)`` arrays with dim 1 split, i.e. a batch this function placed). Other device
+    arrays (on one device, replicated, split otherwise) are resharded and, for ``microbatches``, split on device,
+    never copied through the host; shapes are checked from ``.shape`` alone. In a multi-process job a fully
+    addressable array is taken as the process's own part.
 
     Args:
       batch: a pytree of arrays with a leading batch dim.
@@ -357,39 +362,75 @@ def place_batch(
       The batch as global arrays with :func:`data_sharding` (dim 1 of it with ``microbatches``).
     """
     axes = _axes(plan.axis if data_axes is None else data_axes)
-    data_sharding(plan, axes)
+    flat = data_sharding(plan, axes)
     microbatches = check_microbatches(microbatches, "vj.place_batch")
     size = _data_size(plan.mesh, axes)
     k = microbatches or 1
-    sharding = NamedSharding(plan.mesh, P(None, axes) if microbatches else P(axes))
+    sharding = NamedSharding(plan.mesh, P(None, axes)) if microbatches else flat
+    multi = jax.process_count() > 1
+    what = "micro-batch" if microbatches else "batch"
 
-    def split(path, x):
-        x = np.asarray(x)
+    def on_device(x):  # a global array (any array in a single-process job): placed on device, never via the host
+        return isinstance(x, jax.Array) and not (multi and x.is_fully_addressable)
+
+    def split_already(x):  # already (k, B/k, ...) with dim 1 split: a batch placed with these micro-batches
+        return microbatches and x.ndim >= 2 and x.shape[0] == k and _has_sharding(x, sharding)
+
+    def placed_shape(path, x):  # checks a leaf from its shape alone; the shape of its micro-batch (or batch)
         name = jax.tree_util.keystr(path) or "<root>"
-        if not x.ndim:
+        shape = tuple(x.shape) if isinstance(x, jax.Array) else np.shape(x)
+        if not shape:
             raise _scalar_leaf(f"batch leaf {name}", x, axes)
-        if x.shape[0] % k:
+        if on_device(x) and split_already(x):
+            return jax.ShapeDtypeStruct(shape[1:], x.dtype)
+        if shape[0] % k:
             raise ValueError(
-                f"vj.fsdp: batch leaf {name} has shape {x.shape}: its leading dim {x.shape[0]} does not split into "
+                f"vj.fsdp: batch leaf {name} has shape {shape}: its leading dim {shape[0]} does not split into "
                 f"{k} micro-batches (microbatches={k}); use a batch size that is a multiple of {k}."
             )
-        return x.reshape(k, x.shape[0] // k, *x.shape[1:]) if microbatches else x
+        return jax.ShapeDtypeStruct((shape[0] // k, *shape[1:]) if microbatches else shape, np.float32)
 
-    what = "micro-batch" if microbatches else "batch"
-    if jax.process_count() == 1:
-        parts = jax.tree_util.tree_map_with_path(split, batch)
-        _check_batch(jax.tree.map(lambda x: x[0], parts) if microbatches else parts, size, axes, what=what)
-        return jax.tree.map(lambda x: jax.device_put(x, sharding), parts)
-
-    def place(path, x):
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    def device_place(path, x):
+        if _has_sharding(x, sharding) and (not microbatches or split_already(x)):
             return x
-        return jax.make_array_from_process_local_data(sharding, split(path, x))
+        if not microbatches:
+            return jax.device_put(x, sharding)  # device to device (a reshard), or onto the mesh
+        if multi:
+            raise ValueError(
+                f"vj.place_batch: batch leaf {jax.tree_util.keystr(path) or '<root>'} is a global array of shape "
+                f"{tuple(x.shape)}; with microbatches={k} in a multi-process job pass each process's own part "
+                "(micro-batch i is rows [i·b/k, (i+1)·b/k) of every part), or an array placed by "
+                f"vj.place_batch(..., microbatches={k})."
+            )
+        x = x if _has_sharding(x, flat) else jax.device_put(x, flat)
+        shape = (k, x.shape[0] // k, *x.shape[1:])
+        types = dict(zip(plan.mesh.axis_names, plan.mesh.axis_types, strict=True))
+        explicit = any(types[a] == jax.sharding.AxisType.Explicit for a in axes)  # the split dim's sharding is typed
+        y = jnp.reshape(x, shape, out_sharding=sharding) if explicit else jnp.reshape(x, shape)
+        return jax.device_put(y, sharding)  # the spec as placing host data spells it (one jit cache entry)
 
-    out = jax.tree_util.tree_map_with_path(place, batch)
-    _check_batch(jax.tree.map(lambda x: np.empty(x.shape[1:2] if microbatches else x.shape[:1]), out),
-                 size, axes, what=f"global {what} (all processes' parts)")
+    def host_place(x):  # host data (a process's own part in a multi-process job)
+        x = np.asarray(x)
+        x = x.reshape(k, x.shape[0] // k, *x.shape[1:]) if microbatches else x
+        return jax.make_array_from_process_local_data(sharding, x) if multi else jax.device_put(x, sharding)
+
+    shapes = jax.tree_util.tree_map_with_path(placed_shape, batch)
+    if not multi:
+        _check_batch(shapes, size, axes, what=what)
+    out = jax.tree_util.tree_map_with_path(
+        lambda path, x: device_place(path, x) if on_device(x) else host_place(x), batch)
+    if multi:
+        _check_batch(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:2] if microbatches else x.shape[:1],
+                                                                 np.float32), out),
+                     size, axes, what=f"global {what} (all processes' parts)")
     return out
+
+
+def _has_sharding(x: jax.Array, sharding: NamedSharding) -> bool:
+    """Whether ``x`` is laid out as ``sharding`` on its mesh (same mesh and axis types, equivalent spec)."""
+    s = x.sharding
+    return (isinstance(s, NamedSharding) and s.mesh == sharding.mesh and x.ndim >= len(sharding.spec)
+            and s.is_equivalent_to(sharding, x.ndim))
 
 
 def _apply_gathered(fn, params, args, data_axes, in_specs, out_specs):
@@ -416,34 +457,63 @@ def _apply_gathered(fn, params, args, data_axes, in_specs, out_specs):
     return mapped(params.buffers, *args)
 
 
-def _sharding_by_shape(plan: Plan) -> dict[tuple[int, ...], NamedSharding]:
-    return {b.shape: NamedSharding(plan.mesh, plan.partition_spec(b)) for b in plan.buckets}
+def _is_node(x: Any) -> bool:
+    return isinstance(x, ShardedParams | PerDevice)
+
+
+def _bucket_shardings(node: ShardedParams, plan: Plan) -> list[NamedSharding | None]:
+    """Per child of a ``ShardedParams`` of ``plan``: its bucket's sharding where the bucket's spec fits the
+    child's shape (dim and divisibility), else ``None``. Nodes of other plans get ``None`` everywhere."""
+    if node.plan != plan:
+        return [None] * len(node.buffers)
+    m = plan.num_devices
+    out = []
+    for bucket, x in zip(plan.buckets, node.buffers, strict=True):
+        shape = getattr(x, "shape", None)
+        fits = shape is not None and len(shape) == len(bucket.shape) and shape[-1] % m == 0
+        out.append(NamedSharding(plan.mesh, plan.partition_spec(bucket)) if fits else None)
+    return out
+
+
+def _per_device_sharding(node: PerDevice, plan: Plan) -> NamedSharding | None:
+    """``P(axis, None, ...)`` on the value of a ``PerDevice`` of ``plan`` (the full spec, as shard_map outputs
+    carry it: no recompilation), else ``None``."""
+    shape = tuple(getattr(node.value, "shape", None) or ())
+    if node.plan != plan or not shape or shape[0] % plan.num_devices:
+        return None
+    return NamedSharding(plan.mesh, P(plan.axis, *[None] * (len(shape) - 1)))
 
 
 def _state_shardings(tree: Any, plan: Plan) -> Any:
-    by_shape = _sharding_by_shape(plan)
+    """The ``out_shardings`` of an optimizer state, by type: children of a ``ShardedParams`` of ``plan`` like
+    their bucket, ``PerDevice`` values split on dim 0, everything else (counts, scalars, any other array,
+    whatever its shape) replicated."""
     replicated = NamedSharding(plan.mesh, P())
 
-    def one(s):
-        if isinstance(s, PerDevice):  # the full spec, as shard_map outputs carry it (no recompilation)
-            spec = P(plan.axis, *[None] * (len(s.value.shape) - 1))
-            return s.replace(NamedSharding(plan.mesh, spec))
-        return by_shape.get(tuple(s.shape), replicated)
+    def one(x):
+        if isinstance(x, ShardedParams):
+            shardings = _bucket_shardings(x, plan)
+            return ShardedParams([b if not hasattr(b, "shape") else s or replicated  # an empty node stays empty
+                                  for b, s in zip(x.buffers, shardings, strict=True)], x.plan)
+        if isinstance(x, PerDevice):
+            return x.replace(_per_device_sharding(x, plan) or replicated)
+        return replicated
 
-    return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, PerDevice))
+    return jax.tree.map(one, tree, is_leaf=_is_node)
 
 
 def init_opt_state(tx: Any, params: ShardedParams) -> Any:
-    """``tx.init(params)`` jitted so every parameter-shaped leaf is sharded like its bucket (never replicated).
+    """``tx.init(params)`` jitted so every parameter-like state (a ``ShardedParams``) is sharded like the buckets.
 
     Args:
       tx: an ``optax.GradientTransformation``.
       params: the sharded parameters.
 
     Returns:
-      The optimizer state; leaves shaped like a bucket carry that bucket's ``NamedSharding``,
-      :class:`vescale_jax.PerDevice` leaves are split over the plan's axis on dim 0, others (counts,
-      scalars) are replicated.
+      The optimizer state. Placement goes by type, not shape: the children of each :class:`ShardedParams` carry
+      their bucket's ``NamedSharding``, :class:`vescale_jax.PerDevice` values are split over the plan's
+      axis on dim 0, and every other leaf (counts, scalars, any other array, even one shaped like a bucket) is
+      replicated.
     """
     if isinstance(tx, ShardedParams) and not isinstance(params, ShardedParams):
         raise TypeError("vj.init_opt_state: the arguments are (tx, params); got the params first.")
@@ -501,8 +571,9 @@ def fsdp(
     Returns:
       The compiled step. It checks its inputs (params and every ``ShardedParams`` / ``PerDevice`` of the
       optimizer state against the plan, the batch against the data-parallel size), places the batch with
-      :func:`data_sharding` and keeps parameter-shaped outputs sharded like their buckets. ``.lower(...)``
-      gives the lowered computation for inspection.
+      :func:`data_sharding` and keeps the outputs' ``ShardedParams`` sharded like their buckets and their
+      ``PerDevice`` values split on dim 0 (any other output keeps the sharding its computation gives it).
+      ``.lower(...)`` gives the lowered computation for inspection.
 
     Sharding:
       Params and optimizer state stay sharded over the plan's axis; the batch (argument 2 and any further
@@ -572,11 +643,19 @@ def fsdp(
 
 
 def _constrain_outputs(out: Any, plan: Plan) -> Any:
-    by_shape = _sharding_by_shape(plan)
-    leaves, treedef = jax.tree.flatten(out)
-    leaves = [
-        jax.lax.with_sharding_constraint(x, by_shape[tuple(x.shape)]) if tuple(getattr(x, "shape", ())) in by_shape
-        else x
-        for x in leaves
-    ]
-    return jax.tree.unflatten(treedef, leaves)
+    """Sharding hints on a step's outputs, by type: children of a ``ShardedParams`` of ``plan`` like their
+    bucket, ``PerDevice`` values split on dim 0; any other output keeps the sharding its computation gives it
+    (even one shaped like a bucket)."""
+
+    def constrain(x, sharding):
+        return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+    def one(x):
+        if isinstance(x, ShardedParams):
+            return ShardedParams([constrain(b, s) for b, s in zip(x.buffers, _bucket_shardings(x, plan), strict=True)],
+                                 x.plan)
+        if isinstance(x, PerDevice):
+            return x.replace(constrain(x.value, _per_device_sharding(x, plan)))
+        return x
+
+    return jax.tree.map(one, out, is_leaf=_is_node)

@@ -31,6 +31,7 @@ import optax
 from optax.contrib import _muon as optax_muon
 
 from vescale_jax._buffer import ShardedParams
+from vescale_jax._cache import plan_cache
 from vescale_jax._plan import Plan
 from vescale_jax.optim._compact import split_leaves
 from vescale_jax.optim._leaves import (
@@ -114,19 +115,18 @@ def _coeffs(ns_coeffs: Any, ns_steps: int) -> np.ndarray:
     return c
 
 
-_ROUTING_CACHE: dict[Any, Routing] = {}
-
-
 def muon_routing(plan: Plan, weight_dimension_numbers: Any = None, *, split: bool = True) -> Routing:
     """The owner routing :func:`scale_by_muon` uses for ``plan`` (owners, classes, loads; see ``.summary()``).
 
     ``split``: let leftover matrices of a shape class be split by columns over all devices (Frobenius
     preconditioning only; :func:`scale_by_muon` decides)."""
     dims = resolve_dimension_numbers(plan, weight_dimension_numbers)
-    key = (plan, tuple(None if d is None else (_hashable(d[0]), _hashable(d[1])) for d in dims), split)
-    if key not in _ROUTING_CACHE:
-        _ROUTING_CACHE[key] = build_routing(plan, dims, split=split)
-    return _ROUTING_CACHE[key]
+    return _routing(plan, tuple(None if d is None else (_hashable(d[0]), _hashable(d[1])) for d in dims), split)
+
+
+@plan_cache
+def _routing(plan: Plan, dims: tuple[tuple[Any, Any] | None, ...], split: bool) -> Routing:
+    return build_routing(plan, dims, split=split)
 
 
 def newton_schulz(

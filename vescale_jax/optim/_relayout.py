@@ -42,6 +42,7 @@ import numpy as np
 
 from vescale_jax import redistribute
 from vescale_jax._buffer import PerDevice
+from vescale_jax._cache import plan_cache
 from vescale_jax._layout import RaggedShard
 from vescale_jax._plan import Plan
 from vescale_jax.optim._blocks import build_blocks, matrix_view
@@ -115,10 +116,7 @@ class _Relayout:
 
     @property
     def _tables(self) -> _Tables:
-        cache = _TABLES.setdefault(type(self), {})
-        if self not in cache:
-            cache[self] = self._build()
-        return cache[self]
+        return _tables_of(self)
 
     def _sharding(self, entry: _Entry) -> jax.sharding.NamedSharding:
         return jax.sharding.NamedSharding(self.plan.mesh, entry.spec(self.plan.axis, self.plan.num_devices))
@@ -211,8 +209,9 @@ class _Relayout:
         return _from_logical_fn(self, dtype)(*placed)
 
 
-_TABLES: dict[type, dict[Any, _Tables]] = {}
-_FNS: dict[Any, Any] = {}
+@plan_cache
+def _tables_of(layout: _Relayout) -> _Tables:
+    return layout._build()
 
 
 def _moves(entries: Sequence[_Entry], axis: Any, m: int):
@@ -248,10 +247,8 @@ def _moves(entries: Sequence[_Entry], axis: Any, m: int):
     return moves, value_at, logical_at, shares, cursor
 
 
+@plan_cache
 def _to_logical_fn(layout: _Relayout):
-    key = ("to", layout)
-    if key in _FNS:
-        return _FNS[key]
     plan, tables = layout.plan, layout._tables
     axis, m = plan.axis, plan.num_devices
     moves, value_at, logical_at, shares_of, share_size = _moves(tables.entries, axis, m)
@@ -288,14 +285,15 @@ def _to_logical_fn(layout: _Relayout):
 
     specs = tuple(e.spec(axis, m) for e in tables.entries)
     fn = jax.jit(jax.shard_map(local, mesh=plan.mesh, in_specs=P(axis), out_specs=specs, check_vma=False))
-    _FNS[key] = fn
     return fn
 
 
 def _from_logical_fn(layout: _Relayout, dtype: Any):
-    key = ("from", layout, jnp.dtype(dtype).name)
-    if key in _FNS:
-        return _FNS[key]
+    return _from_logical_cached(layout, jnp.dtype(dtype).name)
+
+
+@plan_cache
+def _from_logical_cached(layout: _Relayout, dtype: str):
     plan, tables = layout.plan, layout._tables
     axis, m = plan.axis, plan.num_devices
     size = math.prod(tables.local_shape)
@@ -330,7 +328,6 @@ def _from_logical_fn(layout: _Relayout, dtype: Any):
 
     specs = tuple(e.spec(axis, m) for e in tables.entries)
     fn = jax.jit(jax.shard_map(local, mesh=plan.mesh, in_specs=specs, out_specs=P(axis), check_vma=False))
-    _FNS[key] = fn
     return fn
 
 

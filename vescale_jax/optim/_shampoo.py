@@ -30,6 +30,7 @@ import numpy as np
 import optax
 
 from vescale_jax._buffer import PerDevice, ShardedParams
+from vescale_jax._cache import plan_cache
 from vescale_jax._plan import Plan
 from vescale_jax.optim._blocks import (
     BlockTables,
@@ -75,9 +76,6 @@ class ShampooState(NamedTuple):
     root_right: PerDevice
 
 
-_BLOCKS_CACHE: dict[Any, BlockTables] = {}
-
-
 def shampoo_blocks(plan: Plan, block_size: int) -> BlockTables:
     """The block placement :func:`scale_by_shampoo` uses (see ``.summary()`` for the max/mean balance).
 
@@ -95,10 +93,12 @@ def shampoo_blocks(plan: Plan, block_size: int) -> BlockTables:
     if not isinstance(block_size, bool) and isinstance(block_size, int) and block_size > 1:
         dims = [max(v) for v in (matrix_view(plan.layer_shape(s)) for s in plan.leaves) if v is not None]
         block_size = min(block_size, max(dims, default=block_size))
-    key = (plan, block_size)
-    if key not in _BLOCKS_CACHE:
-        _BLOCKS_CACHE[key] = build_blocks(plan, block_size, what="shampoo")
-    return _BLOCKS_CACHE[key]
+    return _blocks(plan, block_size)
+
+
+@plan_cache
+def _blocks(plan: Plan, block_size: int) -> BlockTables:
+    return build_blocks(plan, block_size, what="shampoo")
 
 
 def inverse_root(a: jax.Array, *, exponent: float, epsilon: float) -> jax.Array:
