@@ -10,7 +10,8 @@ from conftest import make_mesh
 import vescale_jax as vj
 import vescale_jax.optim as vjo
 from vescale_jax import testing
-from vescale_jax.optim._owners import ns_macs, split_macs
+from vescale_jax.optim._matrices import ns_macs, split_macs
+from vescale_jax.optim._muon import resolve_dimension_numbers
 
 STEPS = 10
 MDN = optax.contrib.MuonDimensionNumbers
@@ -135,7 +136,7 @@ def test_parity_element(m):
     # AdamW's moments cover the non-Muon leaves only, each device keeping those it holds.
     adam = [x.value for x in jax.tree.leaves(state.adam, is_leaf=lambda x: isinstance(x, vj.PerDevice))
             if isinstance(x, vj.PerDevice)]
-    dims = vjo.resolve_dimension_numbers(plan, dims_tree)
+    dims = resolve_dimension_numbers(plan, dims_tree)
     non_muon = sum(s.size for s, d in zip(plan.leaves, dims, strict=True) if d is None)
     assert len(adam) == 2
     for x in adam:
@@ -362,7 +363,7 @@ def _simulate_routing(plan, routing, dims_tree):
 
 @pytest.mark.parametrize("m,granularity", [(3, None), (3, vj.rows(2)), (8, None), (8, vj.rows(2))])
 def test_run_tables_match_brute_force(m, granularity, monkeypatch):
-    from vescale_jax.optim import _owners as owners
+    from vescale_jax.optim import _runs as runs
 
     shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), RUN_SHAPES,
                           is_leaf=lambda x: isinstance(x, tuple))
@@ -372,11 +373,11 @@ def test_run_tables_match_brute_force(m, granularity, monkeypatch):
     dense = _simulate_routing(plan, routing, RUN_DIMS)
 
     # The devices expand the lookups into exactly the dense tables (several chunks per loop here).
-    monkeypatch.setattr(owners, "_CHUNK", 64)
+    monkeypatch.setattr(runs, "_CHUNK", 64)
     w, t = routing.width, routing.local_size
     for name, n in (("send", m * w), ("gather", routing.work_size), ("back_send", m * w), ("back_gather", t)):
         lookup = routing.lookups[name]
-        expand = jax.jit(jax.vmap(lambda k, lookup=lookup, n=n: owners.run_indices(lookup, k, n, jnp.zeros(1))))
+        expand = jax.jit(jax.vmap(lambda k, lookup=lookup, n=n: runs.run_indices(lookup, k, n, jnp.zeros(1))))
         got = np.asarray(expand(jnp.arange(m, dtype=jnp.int32)))
         np.testing.assert_array_equal(got, dense[name].reshape(m, n), err_msg=name)
 

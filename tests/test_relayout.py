@@ -14,6 +14,7 @@ from vescale_jax import testing
 from vescale_jax._buffer import PerDevice, ShardedParams
 from vescale_jax._plan import path_str
 from vescale_jax.optim._relayout import BlockLayout, CompactLayout, logical_view, restore_logical
+from vescale_jax.optim._shampoo import inverse_root
 
 BLOCK = 4
 BEFORE, AFTER = 2, 2  # steps before the move, and after it under both plans
@@ -240,7 +241,7 @@ def test_logical_view_holds_the_optimizer_state_by_leaf():
             at = (lambda x, layer=layer: np.asarray(x)[layer]) if key.startswith("layers") else np.asarray
             np.testing.assert_allclose(at(got), ls, rtol=1e-5, atol=1e-7, err_msg=key)
             np.testing.assert_allclose(at(right[key]), rs, rtol=1e-5, atol=1e-7, err_msg=key)
-            want = np.asarray(vjo.inverse_root(jnp.asarray(at(got)), exponent=4.0, epsilon=1e-6))
+            want = np.asarray(inverse_root(jnp.asarray(at(got)), exponent=4.0, epsilon=1e-6))
             np.testing.assert_allclose(at(roots[key]), want, rtol=1e-4, atol=1e-4 * np.abs(want).max(), err_msg=key)
     mu = adam_state.mu.layout.to_logical(adam_state.mu.value)
     nu = adam_state.nu.layout.to_logical(adam_state.nu.value)
