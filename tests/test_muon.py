@@ -6,6 +6,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import make_mesh
+from helpers import assert_trees_close, load_script
 
 import vescale_jax as vj
 import vescale_jax.optim as vjo
@@ -101,13 +102,6 @@ def run_sharded(params, grads, plan, **kw):
     return out, step, sp, state
 
 
-def assert_close(got, ref, rtol=1e-5):
-    for (path, r), g in zip(jax.tree_util.tree_flatten_with_path(ref)[0], jax.tree.leaves(got), strict=True):
-        g, r = np.asarray(g), np.asarray(r)
-        err = np.max(np.abs(g - r)) / max(np.max(np.abs(r)), 1e-30)
-        assert err <= rtol, f"{jax.tree_util.keystr(path)}: max|diff|/max|ref| = {err:.2e}"
-
-
 PARAMS = make_params()
 GRADS = grads_seq(PARAMS)
 # ns_steps=3 keeps compile time down; OPTIONS runs the 5-step 'dion' table.
@@ -125,7 +119,7 @@ def test_parity_element(m):
     plan = vj.plan(PARAMS, make_mesh(m), stacked=["layers"])
     got, step, sp, state = run_sharded(PARAMS, GRADS, plan, **DEFAULT)
     for g, r in zip(got, reference("default", PARAMS, GRADS, **DEFAULT), strict=True):
-        assert_close(g, r)
+        assert_trees_close(g, r)
     assert step._cache_size() == 1  # no recompilation after the first step
     # Optimizer state is sharded like the params: every bucket-shaped state leaf has its bucket's sharding.
     by_shape = {b.shape: s for b, s in zip(plan.buckets, plan.shardings(), strict=True)}
@@ -154,7 +148,7 @@ def test_parity_options(m, granularity):
     plan = vj.plan(PARAMS, make_mesh(m), stacked=["layers"], granularity=granularity)
     got, step, sp, state = run_sharded(PARAMS, GRADS, plan, **OPTIONS)
     for g, r in zip(got, reference("options", PARAMS, GRADS, **OPTIONS), strict=True):
-        assert_close(g, r)
+        assert_trees_close(g, r)
     if granularity == vj.whole():
         # Every matrix sits whole on one device: orthogonalised there, no all-to-all at all.
         routing = vjo.muon_routing(plan, dims_tree)
@@ -205,7 +199,7 @@ def test_leftover_matrices_are_split_by_columns():
     kw = dict(learning_rate=0.05, ns_steps=3)
     got, *_ = run_sharded(params, grads, plan, **kw)
     for g, r in zip(got, reference("split", params, grads, **kw), strict=True):
-        assert_close(g, r)
+        assert_trees_close(g, r)
 
 
 def test_owners_whole_stays_put():
@@ -227,14 +221,8 @@ def test_rejects_unsharded_updates():
 
 
 def test_muon_inside_a_vj_fsdp_step_matches_optax_unsharded():
-    import os
-    import sys
-
     from flax import nnx
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-    from gpt import GPTConfig, abstract_model, init_params, loss_fn, muon_dimension_numbers
-    from test_fsdp import assert_trees_close, batches
+    from helpers import GPTConfig, abstract_model, batches, init_params, loss_fn, muon_dimension_numbers
 
     cfg = GPTConfig(vocab=67, max_len=16, d_model=20, num_heads=2, num_layers=2, d_ff=52)
     graphdef, shapes = abstract_model(cfg)
@@ -384,11 +372,7 @@ def test_run_tables_match_brute_force(m, granularity, monkeypatch):
 
 def test_run_tables_are_small_for_the_benchmark_model():
     # The dense index tables were ~4 x (all Muon elements) int32; the run tables are a few entries per row.
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-    import muon as bench
+    bench = load_script("benchmarks/muon.py")
 
     plan = vj.plan(bench.model(), make_mesh(8), stacked=["layers"])
     routing = vjo.muon_routing(plan, bench.DIMS)
