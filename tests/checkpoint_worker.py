@@ -2,7 +2,7 @@
 
     python tests/checkpoint_worker.py PROCESS_ID NUM_PROCESSES PORT DEVICES_PER_PROCESS MODE DIR OUT.npz
 
-MODE ``save``: plans the small GPT of examples/gpt.py over every process's devices, initialises it into shards,
+MODE ``save``: plans the small test GPT of tests/helpers.py over every process's devices, initialises it into shards,
 builds an Adam state with distinct non-zero moments and saves step 1 to DIR with ``vj.checkpoint.Manager``.
 MODE ``restore``: restores the latest step of DIR into this job's plan (``rows(1)`` instead of ``element()``).
 Either way process 0 writes the logical params, moments and count to OUT.npz.
@@ -10,14 +10,13 @@ Either way process 0 writes the logical params, moments and count to OUT.npz.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import jax
 
 from vescale_jax import distributed
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+jax.config.update("jax_numpy_dtype_promotion", "strict")  # as tests/conftest.py
 
 
 def main() -> None:
@@ -30,13 +29,11 @@ def main() -> None:
         jax.config.update("jax_num_cpu_devices", devices)
     import numpy as np
     import optax
+    from helpers import GPTConfig, abstract_model, init_params  # tests/: this script's directory
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import vescale_jax as vj
-
-    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
-    from gpt import GPTConfig, abstract_model, init_params
 
     cfg = GPTConfig(vocab=61, max_len=16, d_model=24, num_heads=2, num_layers=2, d_ff=40)
     _, shapes = abstract_model(cfg)

@@ -11,6 +11,8 @@ import jax
 
 import vescale_jax as vj
 
+jax.config.update("jax_numpy_dtype_promotion", "strict")  # as tests/conftest.py
+
 
 def main(pid: int, port: int, timeout_s: int, steps: int) -> None:
     try:

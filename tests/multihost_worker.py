@@ -2,7 +2,7 @@
 
     python tests/multihost_worker.py PROCESS_ID NUM_PROCESSES PORT DEVICES_PER_PROCESS STEPS OUT.npz
 
-Trains the small GPT of examples/gpt.py for STEPS AdamW steps on a mesh over all processes' devices, each
+Trains the small test GPT of tests/helpers.py for STEPS AdamW steps on a mesh over all processes' devices, each
 process feeding only its rows of every global batch, and (process 0) writes the losses and the final logical
 parameters to OUT.npz. With NUM_PROCESSES=1 it is the single-process reference (DEVICES_PER_PROCESS CPU
 devices, no distributed runtime). Progress lines (``[p0] step 3 loss ...``) go to stderr so that a harness can
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import inspect
 import os
 import signal
 import sys
@@ -24,8 +23,7 @@ import jax  # importing is fine; nothing may touch devices before initialize
 
 from vescale_jax import distributed
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
+jax.config.update("jax_numpy_dtype_promotion", "strict")  # as tests/conftest.py
 
 T0 = time.perf_counter()
 
@@ -75,12 +73,10 @@ def main(argv: list[str] | None = None) -> None:
 
     import numpy as np
     import optax
+    from helpers import GPTConfig, abstract_model, batches, init_params, loss_fn  # tests/: this script's directory
     from jax.experimental import multihost_utils
 
     import vescale_jax as vj
-
-    sys.path.insert(0, os.path.join(HERE, "..", "examples"))
-    from gpt import GPTConfig, abstract_model, init_params, loss_fn
 
     cfg = GPTConfig(vocab=257, max_len=16, d_model=20, num_heads=2, num_layers=3, d_ff=52)
     seq = 16
@@ -101,19 +97,16 @@ def main(argv: list[str] | None = None) -> None:
             return loss_fn(vj.flax.nnx_apply(graphdef, q, batch["x"]), batch["y"])
 
         loss, grads = jax.value_and_grad(loss_of)(p)
-        updates, opt_state = tx.update(grads, opt_state, p)
+        with jax.numpy_dtype_promotion("standard"):  # optax's bias correction mixes a float with an int32 count
+            updates, opt_state = tx.update(grads, opt_state, p)
         return optax.apply_updates(p, updates), opt_state, {"loss": loss}
 
     # The same global batches on every process (a fixed seed); each process feeds only its rows.
-    text = np.frombuffer(inspect.getsource(inspect).encode()[:100_000], np.uint8).astype(np.int32)
-    rng = np.random.default_rng(0)
     rows = distributed.local_batch_slice(args.batch, vj.data_sharding(plan))
     assert rows == distributed.local_batch_slice(args.batch), rows
     losses = []
-    for i in range(args.steps):
-        start = rng.integers(0, len(text) - seq - 1, args.batch)
-        window = np.stack([text[s : s + seq + 1] for s in start])
-        batch = {"x": window[rows, :-1], "y": window[rows, 1:]}
+    for i, window in enumerate(batches(args.steps, batch=args.batch, seq=seq, seed=0)):
+        batch = {k: v[rows] for k, v in window.items()}
         params, opt_state, metrics = step(params, opt_state, batch)
         losses.append(float(metrics["loss"]))
         log(pid, f"step {i + 1} loss {losses[-1]:.6f}")

@@ -20,6 +20,7 @@ import orbax.checkpoint as ocp
 import pytest
 from conftest import make_mesh
 from flax import nnx
+from helpers import ROOT, GPTConfig, abstract_model, assert_trees_equal, init_params
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -27,11 +28,6 @@ import vescale_jax as vj
 from vescale_jax import _integrity, _logical
 from vescale_jax._buffer import PerDevice
 from vescale_jax.testing import census, memory
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(ROOT, "examples"))
-from gpt import GPTConfig, abstract_model, init_params  # noqa: E402
 
 
 def tree_of(seed: int = 0):
@@ -81,15 +77,6 @@ def host_unshard(sp):
             o, n = bucket.layout.offsets[slot], bucket.layout.sizes[slot]
             out[i] = full[..., o:o + n].reshape(plan.leaves[i].shape)
     return jax.tree_util.tree_unflatten(plan.treedef, out)
-
-
-def assert_trees_equal(a, b):
-    fa, ta = jax.tree_util.tree_flatten_with_path(a)
-    fb, tb = jax.tree_util.tree_flatten_with_path(b)
-    assert ta == tb
-    for (path, x), (_, y) in zip(fa, fb, strict=True):
-        assert x.shape == y.shape and x.dtype == y.dtype, (jax.tree_util.keystr(path), x.shape, y.shape)
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
 
 
 def trained_state(tree, plan, tx):

@@ -7,12 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import assert_trees_equal
 from test_relayout import (
     BEFORE,
     GRADS,
     PARAMS,
     as_numpy,
-    assert_bitwise,
     logical,
     per_device,
     plan_of,
@@ -55,12 +55,12 @@ def test_optimizer_state_restores_into_another_device_count(tmp_path, opt, a, b)
     assert jax.tree.structure(r.opt_state) == jax.tree.structure(template)
     assert all(x.layout is not None and x.layout.plan == plan_b for x in per_device(r.opt_state))
     # Exact: the PerDevice leaves' logical views, the ShardedParams leaves' logical trees, the counts.
-    assert_bitwise(logical_view(per_device(r.opt_state)), logical_view(per_device(state_a)), "PerDevice")
-    assert_bitwise(sharded_views(r.opt_state), sharded_views(state_a), "ShardedParams")
+    assert_trees_equal(logical_view(per_device(r.opt_state)), logical_view(per_device(state_a)), what="PerDevice")
+    assert_trees_equal(sharded_views(r.opt_state), sharded_views(state_a), what="ShardedParams")
     counts = lambda s: [np.asarray(x) for x in jax.tree.leaves(s, is_leaf=lambda x: isinstance(x, ShardedParams))
                         if not isinstance(x, ShardedParams) and np.ndim(x) == 0]
-    assert_bitwise(counts(r.opt_state), counts(state_a), "counts")
-    assert_bitwise(logical(r.params), logical(sp_a), "params")
+    assert_trees_equal(counts(r.opt_state), counts(state_a), what="counts")
+    assert_trees_equal(logical(r.params), logical(sp_a), what="params")
     # Training continues on the new device count as on the old one.
     sp_a2, _ = train(opt, a, GRADS[BEFORE:], sp_a, state_a)
     sp_b2, _ = train(opt, b, GRADS[BEFORE:], r.params, r.opt_state)
@@ -86,6 +86,6 @@ def test_low_precision_state_restores_in_its_own_dtype(tmp_path):
             template = jax.eval_shape(txs[name].init, jax.eval_shape(lambda n=name: vj.shard(PARAMS, plans[n])))
             r = mngr.restore(params=plans[name], opt_state=template)
             assert [x.dtype for x in jax.tree.leaves(r.opt_state)] == [x.dtype for x in jax.tree.leaves(template)]
-            assert_bitwise(sharded_views(r.opt_state), sharded_views(state), f"ShardedParams on {name}")
-            assert_bitwise(logical_view(per_device(r.opt_state)), logical_view(per_device(state)),
-                           f"PerDevice on {name}")
+            assert_trees_equal(sharded_views(r.opt_state), sharded_views(state), what=f"ShardedParams on {name}")
+            assert_trees_equal(logical_view(per_device(r.opt_state)), logical_view(per_device(state)),
+                               what=f"PerDevice on {name}")

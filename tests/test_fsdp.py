@@ -1,9 +1,5 @@
 """vj.fsdp against an unsharded reference: NNX (stacked layers) and Linen (one unit per block), census, errors."""
 
-import inspect
-import os
-import sys
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -12,17 +8,14 @@ import optax
 import pytest
 from conftest import DEVICE_COUNTS, make_mesh
 from flax import nnx
+from helpers import GPTConfig, abstract_model, assert_trees_close, batches, init_params, loss_fn, reference_run
 
 import vescale_jax as vj
 from vescale_jax import testing
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-from gpt import GPTConfig, abstract_model, init_params, loss_fn
-
 # Widths that no device count divides: prime vocabulary, odd widths.
 CFG = GPTConfig(vocab=257, max_len=16, d_model=20, num_heads=2, num_layers=3, d_ff=52)
-STEPS, BATCH, SEQ = 20, 24, 16
-TEXT = np.frombuffer(inspect.getsource(inspect).encode()[:100_000], np.uint8).astype(np.int32)
+SEQ = 16  # the length of helpers.batches' windows
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -30,14 +23,6 @@ def standard_promotion():
     # optax's Adam bias correction mixes a float with an int32 count: not clean under strict promotion.
     with jax.numpy_dtype_promotion("standard"):
         yield
-
-
-def batches(n=STEPS, batch=BATCH, seed=0):
-    rng = np.random.default_rng(seed)
-    for _ in range(n):
-        start = rng.integers(0, len(TEXT) - SEQ - 1, batch)
-        seq = np.stack([TEXT[s : s + SEQ + 1] for s in start])
-        yield {"x": seq[:, :-1], "y": seq[:, 1:]}
 
 
 def make_tx():
@@ -56,28 +41,6 @@ def fsdp_step(plan, apply_model, tx, **kw):
         return optax.apply_updates(params, updates), opt_state, {"loss": loss}
 
     return step
-
-
-def reference_run(params, model_fn, tx, data):
-    @jax.jit
-    def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(lambda p: loss_fn(model_fn(p, batch["x"]), batch["y"]))(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    opt_state, losses = tx.init(params), []
-    for batch in data:
-        params, opt_state, loss = step(params, opt_state, batch)
-        losses.append(float(loss))
-    return params, losses
-
-
-def assert_trees_close(got, ref, rtol=1e-5):
-    flat_ref = jax.tree_util.tree_flatten_with_path(ref)[0]
-    for (path, r), g in zip(flat_ref, jax.tree.leaves(got), strict=True):
-        g, r = np.asarray(g), np.asarray(r)
-        err = np.max(np.abs(g - r)) / max(np.max(np.abs(r)), 1e-30)
-        assert err <= rtol, f"{jax.tree_util.keystr(path)}: max|diff|/max|ref| = {err:.2e}"
 
 
 def assert_padding_zero(sp):

@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import make_mesh
+from helpers import assert_trees_close
 
 import vescale_jax as vj
 from vescale_jax._guards import PerLeafOnBucketsError
@@ -76,11 +77,6 @@ def max_rel_diff(ref, got):
         r, g = np.asarray(r, np.float64), np.asarray(g, np.float64)
         out[jax.tree_util.keystr(path)] = float(np.max(np.abs(r - g)) / max(np.max(np.abs(r)), 1e-30))
     return out
-
-
-def assert_close(ref, got, rtol=1e-5, name=""):
-    diffs = max_rel_diff(ref, got)
-    assert max(diffs.values()) <= rtol, (name, diffs)
 
 
 no_bias_decay = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)
@@ -163,7 +159,7 @@ def test_masks_partition_and_lamb_match_optax_on_the_logical_tree(m):
     params = setup(m)[0]
     for name, case in cases.items():  # one jit each: XLA:CPU compiles several small programs faster than one
         ref, got = run_cases({name: case}, m, steps=2)[name]
-        assert_close(ref, got, name=name)
+        assert_trees_close(got, ref, what=name)
         assert max(max_rel_diff(params, got).values()) > 1e-2, name  # the steps moved the params
 
 
@@ -192,7 +188,7 @@ def test_per_leaf_reductions_match_optax():
                        optax.chain(vj.optim.scale_by_param_block_norm(), optax.scale(-0.01))),
     }
     for name, (ref, got) in run_cases(cases, 3).items():
-        assert_close(ref, got, name=name)
+        assert_trees_close(got, ref, what=name)
 
 
 # --- Element-wise optax transforms: safe on ShardedParams as they are (the list docs/optax.md gives) --------------

@@ -6,11 +6,13 @@ import numpy as np
 import optax
 import pytest
 from conftest import make_mesh
+from helpers import assert_trees_close, load_script
 
 import vescale_jax as vj
 import vescale_jax.optim as vjo
 from vescale_jax import testing
-from vescale_jax.optim._owners import ns_macs, split_macs
+from vescale_jax.optim._matrices import ns_macs, split_macs
+from vescale_jax.optim._muon import resolve_dimension_numbers
 
 STEPS = 10
 MDN = optax.contrib.MuonDimensionNumbers
@@ -100,13 +102,6 @@ def run_sharded(params, grads, plan, **kw):
     return out, step, sp, state
 
 
-def assert_close(got, ref, rtol=1e-5):
-    for (path, r), g in zip(jax.tree_util.tree_flatten_with_path(ref)[0], jax.tree.leaves(got), strict=True):
-        g, r = np.asarray(g), np.asarray(r)
-        err = np.max(np.abs(g - r)) / max(np.max(np.abs(r)), 1e-30)
-        assert err <= rtol, f"{jax.tree_util.keystr(path)}: max|diff|/max|ref| = {err:.2e}"
-
-
 PARAMS = make_params()
 GRADS = grads_seq(PARAMS)
 # ns_steps=3 keeps compile time down; OPTIONS runs the 5-step 'dion' table.
@@ -124,7 +119,7 @@ def test_parity_element(m):
     plan = vj.plan(PARAMS, make_mesh(m), stacked=["layers"])
     got, step, sp, state = run_sharded(PARAMS, GRADS, plan, **DEFAULT)
     for g, r in zip(got, reference("default", PARAMS, GRADS, **DEFAULT), strict=True):
-        assert_close(g, r)
+        assert_trees_close(g, r)
     assert step._cache_size() == 1  # no recompilation after the first step
     # Optimizer state is sharded like the params: every bucket-shaped state leaf has its bucket's sharding.
     by_shape = {b.shape: s for b, s in zip(plan.buckets, plan.shardings(), strict=True)}
@@ -135,7 +130,7 @@ def test_parity_element(m):
     # AdamW's moments cover the non-Muon leaves only, each device keeping those it holds.
     adam = [x.value for x in jax.tree.leaves(state.adam, is_leaf=lambda x: isinstance(x, vj.PerDevice))
             if isinstance(x, vj.PerDevice)]
-    dims = vjo.resolve_dimension_numbers(plan, dims_tree)
+    dims = resolve_dimension_numbers(plan, dims_tree)
     non_muon = sum(s.size for s, d in zip(plan.leaves, dims, strict=True) if d is None)
     assert len(adam) == 2
     for x in adam:
@@ -153,7 +148,7 @@ def test_parity_options(m, granularity):
     plan = vj.plan(PARAMS, make_mesh(m), stacked=["layers"], granularity=granularity)
     got, step, sp, state = run_sharded(PARAMS, GRADS, plan, **OPTIONS)
     for g, r in zip(got, reference("options", PARAMS, GRADS, **OPTIONS), strict=True):
-        assert_close(g, r)
+        assert_trees_close(g, r)
     if granularity == vj.whole():
         # Every matrix sits whole on one device: orthogonalised there, no all-to-all at all.
         routing = vjo.muon_routing(plan, dims_tree)
@@ -204,7 +199,7 @@ def test_leftover_matrices_are_split_by_columns():
     kw = dict(learning_rate=0.05, ns_steps=3)
     got, *_ = run_sharded(params, grads, plan, **kw)
     for g, r in zip(got, reference("split", params, grads, **kw), strict=True):
-        assert_close(g, r)
+        assert_trees_close(g, r)
 
 
 def test_owners_whole_stays_put():
@@ -226,14 +221,8 @@ def test_rejects_unsharded_updates():
 
 
 def test_muon_inside_a_vj_fsdp_step_matches_optax_unsharded():
-    import os
-    import sys
-
     from flax import nnx
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-    from gpt import GPTConfig, abstract_model, init_params, loss_fn, muon_dimension_numbers
-    from test_fsdp import assert_trees_close, batches
+    from helpers import GPTConfig, abstract_model, batches, init_params, loss_fn, muon_dimension_numbers
 
     cfg = GPTConfig(vocab=67, max_len=16, d_model=20, num_heads=2, num_layers=2, d_ff=52)
     graphdef, shapes = abstract_model(cfg)
@@ -362,7 +351,7 @@ def _simulate_routing(plan, routing, dims_tree):
 
 @pytest.mark.parametrize("m,granularity", [(3, None), (3, vj.rows(2)), (8, None), (8, vj.rows(2))])
 def test_run_tables_match_brute_force(m, granularity, monkeypatch):
-    from vescale_jax.optim import _owners as owners
+    from vescale_jax.optim import _runs as runs
 
     shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), RUN_SHAPES,
                           is_leaf=lambda x: isinstance(x, tuple))
@@ -372,22 +361,18 @@ def test_run_tables_match_brute_force(m, granularity, monkeypatch):
     dense = _simulate_routing(plan, routing, RUN_DIMS)
 
     # The devices expand the lookups into exactly the dense tables (several chunks per loop here).
-    monkeypatch.setattr(owners, "_CHUNK", 64)
+    monkeypatch.setattr(runs, "_CHUNK", 64)
     w, t = routing.width, routing.local_size
     for name, n in (("send", m * w), ("gather", routing.work_size), ("back_send", m * w), ("back_gather", t)):
         lookup = routing.lookups[name]
-        expand = jax.jit(jax.vmap(lambda k, lookup=lookup, n=n: owners.run_indices(lookup, k, n, jnp.zeros(1))))
+        expand = jax.jit(jax.vmap(lambda k, lookup=lookup, n=n: runs.run_indices(lookup, k, n, jnp.zeros(1))))
         got = np.asarray(expand(jnp.arange(m, dtype=jnp.int32)))
         np.testing.assert_array_equal(got, dense[name].reshape(m, n), err_msg=name)
 
 
 def test_run_tables_are_small_for_the_benchmark_model():
     # The dense index tables were ~4 x (all Muon elements) int32; the run tables are a few entries per row.
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-    import muon as bench
+    bench = load_script("benchmarks/muon.py")
 
     plan = vj.plan(bench.model(), make_mesh(8), stacked=["layers"])
     routing = vjo.muon_routing(plan, bench.DIMS)

@@ -193,3 +193,13 @@ def test_shampoo_rejects_complex():
     plan = vj.plan(params, make_mesh(3), granularity=vj.rows(4))
     with pytest.raises(ValueError, match=r"leaf b is complex64.*not supported"):
         vj.optim.shampoo(1e-2, plan=plan, block_size=4)
+
+
+@pytest.mark.parametrize("name", ["scale_by_trust_ratio", "scale_by_param_block_norm", "scale_by_param_block_rms"])
+def test_params_required(name):
+    # Like optax: a transformation that reads the parameters refuses an update without them, naming itself.
+    plan = vj.plan(make_params(), make_mesh(1))
+    sp = vj.shard(make_params(), plan)
+    tx = getattr(vj.optim, name)(plan=plan)
+    with pytest.raises(ValueError, match=f"vj.optim.{name} needs the current parameters"):
+        tx.update(sp, tx.init(sp))

@@ -11,6 +11,7 @@ import pytest
 from conftest import make_mesh
 from flax import linen as nn
 from flax import nnx
+from helpers import assert_trees_equal, child_pythonpath
 
 import vescale_jax as vj
 
@@ -45,15 +46,6 @@ def random_tree(seed: int, *, big: bool = False):
     return tree
 
 
-def assert_bit_exact(a, b):
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(la, lb, strict=True):
-        assert x.shape == y.shape and x.dtype == y.dtype
-        xb, yb = np.asarray(x), np.asarray(y)
-        assert xb.tobytes() == yb.tobytes()
-
-
 @pytest.mark.parametrize("granularity", [vj.element(), vj.rows(1), vj.rows(4), vj.whole()], ids=repr)
 def test_shard_unshard_bit_exact(mesh, granularity):
     tree = random_tree(0)
@@ -66,14 +58,14 @@ def test_shard_unshard_bit_exact(mesh, granularity):
         assert buf.sharding.spec == plan.partition_spec(bucket)
         shards = buf.addressable_shards
         assert {s.data.shape for s in shards} == {bucket.local_shape}
-    assert_bit_exact(vj.unshard(sp), tree)
+    assert_trees_equal(vj.unshard(sp), tree)
 
 
 def test_big_embedding_on_eight_devices_bit_exact():
     mesh = make_mesh(8)
     tree = random_tree(1, big=True)
     plan = vj.plan(tree, mesh, granularity=vj.rows(1))
-    assert_bit_exact(vj.unshard(vj.shard(tree, plan)), tree)
+    assert_trees_equal(vj.unshard(vj.shard(tree, plan)), tree)
     rs = plan.shard_of("embed/table")
     assert rs.block == 768 and sum(rs.local_sizes) == 50257 * 768
     assert all(start % 768 == 0 for start in rs.starts)
@@ -175,7 +167,7 @@ def test_stacked_layer_group(mesh):
     buf = sp.buffers[plan.buckets.index(bucket)]
     assert buf.shape == (layers, mesh.size * bucket.layout.shard_size)
     assert buf.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp")
-    assert_bit_exact(vj.unshard(sp), tree)
+    assert_trees_equal(vj.unshard(sp), tree)
     assert plan.shard_of("layers/w").shape == (7, 11)
 
 
@@ -188,7 +180,7 @@ def test_linen_and_nnx_trees(mesh):
     params = Lin().init(jax.random.key(0), jnp.ones((1, 3)))
     plan = vj.plan(params, mesh)
     assert {b.unit for b in plan.buckets} == {"Dense_0", "Dense_1"}
-    assert_bit_exact(vj.unshard(vj.shard(params, plan)), params)
+    assert_trees_equal(vj.unshard(vj.shard(params, plan)), params)
 
     class Net(nnx.Module):
         def __init__(self, rngs):
@@ -200,7 +192,7 @@ def test_linen_and_nnx_trees(mesh):
     assert {s.path for s in plan.leaves} == {"embed/embedding", "out/kernel", "out/bias"}
     back = vj.unshard(vj.shard(state, plan))
     assert isinstance(back, nnx.State)
-    assert_bit_exact(back, state)
+    assert_trees_equal(back, state)
 
 
 def test_plan_from_shape_dtype_structs_and_init_sharded_never_holds_the_model():
@@ -217,7 +209,7 @@ def test_plan_from_shape_dtype_structs_and_init_sharded_never_holds_the_model():
     shapes = jax.eval_shape(init, jax.random.key(0))
     plan = vj.plan(shapes, mesh, granularity=vj.rows(1))
     sp = vj.init_sharded(init, plan, jax.random.key(0))
-    assert_bit_exact(vj.unshard(sp), init(jax.random.key(0)))
+    assert_trees_equal(vj.unshard(sp), init(jax.random.key(0)))
     for bucket, buf in zip(plan.buckets, sp.buffers, strict=True):
         assert buf.sharding == jax.sharding.NamedSharding(mesh, plan.partition_spec(bucket))
 
@@ -241,8 +233,7 @@ def test_plan_is_hashable_and_deterministic():
         """
         import os
         os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=3"
-        import jax, sys
-        sys.path.insert(0, "tests")
+        import jax
         from test_plan import random_tree
         import vescale_jax as vj
         mesh = jax.make_mesh((3,), ("fsdp",))
@@ -254,7 +245,7 @@ def test_plan_is_hashable_and_deterministic():
         capture_output=True,
         text=True,
         check=True,
-        env={**__import__("os").environ, "PYTHONHASHSEED": "123"},
+        env={**child_pythonpath(), "PYTHONHASHSEED": "123"},
     )
     assert out.stdout.strip() == p1.fingerprint()
 

@@ -7,6 +7,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import make_mesh
+from helpers import assert_trees_equal
 
 import vescale_jax as vj
 import vescale_jax.optim as vjo
@@ -14,6 +15,7 @@ from vescale_jax import testing
 from vescale_jax._buffer import PerDevice, ShardedParams
 from vescale_jax._plan import path_str
 from vescale_jax.optim._relayout import BlockLayout, CompactLayout, logical_view, restore_logical
+from vescale_jax.optim._shampoo import inverse_root
 
 BLOCK = 4
 BEFORE, AFTER = 2, 2  # steps before the move, and after it under both plans
@@ -138,13 +140,6 @@ def as_numpy(tree):
     return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
-def assert_bitwise(a, b, what):
-    fa, fb = jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b)
-    assert len(fa) == len(fb), what
-    for (path, x), y in zip(fa, fb, strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"{what} {jax.tree_util.keystr(path)}")
-
-
 PAIRS = [("m8", "m3"), ("m3", "m8"), ("m1", "m8"), ("m8", "m1"), ("m3", "m3r"), ("m8", "2x4")]
 
 
@@ -163,11 +158,11 @@ def test_trained_state_moves_to_another_plan(opt, a, b):
     plan_b = setup(opt, b)[0]
     assert per_device(state_b) and all(x.layout is not None and x.layout.plan == plan_b for x in per_device(state_b))
     # B's logical view of the restored state is A's, bit for bit.
-    assert_bitwise(logical_view(per_device(state_b)), logical_view(per_device(state_a)), f"{a}->{b} view")
+    assert_trees_equal(logical_view(per_device(state_b)), logical_view(per_device(state_a)), what=f"{a}->{b} view")
     # A -> B -> A gives back A's PerDevice values bit for bit (empty slots included).
     state_back, _ = move(state_b, sp_b, opt, a)
-    assert_bitwise([x.value for x in per_device(state_back)], [x.value for x in per_device(state_a)],
-                   f"{a}->{b}->{a}")
+    assert_trees_equal([x.value for x in per_device(state_back)], [x.value for x in per_device(state_a)],
+                       what=f"{a}->{b}->{a}")
     # Training continues under B as it would have under A.
     sp_a2, _ = train(opt, a, GRADS[BEFORE:], sp_a, state_a)
     sp_b2, _ = train(opt, b, GRADS[BEFORE:], sp_b, state_b)
@@ -200,10 +195,10 @@ def test_relayout_round_trips_exactly(kind, a, b):
     view_a = la.to_logical(va)
     for k, x in view_a.items():
         assert x.sharding == shapes[k].sharding, k
-    assert_bitwise(view_a, arrays, f"{kind} {a}")
+    assert_trees_equal(view_a, arrays, what=f"{kind} {a}")
     vb = lb.from_logical(view_a)
-    assert_bitwise(lb.to_logical(vb), arrays, f"{kind} {a}->{b}")
-    assert_bitwise(la.from_logical(lb.to_logical(vb)), va, f"{kind} {a}->{b}->{a}")
+    assert_trees_equal(lb.to_logical(vb), arrays, what=f"{kind} {a}->{b}")
+    assert_trees_equal(la.from_logical(lb.to_logical(vb)), va, what=f"{kind} {a}->{b}->{a}")
 
 
 def blocks_of(x, b):
@@ -240,7 +235,7 @@ def test_logical_view_holds_the_optimizer_state_by_leaf():
             at = (lambda x, layer=layer: np.asarray(x)[layer]) if key.startswith("layers") else np.asarray
             np.testing.assert_allclose(at(got), ls, rtol=1e-5, atol=1e-7, err_msg=key)
             np.testing.assert_allclose(at(right[key]), rs, rtol=1e-5, atol=1e-7, err_msg=key)
-            want = np.asarray(vjo.inverse_root(jnp.asarray(at(got)), exponent=4.0, epsilon=1e-6))
+            want = np.asarray(inverse_root(jnp.asarray(at(got)), exponent=4.0, epsilon=1e-6))
             np.testing.assert_allclose(at(roots[key]), want, rtol=1e-4, atol=1e-4 * np.abs(want).max(), err_msg=key)
     mu = adam_state.mu.layout.to_logical(adam_state.mu.value)
     nu = adam_state.nu.layout.to_logical(adam_state.nu.value)

@@ -1,8 +1,6 @@
 """Mixed precision, gradient accumulation and HSDP under vj.fsdp, against unsharded / fp32 references."""
 
-import os
 import re
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -11,13 +9,10 @@ import optax
 import pytest
 from conftest import make_mesh
 from flax import nnx
+from helpers import GPTConfig, abstract_model, assert_trees_close, batches, init_params, loss_fn, reference_run
 
 import vescale_jax as vj
 from vescale_jax import testing
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-from gpt import GPTConfig, abstract_model, init_params, loss_fn
-from test_fsdp import assert_trees_close, batches, reference_run
 
 CFG = GPTConfig(vocab=257, max_len=16, d_model=20, num_heads=2, num_layers=3, d_ff=52)
 BF16 = vj.MixedPrecision(compute_dtype=jnp.bfloat16, reduce_dtype=jnp.float32, master_dtype=jnp.float32)

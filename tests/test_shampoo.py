@@ -7,12 +7,14 @@ import numpy as np
 import optax
 import pytest
 from conftest import make_mesh
+from helpers import ROOT, assert_trees_close, child_pythonpath
 from shampoo_reference import reference_shampoo
 
 import vescale_jax as vj
 import vescale_jax.optim as vjo
 from vescale_jax import testing
 from vescale_jax._plan import path_str
+from vescale_jax.optim._shampoo import inverse_root
 
 STEPS = 10
 BLOCK = 4
@@ -88,13 +90,6 @@ def run_sharded(plan, **kw):
     return out, step, sp, state, grads[0]
 
 
-def assert_close(got, ref, rtol=1e-4):
-    for (path, r), g in zip(jax.tree_util.tree_flatten_with_path(ref)[0], got, strict=True):
-        r = np.asarray(r)
-        err = np.max(np.abs(g - r)) / max(np.max(np.abs(r)), 1e-30)
-        assert err <= rtol, f"{jax.tree_util.keystr(path)}: max|diff|/max|ref| = {err:.2e}"
-
-
 def plan_for(m):
     return vj.plan(PARAMS, make_mesh(m), stacked=["layers"], granularity=vj.rows(BLOCK))
 
@@ -104,7 +99,7 @@ def test_parity_with_reference(m):
     plan = plan_for(m)
     got, step, _, state, _ = run_sharded(plan, **DEFAULT)
     for a, r in zip(got, reference("default", **DEFAULT), strict=True):
-        assert_close(a, r)
+        assert_trees_close(a, r, rtol=1e-4)
     assert step._cache_size() == 1  # no recompilation after the first step
     # State: graft moment, momentum and AdamW moments sharded like the params; block statistics per device.
     by_shape = {b.shape: s for b, s in zip(plan.buckets, plan.shardings(), strict=True)}
@@ -132,7 +127,7 @@ def test_parity_with_reference(m):
 def test_parity_options(m):
     got, *_ = run_sharded(plan_for(m), **OPTIONS)
     for a, r in zip(got, reference("options", **OPTIONS), strict=True):
-        assert_close(a, r)
+        assert_trees_close(a, r, rtol=1e-4)
 
 
 @pytest.mark.parametrize("graft_type", ["adam", "adagrad", "sgd"])
@@ -140,7 +135,7 @@ def test_parity_grafts(graft_type):
     kw = dict(DEFAULT, graft_type=graft_type, exponent_override=2)
     got, *_ = run_sharded(plan_for(3), **kw)
     for a, r in zip(got, reference(f"graft-{graft_type}", **kw), strict=True):
-        assert_close(a, r)
+        assert_trees_close(a, r, rtol=1e-4)
 
 
 def test_update_has_no_parameter_sized_collective():
@@ -172,21 +167,15 @@ def test_inverse_root_matches_numpy():
     rng = np.random.default_rng(0)
     a = rng.standard_normal((3, 6, 6))
     a = a @ np.swapaxes(a, 1, 2)
-    got = np.asarray(vjo.inverse_root(jnp.asarray(a, jnp.float32), exponent=4, epsilon=1e-3))
+    got = np.asarray(inverse_root(jnp.asarray(a, jnp.float32), exponent=4, epsilon=1e-3))
     w, v = np.linalg.eigh(a)
     ref = (v * (w + 1e-3)[:, None, :] ** -0.25) @ np.swapaxes(v, 1, 2)
     np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-5)
 
 
 def test_shampoo_inside_a_vj_fsdp_step_matches_the_reference():
-    import os
-    import sys
-
     from flax import nnx
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-    from gpt import GPTConfig, abstract_model, init_params, loss_fn
-    from test_fsdp import assert_trees_close, batches
+    from helpers import GPTConfig, abstract_model, batches, init_params, loss_fn
 
     cfg = GPTConfig(vocab=67, max_len=16, d_model=20, num_heads=2, num_layers=2, d_ff=52)
     graphdef, shapes = abstract_model(cfg)
@@ -228,11 +217,9 @@ def test_large_blocks_on_eight_cpu_devices_do_not_deadlock():
     import sys
     import textwrap
 
-    examples = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples")
-    code = textwrap.dedent(f"""
-        import os, sys
+    code = textwrap.dedent("""
+        import os
         os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-        sys.path.insert(0, {examples!r})
         import jax, jax.numpy as jnp, optax
         import vescale_jax as vj
         from gpt import GPTConfig, abstract_model, init_params
@@ -253,6 +240,8 @@ def test_large_blocks_on_eight_cpu_devices_do_not_deadlock():
         jax.block_until_ready(params)
         print("done", vj.optim.shampoo_blocks(plan, 64).slots)
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    # The example's model and plan, imported from examples/ (on the child's PYTHONPATH).
+    env = child_pythonpath(os.path.join(ROOT, "examples"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("done")

@@ -59,9 +59,28 @@ _SETUP: _Setup | None = None
 
 
 def _backends_initialized() -> bool:
-    from jax._src import xla_bridge
+    """Whether JAX's backends have started (without starting them)."""
+    from jax._src import xla_bridge  # private: no public API asks this without starting the backends
 
     return xla_bridge.backends_are_initialized()
+
+
+def _cluster_types() -> list[Any]:
+    """JAX's cluster detectors (SLURM, Open MPI, Kubernetes, Cloud TPU, ...), or ``[]`` if the private API moved."""
+    try:
+        from jax._src import clusters  # private: jax.distributed exposes no detection without initialising
+
+        return list(clusters.ClusterEnv._cluster_types)
+    except (ImportError, AttributeError):
+        return []
+
+
+def _job() -> _Setup:
+    """The job ``jax.distributed`` was initialised with (however it was called)."""
+    from jax._src.distributed import global_state  # private: no public coordinator address; process_count() starts XLA
+
+    return _Setup(global_state.coordinator_address, int(global_state.num_processes or 1),
+                  int(global_state.process_id or 0), None)
 
 
 def detect_cluster() -> str | None:
@@ -74,13 +93,7 @@ def detect_cluster() -> str | None:
       The detector's name (e.g. ``"SlurmCluster"``, ``"OmpiCluster"``, ``"K8sCluster"``), ``"env"`` when only
       ``JAX_COORDINATOR_ADDRESS`` is set, or ``None`` when no cluster is detected.
     """
-    try:
-        from jax._src import clusters
-
-        kinds = list(clusters.ClusterEnv._cluster_types)
-    except (ImportError, AttributeError):  # private API moved: fall back on JAX's own call.
-        kinds = []
-    for env in kinds:
+    for env in _cluster_types():  # empty if the private API moved: then JAX's own call detects
         if getattr(env, "opt_in_only_method", False):
             continue
         try:
@@ -95,9 +108,7 @@ def detect_cluster() -> str | None:
 
 def _detected_process_count(name: str) -> int | None:
     try:
-        from jax._src import clusters
-
-        env = next(e for e in clusters.ClusterEnv._cluster_types if e.__name__ == name)
+        env = next(e for e in _cluster_types() if e.__name__ == name)
         return int(env.get_process_count())
     except Exception:
         return None
@@ -217,10 +228,7 @@ def initialize(
         "shutdown_timeout_seconds": shutdown_timeout_s,
     })
     jax.distributed.initialize(**kwargs)
-    from jax._src.distributed import global_state
-
-    _SETUP = _Setup(global_state.coordinator_address, int(global_state.num_processes), int(global_state.process_id),
-                    local_device_count)
+    _SETUP = dataclasses.replace(_job(), local_device_count=local_device_count)
     logger.info("vj.distributed.initialize: process %d of %d (coordinator %s)", _SETUP.process_id,
                 _SETUP.num_processes, _SETUP.coordinator_address)
     return _SETUP.num_processes > 1
@@ -250,10 +258,7 @@ def _check_repeat(coordinator_address: str | None, num_processes: int | None, pr
                   local_device_count: int | None) -> bool:
     global _SETUP
     if _SETUP is None:  # jax.distributed.initialize was called directly
-        from jax._src.distributed import global_state
-
-        _SETUP = _Setup(global_state.coordinator_address, int(global_state.num_processes),
-                        int(global_state.process_id), None)
+        _SETUP = _job()
     if coordinator_address is not None:
         single = num_processes == 1 and _SETUP.num_processes == 1
         if not single and (coordinator_address, num_processes, process_id) != (
@@ -289,9 +294,7 @@ def is_multiprocess() -> bool:
     """
     if not jax.distributed.is_initialized():
         return False
-    from jax._src.distributed import global_state
-
-    return int(global_state.num_processes or 1) > 1
+    return _job().num_processes > 1
 
 
 def local_batch_slice(global_batch_size: int, sharding: jax.sharding.Sharding | None = None) -> slice:

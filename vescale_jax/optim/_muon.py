@@ -45,7 +45,8 @@ from vescale_jax.optim._leaves import (
     prefix_per_leaf,
     static_int,
 )
-from vescale_jax.optim._owners import Routing, build_routing, route_newton_schulz
+from vescale_jax.optim._owners import route_newton_schulz
+from vescale_jax.optim._routing import Routing, build_routing
 
 __all__ = [
     "MuonDimensionNumbers", "MuonState", "muon", "muon_routing", "newton_schulz", "scale_by_muon",

@@ -29,6 +29,11 @@ __all__ = [
 ]
 
 
+def _no_params(name: str) -> str:
+    return (f"vj.optim.{name} needs the current parameters: pass them as the third argument of update, "
+            "tx.update(updates, state, params).")
+
+
 def _acc_dtype(dtype: Any) -> Any:
     return jnp.float64 if jnp.dtype(dtype).itemsize >= 8 and jnp.issubdtype(dtype, jnp.inexact) else jnp.float32
 
@@ -146,7 +151,7 @@ def scale_by_trust_ratio(
 
     def update_fn(updates, state, params=None):
         if params is None:
-            raise ValueError(optax._src.base.NO_PARAMS_MSG)
+            raise ValueError(_no_params("scale_by_trust_ratio"))
         _plan_of(updates, plan, "scale_by_trust_ratio")
         param_norm = _safe(jnp.sqrt(leaf_sums(params)), min_norm)
         update_norm = _safe(jnp.sqrt(leaf_sums(updates)), min_norm)
@@ -217,7 +222,7 @@ def scale_by_param_block_norm(min_scale: float = 1e-3, *, plan: Plan | None = No
 
     def update_fn(updates, state, params=None):
         if params is None:
-            raise ValueError(optax._src.base.NO_PARAMS_MSG)
+            raise ValueError(_no_params("scale_by_param_block_norm"))
         _plan_of(updates, plan, "scale_by_param_block_norm")
         return scale_leaves(updates, _safe(jnp.sqrt(leaf_sums(params)), min_scale)), state
 
@@ -230,7 +235,7 @@ def scale_by_param_block_rms(min_scale: float = 1e-3, *, plan: Plan | None = Non
 
     def update_fn(updates, state, params=None):
         if params is None:
-            raise ValueError(optax._src.base.NO_PARAMS_MSG)
+            raise ValueError(_no_params("scale_by_param_block_rms"))
         p = _plan_of(updates, plan, "scale_by_param_block_rms")
         rms = jnp.sqrt(leaf_sums(params) / _sizes(p).astype(leaf_sums(params).dtype))
         return scale_leaves(updates, _safe(rms, min_scale)), state
