@@ -69,8 +69,10 @@ def model_shapes(mib: float):
     layers = max(1, int(mib * MIB / 4 / (1024 * 1024 + 4096)) - 1)
     return {
         "embed": jax.ShapeDtypeStruct((50257 // 8, 160), jnp.float32),  # 6282 rows: 8 does not divide it
-        "blocks": {"w": jax.ShapeDtypeStruct((layers, 1024, 1024), jnp.float32),
-                   "b": jax.ShapeDtypeStruct((layers, 4096), jnp.float32)},
+        "blocks": {
+            "w": jax.ShapeDtypeStruct((layers, 1024, 1024), jnp.float32),
+            "b": jax.ShapeDtypeStruct((layers, 4096), jnp.float32),
+        },
     }
 
 
@@ -81,7 +83,8 @@ def init_fn(shapes):
         leaves, treedef = jax.tree.flatten(shapes)
         keys = jax.random.split(key, len(leaves))
         return jax.tree.unflatten(
-            treedef, [jax.random.normal(k, s.shape, s.dtype) for k, s in zip(keys, leaves, strict=True)])
+            treedef, [jax.random.normal(k, s.shape, s.dtype) for k, s in zip(keys, leaves, strict=True)]
+        )
 
     return init
 
@@ -101,13 +104,14 @@ def bench_time(args) -> None:
     plan = vj.plan(shapes, mesh, stacked=("blocks",))
     params = vj.init_sharded(init_fn(shapes), plan, jax.random.key(0))
     adam, *rest = vj.init_opt_state(optax.adam(1e-3), params)
-    state = (adam._replace(mu=jax.tree.map(lambda x: x * 0.5, params), nu=jax.tree.map(lambda x: x * x, params)),
-             *rest)
+    state = (adam._replace(mu=jax.tree.map(lambda x: x * 0.5, params), nu=jax.tree.map(lambda x: x * x, params)), *rest)
     total = 3 * sum(b.nbytes for b in plan.buckets) / MIB
     # The unsharded tree a plain Flax job would hold, on one device (built through the host, leaf by leaf).
     one = jax.devices()[0]
-    plain_tree = {name: jax.tree.map(lambda x: jax.device_put(np.asarray(x), one), vj.checkpoint.logical_tree(sp))
-                  for name, sp in (("params", params), ("mu", state[0].mu), ("nu", state[0].nu))}
+    plain_tree = {
+        name: jax.tree.map(lambda x: jax.device_put(np.asarray(x), one), vj.checkpoint.logical_tree(sp))
+        for name, sp in (("params", params), ("mu", state[0].mu), ("nu", state[0].nu))
+    }
     plain_tree["count"] = jax.device_put(np.asarray(state[0].count), one)
     jax.block_until_ready((params, state, plain_tree))
     root = tempfile.mkdtemp(prefix="vj_ckpt_bench_")
@@ -130,21 +134,30 @@ def bench_time(args) -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     vj_s, plain_s = float(np.median(vj_times[1:])), float(np.median(plain_times[1:]))
-    print(f"state {total:.0f} MiB (params + Adam mu, nu) on {jax.device_count()} {jax.devices()[0].platform} "
-          f"devices, {len(plan.leaves)} leaves in {len(plan.buckets)} buckets; median of {args.repeats}")
+    print(
+        f"state {total:.0f} MiB (params + Adam mu, nu) on {jax.device_count()} {jax.devices()[0].platform} "
+        f"devices, {len(plan.leaves)} leaves in {len(plan.buckets)} buckets; median of {args.repeats}"
+    )
     print("| save | seconds | MiB/s |\n|---|---|---|")
     print(f"| vj.checkpoint.Manager (sharded, logical) | {vj_s:.2f} | {total / vj_s:.0f} |")
     print(f"| plain Orbax, unsharded tree on one device | {plain_s:.2f} | {total / plain_s:.0f} |")
-    print(f"ratio vj / plain: {vj_s / plain_s:.2f} (first, compiling round: vj {vj_times[0]:.2f} s, plain "
-          f"{plain_times[0]:.2f} s)")
+    print(
+        f"ratio vj / plain: {vj_s / plain_s:.2f} (first, compiling round: vj {vj_times[0]:.2f} s, plain "
+        f"{plain_times[0]:.2f} s)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- memory
 def memory_worker(pid: int, n: int, port: int, devices: int, mib: float, directory: str) -> None:
     from vescale_jax import distributed
 
-    distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=n, process_id=pid,
-                           local_device_count=devices, timeout_s=60)
+    distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}",
+        num_processes=n,
+        process_id=pid,
+        local_device_count=devices,
+        timeout_s=60,
+    )
     import jax
 
     import vescale_jax as vj
@@ -175,11 +188,22 @@ def memory_worker(pid: int, n: int, port: int, devices: int, mib: float, directo
         restored = mngr.restore(params=other)
         jax.block_until_ready(restored.params)
     mngr.close()
-    print("RESULT " + json.dumps({"process": pid, "model_mib": model, "share_mib": model / n,
-                                  "save_increase_mib": save.increase_mib, "convert_increase_mib":
-                                  convert.increase_mib, "plain_orbax_increase_mib": plain.increase_mib,
-                                  "restore_increase_mib":
-                                  restore.increase_mib, "rss_before_save_mib": save.base / MIB}), flush=True)
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "process": pid,
+                "model_mib": model,
+                "share_mib": model / n,
+                "save_increase_mib": save.increase_mib,
+                "convert_increase_mib": convert.increase_mib,
+                "plain_orbax_increase_mib": plain.increase_mib,
+                "restore_increase_mib": restore.increase_mib,
+                "rss_before_save_mib": save.base / MIB,
+            }
+        ),
+        flush=True,
+    )
 
 
 def bench_memory(args) -> None:
@@ -187,13 +211,32 @@ def bench_memory(args) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     root = tempfile.mkdtemp(prefix="vj_ckpt_mem_")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get(
-        "PYTHONPATH")) if p))
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
+    )
     env.pop("XLA_FLAGS", None)
-    procs = [subprocess.Popen([sys.executable, __file__, "_memory_worker", str(i), str(args.processes), str(port),
-                               str(args.devices), str(args.mib), os.path.join(root, "ckpt")], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-             for i in range(args.processes)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "_memory_worker",
+                str(i),
+                str(args.processes),
+                str(port),
+                str(args.devices),
+                str(args.mib),
+                os.path.join(root, "ckpt"),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        for i in range(args.processes)
+    ]
     results = []
     try:
         for p in procs:
@@ -206,13 +249,19 @@ def bench_memory(args) -> None:
         shutil.rmtree(root, ignore_errors=True)
     results.sort(key=lambda r: r["process"])
     m = results[0]
-    print(f"model {m['model_mib']:.0f} MiB over {args.processes} processes x {args.devices} CPU devices: "
-          f"share {m['share_mib']:.0f} MiB per process")
-    print("| process | RSS before | vj save | of which: conversion alone | plain Orbax save of the converted tree "
-          "| vj restore into rows(1) |\n|---|---|---|---|---|---|")
+    print(
+        f"model {m['model_mib']:.0f} MiB over {args.processes} processes x {args.devices} CPU devices: "
+        f"share {m['share_mib']:.0f} MiB per process"
+    )
+    print(
+        "| process | RSS before | vj save | of which: conversion alone | plain Orbax save of the converted tree "
+        "| vj restore into rows(1) |\n|---|---|---|---|---|---|"
+    )
     for r in results:
-        cells = [f"{r[k]:.0f} MiB ({r[k] / r['share_mib']:.2f} x share)" for k in
-                 ("save_increase_mib", "convert_increase_mib", "plain_orbax_increase_mib", "restore_increase_mib")]
+        cells = [
+            f"{r[k]:.0f} MiB ({r[k] / r['share_mib']:.2f} x share)"
+            for k in ("save_increase_mib", "convert_increase_mib", "plain_orbax_increase_mib", "restore_increase_mib")
+        ]
         print(f"| {r['process']} | {r['rss_before_save_mib']:.0f} MiB | " + " | ".join(cells) + " |")
 
 

@@ -62,6 +62,7 @@ def baseline_step(cfg: GPTConfig, mesh, tx, *, scan: bool):
         h = jax.lax.with_sharding_constraint(model.embed(tokens) + model.pos[: tokens.shape[1]], act)
         block_def, block_state = nnx.split(model.blocks)
         if scan:
+
             def body(h, layer):
                 return jax.lax.with_sharding_constraint(nnx.merge(block_def, layer)(h), act), None
 
@@ -95,8 +96,9 @@ def vj_step(cfg: GPTConfig, mesh, tx, *, reshard: bool = True, prefetch: bool = 
 
     @vj.fsdp(plan=plan, reshard_after_forward=reshard, prefetch=prefetch)
     def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(
-            lambda p: loss_fn(vj.flax.nnx_apply(graphdef, p, batch["x"]), batch["y"]))(params)
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(vj.flax.nnx_apply(graphdef, p, batch["x"]), batch["y"]))(
+            params
+        )
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -113,8 +115,13 @@ def measure(name, fn, args, batch, mesh, *, time_steps: int):
             placed = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P("fsdp"))), batch)
             compiled = fn.lower(*args, placed).compile()
     compile_s = time.perf_counter() - t0
-    row = {"name": name, "compile_s": compile_s, "memory": testing.memory(compiled),
-           "census": testing.census(compiled), "step_s": float("nan")}
+    row = {
+        "name": name,
+        "compile_s": compile_s,
+        "memory": testing.memory(compiled),
+        "census": testing.census(compiled),
+        "step_s": float("nan"),
+    }
     if time_steps:
         state = args
         times = []
@@ -176,8 +183,14 @@ def main(argv=None) -> int:
 
     m = len(jax.devices())
     mesh = jax.make_mesh((m,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
-    cfg = GPTConfig(vocab=args.vocab, max_len=args.seq, d_model=args.d_model, num_heads=args.heads,
-                    num_layers=args.layers, d_ff=4 * args.d_model)
+    cfg = GPTConfig(
+        vocab=args.vocab,
+        max_len=args.seq,
+        d_model=args.d_model,
+        num_heads=args.heads,
+        num_layers=args.layers,
+        d_ff=4 * args.d_model,
+    )
     tx = optax.adamw(1e-3)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab, (args.batch, args.seq + 1)).astype(np.int32)
@@ -205,8 +218,10 @@ def main(argv=None) -> int:
     ag_ideal = (m - 1) / m * (stored + again)
     rs_ideal = (m - 1) * stored / m  # ring bytes per device of reduce-scattering every bucket once
 
-    title = (f"## {cfg.num_layers} layers, d_model {cfg.d_model}, vocab {cfg.vocab} on {m} "
-             f"{jax.devices()[0].platform} devices")
+    title = (
+        f"## {cfg.num_layers} layers, d_model {cfg.d_model}, vocab {cfg.vocab} on {m} "
+        f"{jax.devices()[0].platform} devices"
+    )
     lines = [
         title,
         "",
@@ -263,9 +278,13 @@ def main(argv=None) -> int:
         "all-gather wire within 2% of ideal": abs(cen.wire_bytes("all-gather") / ag_ideal - 1) < 0.02,
         "no parameter-sized all-reduce": all(op.result_bytes <= 64 for op in cen.of("all-reduce")),
     }
-    lines += ["", "Bounds: " + "; ".join(f"{k}: {'ok' if v else 'BROKEN'}" for k, v in checks.items()),
-              f"(vj.fsdp ÷ plain = {mem.peak / plain['memory'].peak:.3f}, "
-              f"vj.fsdp ÷ strong = {mem.peak / strong['memory'].peak:.3f}).", ""]
+    lines += [
+        "",
+        "Bounds: " + "; ".join(f"{k}: {'ok' if v else 'BROKEN'}" for k, v in checks.items()),
+        f"(vj.fsdp ÷ plain = {mem.peak / plain['memory'].peak:.3f}, "
+        f"vj.fsdp ÷ strong = {mem.peak / strong['memory'].peak:.3f}).",
+        "",
+    ]
     text = "\n".join(lines)
     print(text)
     if args.out:

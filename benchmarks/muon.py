@@ -42,8 +42,11 @@ def model():
 
 
 _MDN = optax.contrib.MuonDimensionNumbers
-DIMS = {"embed": {"table": None}, "head": {"w": _MDN()},
-        "layers": {"qkv": _MDN(1, 2), "proj": _MDN(1, 2), "fc1": _MDN(1, 2), "fc2": _MDN(1, 2), "ln": None}}
+DIMS = {
+    "embed": {"table": None},
+    "head": {"w": _MDN()},
+    "layers": {"qkv": _MDN(1, 2), "proj": _MDN(1, 2), "fc1": _MDN(1, 2), "fc2": _MDN(1, 2), "ln": None},
+}
 
 
 def even_spec(shape, m):
@@ -74,23 +77,38 @@ def compile_pair(m, *, ns_unroll=False, states=False):
     plan = vj.plan(abstract, mesh, stacked=["layers"])
     routing = vjo.muon_routing(plan, DIMS)
     tx = vjo.muon(1e-3, plan=plan, muon_weight_dimension_numbers=DIMS, ns_unroll=ns_unroll)
-    sp = jax.tree.map(lambda s, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                      vj.ShardedParams(plan.shardings(), plan), vj.ShardedParams(
-                          [jax.ShapeDtypeStruct(b.shape, jnp.dtype(b.dtype)) for b in plan.buckets], plan))
+    sp = jax.tree.map(
+        lambda s, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        vj.ShardedParams(plan.shardings(), plan),
+        vj.ShardedParams([jax.ShapeDtypeStruct(b.shape, jnp.dtype(b.dtype)) for b in plan.buckets], plan),
+    )
     with jax.numpy_dtype_promotion("standard"), jax.set_mesh(mesh):
         state = jax.eval_shape(tx.init, sp)
-        state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-            x.shape, x.dtype, sharding=NamedSharding(mesh, P("fsdp") if x.ndim == 1 and x.shape[0] % m == 0 and
-                                                     x.shape[0] > 1 else (P(None, "fsdp") if x.ndim == 2 else P()))),
-            state)
+        state = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(
+                x.shape,
+                x.dtype,
+                sharding=NamedSharding(
+                    mesh,
+                    P("fsdp")
+                    if x.ndim == 1 and x.shape[0] % m == 0 and x.shape[0] > 1
+                    else (P(None, "fsdp") if x.ndim == 2 else P()),
+                ),
+            ),
+            state,
+        )
         ours = jax.jit(tx.update, donate_argnums=(1,)).lower(sp, state, sp).compile()
 
         base_tx = optax.contrib.muon(1e-3, muon_weight_dimension_numbers=DIMS)
-        ap = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                         sharding=NamedSharding(mesh, even_spec(x.shape, m))), abstract)
+        ap = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, even_spec(x.shape, m))),
+            abstract,
+        )
         bstate = jax.eval_shape(base_tx.init, ap)
-        bstate = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-            x.shape, x.dtype, sharding=NamedSharding(mesh, even_spec(x.shape, m))), bstate)
+        bstate = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, even_spec(x.shape, m))),
+            bstate,
+        )
         base = jax.jit(base_tx.update, donate_argnums=(1,)).lower(ap, bstate, ap).compile()
     return (routing, ours, base, state, bstate) if states else (routing, ours, base)
 
@@ -109,25 +127,39 @@ def main() -> int:
         _, wire, temp = figures(c)
         fl = figures(fc)[0]
         state = state_bytes[name]
-        rows.append((name, f"{fl / 1e9:.3f} G", f"{fl / (total_flops / M):.3f}", f"{wire / 2**20:.2f} MiB",
-                     f"{temp / 2**20:.2f}", f"{state / 2**20:.2f}"))
+        rows.append(
+            (
+                name,
+                f"{fl / 1e9:.3f} G",
+                f"{fl / (total_flops / M):.3f}",
+                f"{wire / 2**20:.2f} MiB",
+                f"{temp / 2**20:.2f}",
+                f"{state / 2**20:.2f}",
+            )
+        )
     ratio = testing.cost(ours_unrolled)["flops"] / (total_flops / M)
     print(f"GPT-like tree: {L} stacked layers, d={D}, ff={F}, vocab={V}; {M} devices")
     print(routing.summary())
     print(f"optax.contrib.muon on one device (the total): {total_flops / 1e9:.3f} GFLOP")
-    print(f"index constants baked into the update (run tables): {routing.index_bytes / 2**20:.2f} MiB per device "
-          f"for {sum(r.shape[0] * r.shape[1] for r in routing.matrices) / 2**20:.2f} M Muon elements")
+    print(
+        f"index constants baked into the update (run tables): {routing.index_bytes / 2**20:.2f} MiB per device "
+        f"for {sum(r.shape[0] * r.shape[1] for r in routing.matrices) / 2**20:.2f} M Muon elements"
+    )
     for r in rows:
         print("  ".join(x.ljust(21) for x in r))
     print("temp memory as the device count grows; 'owned' = one device's Newton-Schulz work arrays (the matrices")
     print("it owns plus its column pieces of split ones):")
     for m, (rt, o, b) in ((2, compile_pair(2)), (4, compile_pair(4)), (M, (routing, ours, base))):
         owned, temp, base_temp = rt.work_size * 4 / 2**20, figures(o)[2] / 2**20, figures(b)[2] / 2**20
-        print(f"  m={m}: owned {owned:.2f} MiB; vj.optim.muon temp {temp:.2f} MiB ({temp / owned:.1f}x owned); "
-              f"optax muon (JAX FSDP) temp {base_temp:.2f} MiB")
+        print(
+            f"  m={m}: owned {owned:.2f} MiB; vj.optim.muon temp {temp:.2f} MiB ({temp / owned:.1f}x owned); "
+            f"optax muon (JAX FSDP) temp {base_temp:.2f} MiB"
+        )
     ok = ratio <= 1.25 and routing.balance <= 1.25
-    print(f"per-device NS FLOPs / (total / m) = {ratio:.3f} compiled, {routing.balance:.3f} by the model "
-          f"(bound 1.25): {'ok' if ok else 'BROKEN'}")
+    print(
+        f"per-device NS FLOPs / (total / m) = {ratio:.3f} compiled, {routing.balance:.3f} by the model "
+        f"(bound 1.25): {'ok' if ok else 'BROKEN'}"
+    )
     return 0 if ok else 1
 
 

@@ -89,8 +89,11 @@ def make_plan(tree, mesh):
 def abstract_params(plan):
     """ShardedParams of ShapeDtypeStructs carrying the plan's shardings."""
     shapes = [jax.ShapeDtypeStruct(b.shape, jnp.dtype(b.dtype)) for b in plan.buckets]
-    return jax.tree.map(lambda s, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        vj.ShardedParams(plan.shardings(), plan), vj.ShardedParams(shapes, plan))
+    return jax.tree.map(
+        lambda s, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        vj.ShardedParams(plan.shardings(), plan),
+        vj.ShardedParams(shapes, plan),
+    )
 
 
 def place_state(shapes, plan):
@@ -149,8 +152,10 @@ def run_config(name: str, cfg: dict, one_device_check: bool) -> dict:
     mesh = jax.make_mesh((M,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
     plan = make_plan(tree, mesh)
     tables = vj.optim.shampoo_blocks(plan, BLOCK)
-    print(f"\n=== {name}: D={cfg['D']}, F={cfg['F']}, V={cfg['V']}, L={cfg['L']} stacked layers, "
-          f"block {BLOCK}, {M} devices ===")
+    print(
+        f"\n=== {name}: D={cfg['D']}, F={cfg['F']}, V={cfg['V']}, L={cfg['L']} stacked layers, "
+        f"block {BLOCK}, {M} devices ==="
+    )
     print(plan.summary())
     print(f"plan padding fraction: {plan.padding_fraction:.4f}")
     print(f"(a) {tables.summary()}")
@@ -167,12 +172,18 @@ def run_config(name: str, cfg: dict, one_device_check: bool) -> dict:
     flops8 = testing.cost(compiled)["flops"]
     per_dev_roots, mean_roots = analytic_roots(tables, M)
     root_ratio = per_dev_roots / mean_roots
-    print(f"(c) compiled cost_analysis FLOPs of the update per device: {flops8 / 1e9:.3f} GFLOP "
-          "(eigh is a custom call: 0 FLOPs in this count)")
-    print(f"    analytic root FLOPs per device: {tables.slots} slots x 2 roots x {root_flops(BLOCK) / 1e6:.2f} MFLOP "
-          f"= {per_dev_roots / 1e9:.3f} GFLOP (per root: eigh 9b^3 [Golub & Van Loan 8.3.6] + 2b^3 for V w V^T)")
-    print(f"    total root FLOPs over the {tables.num_blocks} real blocks / {M} = {mean_roots / 1e9:.3f} GFLOP; "
-          f"busiest / mean = {root_ratio:.3f} (bound {BOUND})")
+    print(
+        f"(c) compiled cost_analysis FLOPs of the update per device: {flops8 / 1e9:.3f} GFLOP "
+        "(eigh is a custom call: 0 FLOPs in this count)"
+    )
+    print(
+        f"    analytic root FLOPs per device: {tables.slots} slots x 2 roots x {root_flops(BLOCK) / 1e6:.2f} MFLOP "
+        f"= {per_dev_roots / 1e9:.3f} GFLOP (per root: eigh 9b^3 [Golub & Van Loan 8.3.6] + 2b^3 for V w V^T)"
+    )
+    print(
+        f"    total root FLOPs over the {tables.num_blocks} real blocks / {M} = {mean_roots / 1e9:.3f} GFLOP; "
+        f"busiest / mean = {root_ratio:.3f} (bound {BOUND})"
+    )
     flop_ratio = None
     if one_device_check:
         mesh1 = jax.make_mesh((1,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
@@ -182,25 +193,37 @@ def run_config(name: str, cfg: dict, one_device_check: bool) -> dict:
         flops1 = testing.cost(compiled1)["flops"]
         flop_ratio = flops8 / (flops1 / M)
         print(f"    1 device: {tables1.summary()}")
-        print(f"    1 device: compiled FLOPs {flops1 / 1e9:.3f} GFLOP; "
-              f"flops(8 devices, per device) / (flops(1 device) / 8) = {flop_ratio:.3f}")
+        print(
+            f"    1 device: compiled FLOPs {flops1 / 1e9:.3f} GFLOP; "
+            f"flops(8 devices, per device) / (flops(1 device) / 8) = {flop_ratio:.3f}"
+        )
 
     mem = testing.memory(compiled)
     params_b, state_b = bytes_per_device(sp), bytes_per_device(state)
     sh = state.shampoo[0]  # ShampooState; state.shampoo[1] is the momentum, state.adam the AdamW branch
     stats_b = bytes_per_device((sh.stats_left, sh.stats_right, sh.root_left, sh.root_right))
-    parts = {"block stats+roots": stats_b, "graft": bytes_per_device(sh.graft),
-             "momentum": bytes_per_device(state.shampoo[1].mu), "AdamW moments": bytes_per_device(state.adam)}
+    parts = {
+        "block stats+roots": stats_b,
+        "graft": bytes_per_device(sh.graft),
+        "momentum": bytes_per_device(state.shampoo[1].mu),
+        "AdamW moments": bytes_per_device(state.adam),
+    }
     adam = optax.adamw(1e-3)
     a_compiled, _, a_state = compile_update(adam, plan)
     a_mem, a_state_b = testing.memory(a_compiled), bytes_per_device(a_state)
-    print(f"(d) per device: params {mib(params_b)}; shampoo state {mib(state_b)} = {state_b / params_b:.2f}x params "
-          f"({', '.join(f'{k} {mib(v)}' for k, v in parts.items())}); update temp {mib(mem.temp)}")
+    print(
+        f"(d) per device: params {mib(params_b)}; shampoo state {mib(state_b)} = {state_b / params_b:.2f}x params "
+        f"({', '.join(f'{k} {mib(v)}' for k, v in parts.items())}); update temp {mib(mem.temp)}"
+    )
     full = 4 * tables.num_blocks * BLOCK**2 * 4
-    print(f"    block stats+roots of all {tables.num_blocks} blocks: {mib(full)}; here {mib(stats_b)} per device "
-          f"({full / stats_b:.2f}x less than keeping every block's statistics on every device)")
-    print(f"    optax.adamw on the same buffers: state {mib(a_state_b)} = {a_state_b / params_b:.2f}x params; "
-          f"update temp {mib(a_mem.temp)}")
+    print(
+        f"    block stats+roots of all {tables.num_blocks} blocks: {mib(full)}; here {mib(stats_b)} per device "
+        f"({full / stats_b:.2f}x less than keeping every block's statistics on every device)"
+    )
+    print(
+        f"    optax.adamw on the same buffers: state {mib(a_state_b)} = {a_state_b / params_b:.2f}x params; "
+        f"update temp {mib(a_mem.temp)}"
+    )
     print(f"    [{time.perf_counter() - t0:.1f} s]")
     return {"balance": tables.balance, "root_ratio": root_ratio, "big": len(big), "flop_ratio": flop_ratio}
 
@@ -210,11 +233,15 @@ def main() -> int:
     main_fig = run_config("main configuration (gated)", MAIN, one_device_check=True)
     second = run_config("second configuration (reported, not gated)", SECOND, one_device_check=True)
     ok = main_fig["balance"] <= BOUND and main_fig["root_ratio"] <= BOUND and main_fig["big"] == 0
-    print(f"\nmain: max/mean blocks {main_fig['balance']:.3f}, root-FLOP ratio {main_fig['root_ratio']:.3f}, "
-          f"compiled-FLOP ratio {main_fig['flop_ratio']:.3f}, parameter-sized collectives {main_fig['big']} -> "
-          f"{'PASS' if ok else 'FAIL'}")
-    print(f"second: max/mean blocks {second['balance']:.3f}, root-FLOP ratio {second['root_ratio']:.3f}, "
-          f"compiled-FLOP ratio {second['flop_ratio']:.3f}, parameter-sized collectives {second['big']} (not gated)")
+    print(
+        f"\nmain: max/mean blocks {main_fig['balance']:.3f}, root-FLOP ratio {main_fig['root_ratio']:.3f}, "
+        f"compiled-FLOP ratio {main_fig['flop_ratio']:.3f}, parameter-sized collectives {main_fig['big']} -> "
+        f"{'PASS' if ok else 'FAIL'}"
+    )
+    print(
+        f"second: max/mean blocks {second['balance']:.3f}, root-FLOP ratio {second['root_ratio']:.3f}, "
+        f"compiled-FLOP ratio {second['flop_ratio']:.3f}, parameter-sized collectives {second['big']} (not gated)"
+    )
     return 0 if ok else 1
 
 

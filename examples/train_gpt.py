@@ -86,8 +86,13 @@ def shampoo_plan(shapes, mesh, block: int, stacked: str = "blocks") -> vj.Plan:
             return "top"
         return u if is_matrix(path, leaf) else u + "_vectors"
 
-    return vj.plan(shapes, mesh, stacked=(stacked, stacked + "_vectors"), units=units,
-                   granularity=lambda path, leaf: vj.rows(block if is_matrix(path, leaf) else 1))
+    return vj.plan(
+        shapes,
+        mesh,
+        stacked=(stacked, stacked + "_vectors"),
+        units=units,
+        granularity=lambda path, leaf: vj.rows(block if is_matrix(path, leaf) else 1),
+    )
 
 
 def batches(data: np.ndarray, batch: int, seq: int, rng: np.random.Generator):
@@ -120,9 +125,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--optimizer", choices=("adamw", "muon", "shampoo"), default="adamw")
     p.add_argument("--muon-lr", type=float, default=0.02, help="Muon's learning rate (AdamW's is --lr)")
-    p.add_argument("--shampoo-block", type=int, default=128,
-                   help="Shampoo's block edge; plans the matrices with rows(block) (at d_model 128: 64 pads the "
-                        "buffers 26%%, 128 pads 63%% but converges faster)")
+    p.add_argument(
+        "--shampoo-block",
+        type=int,
+        default=128,
+        help="Shampoo's block edge; plans the matrices with rows(block) (at d_model 128: 64 pads the "
+        "buffers 26%%, 128 pads 63%% but converges faster)",
+    )
     p.add_argument("--shampoo-lr", type=float, default=6e-3, help="Shampoo's learning rate (AdamW's is --lr)")
     p.add_argument("--log-json", help="write {'train': {step: loss}, 'val_loss', 's_per_step'} to this path")
     p.add_argument("--microbatches", type=int, default=1, help="gradient accumulation steps per batch")
@@ -134,17 +143,28 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--checkpoint-dir", help="save checkpoints here (vj.checkpoint.Manager)")
     p.add_argument("--save-every", type=int, default=50, help="steps between checkpoints (and the last step)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
-    p.add_argument("--stop-after", type=int, help="end the run after this step (a simulated kill; --steps still "
-                                                  "sets the schedule)")
+    p.add_argument(
+        "--stop-after", type=int, help="end the run after this step (a simulated kill; --steps still sets the schedule)"
+    )
     args = p.parse_args(argv)
 
-    vj.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.num_processes,
-                              process_id=args.process_id, local_device_count=args.local_devices)
+    vj.distributed.initialize(
+        coordinator_address=args.coordinator,
+        num_processes=args.num_processes,
+        process_id=args.process_id,
+        local_device_count=args.local_devices,
+    )
     lead = jax.process_index() == 0
     devices = jax.devices()
     mesh = jax.make_mesh((len(devices),), ("fsdp",))
-    cfg = GPTConfig(vocab=256, max_len=args.seq, d_model=args.d_model, num_heads=args.heads,
-                    num_layers=args.layers, d_ff=4 * args.d_model)
+    cfg = GPTConfig(
+        vocab=256,
+        max_len=args.seq,
+        d_model=args.d_model,
+        num_heads=args.heads,
+        num_layers=args.layers,
+        d_ff=4 * args.d_model,
+    )
     graphdef, shapes = abstract_model(cfg)
     if args.optimizer == "shampoo":  # every b x b block on one device: rows(b) for the matrices
         plan = shampoo_plan(shapes, mesh, args.shampoo_block)
@@ -152,8 +172,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         plan = vj.plan(shapes, mesh, stacked=("blocks",), granularity=vj.rows(1))
     n_params = sum(s.size for s in plan.leaves)
     if lead:
-        print(f"{n_params / 1e6:.2f} M parameters on {len(devices)} {devices[0].platform} devices in "
-              f"{jax.process_count()} process(es)\n{plan.summary()}\n")
+        print(
+            f"{n_params / 1e6:.2f} M parameters on {len(devices)} {devices[0].platform} devices in "
+            f"{jax.process_count()} process(es)\n{plan.summary()}\n"
+        )
         if args.optimizer == "shampoo":
             print(f"{vj.optim.shampoo_blocks(plan, args.shampoo_block).summary()}\n")
 
@@ -165,14 +187,24 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, min(100, args.steps // 10 + 1), args.steps)
     if args.optimizer == "muon":  # Newton-Schulz once per matrix, on a load-balanced owner device
         muon_lr = optax.warmup_cosine_decay_schedule(0.0, args.muon_lr, min(100, args.steps // 10 + 1), args.steps)
-        tx = optax.chain(optax.clip_by_global_norm(1.0), vj.optim.muon(
-            muon_lr, plan=plan, adam_learning_rate=schedule, weight_decay=0.1,
-            muon_weight_dimension_numbers=muon_dimension_numbers(shapes)))
+        tx = optax.chain(
+            optax.clip_by_global_norm(1.0),
+            vj.optim.muon(
+                muon_lr,
+                plan=plan,
+                adam_learning_rate=schedule,
+                weight_decay=0.1,
+                muon_weight_dimension_numbers=muon_dimension_numbers(shapes),
+            ),
+        )
     elif args.optimizer == "shampoo":  # blocked Shampoo (Adam-grafted) on matrices, AdamW on the rest
         shampoo_lr = optax.warmup_cosine_decay_schedule(
-            0.0, args.shampoo_lr, min(100, args.steps // 10 + 1), args.steps)
-        tx = optax.chain(optax.clip_by_global_norm(1.0), vj.optim.shampoo(
-            shampoo_lr, plan=plan, block_size=args.shampoo_block, beta2=0.99, weight_decay=0.1))
+            0.0, args.shampoo_lr, min(100, args.steps // 10 + 1), args.steps
+        )
+        tx = optax.chain(
+            optax.clip_by_global_norm(1.0),
+            vj.optim.shampoo(shampoo_lr, plan=plan, block_size=args.shampoo_block, beta2=0.99, weight_decay=0.1),
+        )
     else:
         tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.99, weight_decay=0.1))
 
@@ -191,8 +223,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     precision = vj.MixedPrecision(compute_dtype="bfloat16", reduce_dtype="float32") if args.bf16 else None
     rows = vj.distributed.local_batch_slice(args.batch)  # this process's rows of every batch
 
-    @vj.fsdp(plan=plan, reshard_after_forward=not args.keep, precision=precision,
-             microbatches=args.microbatches if args.microbatches > 1 else None)
+    @vj.fsdp(
+        plan=plan,
+        reshard_after_forward=not args.keep,
+        precision=precision,
+        microbatches=args.microbatches if args.microbatches > 1 else None,
+    )
     def train_step(params, opt_state, batch):
         def loss_of(p, b):
             return loss_fn(vj.flax.nnx_apply(graphdef, p, b["x"]), b["y"])
@@ -209,6 +245,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         return loss_fn(vj.flax.nnx_apply(graphdef, params, batch["x"]), batch["y"])
 
     losses, t0, tokens, history = [], None, 0, []
+
     def local(batch):
         return {k: v[rows] for k, v in batch.items()}
 
@@ -218,8 +255,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         if args.log_json:
             history.append((step, metrics["loss"]))  # a device scalar: read at the end, no extra sync per step
         if mngr is not None and (step % args.save_every == 0 or step == last):
-            mngr.save(step, params=params, opt_state=opt_state, force=True,
-                      metadata={"train_rng": train_rng.bit_generator.state, "argv": sys.argv[1:]})
+            mngr.save(
+                step,
+                params=params,
+                opt_state=opt_state,
+                force=True,
+                metadata={"train_rng": train_rng.bit_generator.state, "argv": sys.argv[1:]},
+            )
         if step == first:
             losses.append(float(metrics["loss"]))
             t0 = time.perf_counter()  # after the compile
@@ -239,14 +281,24 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     val_loss = float(np.mean([float(eval_step(params, None, local(next(val)))) for _ in range(4)]))
     if args.log_json and lead:
         with open(args.log_json, "w") as f:
-            json.dump({"optimizer": args.optimizer, "argv": sys.argv[1:] if argv is None else argv,
-                       "train": {i: float(x) for i, x in history}, "val_loss": val_loss,
-                       "s_per_step": seconds_per_step}, f, indent=0)
+            json.dump(
+                {
+                    "optimizer": args.optimizer,
+                    "argv": sys.argv[1:] if argv is None else argv,
+                    "train": {i: float(x) for i, x in history},
+                    "val_loss": val_loss,
+                    "s_per_step": seconds_per_step,
+                },
+                f,
+                indent=0,
+            )
     if not lead:
         return {"first_loss": losses[0], "last_loss": losses[-1], "val_loss": val_loss}
     sys.stderr.write("\n")
-    print(f"first loss {losses[0]:.3f}, last loss {losses[-1]:.3f}, validation loss {val_loss:.3f} "
-          f"(uniform over 256 bytes: {np.log(256):.3f}); {seconds_per_step:.3f} s/step after the compile")
+    print(
+        f"first loss {losses[0]:.3f}, last loss {losses[-1]:.3f}, validation loss {val_loss:.3f} "
+        f"(uniform over 256 bytes: {np.log(256):.3f}); {seconds_per_step:.3f} s/step after the compile"
+    )
 
     if args.plot:
         import matplotlib
@@ -259,8 +311,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         ax.plot(steps[keep], np.asarray(losses)[keep], label="train")
         ax.axhline(val_loss, color="gray", ls="--", label=f"validation {val_loss:.2f}")
-        ax.set(xlabel="step", ylabel="cross-entropy (nats/byte)",
-               title=f"vj.fsdp char-level GPT, {n_params / 1e6:.1f} M params, {len(devices)} devices")
+        ax.set(
+            xlabel="step",
+            ylabel="cross-entropy (nats/byte)",
+            title=f"vj.fsdp char-level GPT, {n_params / 1e6:.1f} M params, {len(devices)} devices",
+        )
         ax.legend()
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)

@@ -23,8 +23,14 @@ def main() -> None:
     pid, n, port, devices, mode, directory, out = sys.argv[1:8]
     pid, n, devices = int(pid), int(n), int(devices)
     if n > 1:
-        assert distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=n, process_id=pid,
-                                      local_device_count=devices, timeout_s=30, heartbeat_timeout_s=10)
+        assert distributed.initialize(
+            coordinator_address=f"127.0.0.1:{port}",
+            num_processes=n,
+            process_id=pid,
+            local_device_count=devices,
+            timeout_s=30,
+            heartbeat_timeout_s=10,
+        )
     else:
         jax.config.update("jax_num_cpu_devices", devices)
     import numpy as np

@@ -16,8 +16,13 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")  # as tests/conftest.py
 
 def main(pid: int, port: int, timeout_s: int, steps: int) -> None:
     try:
-        vj.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid,
-                                  local_device_count=1, timeout_s=timeout_s)
+        vj.distributed.initialize(
+            coordinator_address=f"127.0.0.1:{port}",
+            num_processes=2,
+            process_id=pid,
+            local_device_count=1,
+            timeout_s=timeout_s,
+        )
     except Exception as e:
         print(f"[p{pid}] init failed: {type(e).__name__}: {e}", flush=True)
         sys.exit(3)

@@ -40,8 +40,10 @@ def _pairs(got: Any, want: Any, what: str) -> list[tuple[str, np.ndarray, np.nda
     leaves = jax.tree.leaves(got)
     prefix = f"{what}: " if what else ""
     assert len(leaves) == len(flat), f"{prefix}{len(leaves)} leaves, expected {len(flat)}"
-    return [(f"{prefix}{jax.tree_util.keystr(path)}", np.asarray(g), np.asarray(w))
-            for (path, w), g in zip(flat, leaves, strict=True)]
+    return [
+        (f"{prefix}{jax.tree_util.keystr(path)}", np.asarray(g), np.asarray(w))
+        for (path, w), g in zip(flat, leaves, strict=True)
+    ]
 
 
 def assert_trees_close(got: Any, want: Any, *, rtol: float = 1e-5, what: str = "") -> None:
@@ -73,7 +75,8 @@ def assert_trees_equal(got: Any, want: Any, *, what: str = "") -> None:
     """
     prefix = f"{what}: " if what else ""
     assert jax.tree.structure(got) == jax.tree.structure(want), (
-        f"{prefix}tree structure {jax.tree.structure(got)}, expected {jax.tree.structure(want)}")
+        f"{prefix}tree structure {jax.tree.structure(got)}, expected {jax.tree.structure(want)}"
+    )
     for name, g, w in _pairs(got, want, what):
         assert (g.shape, g.dtype) == (w.shape, w.dtype), f"{name}: {g.dtype}{g.shape}, expected {w.dtype}{w.shape}"
         if g.tobytes() != w.tobytes():
@@ -179,8 +182,12 @@ def batches(n: int = 20, batch: int = 24, seq: int = 16, seed: int = 0) -> Itera
         yield {"x": window[:, :-1], "y": window[:, 1:]}
 
 
-def reference_run(params: Any, model_fn: Callable[[Any, jax.Array], jax.Array], tx: optax.GradientTransformation,
-                  data: Iterable[dict[str, np.ndarray]]) -> tuple[Any, list[float]]:
+def reference_run(
+    params: Any,
+    model_fn: Callable[[Any, jax.Array], jax.Array],
+    tx: optax.GradientTransformation,
+    data: Iterable[dict[str, np.ndarray]],
+) -> tuple[Any, list[float]]:
     """Unsharded training under ``jax.jit``: the final parameters and the loss of every step."""
 
     @jax.jit

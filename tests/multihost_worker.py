@@ -53,10 +53,15 @@ def main(argv: list[str] | None = None) -> None:
     pid, n = args.process_id, args.num_processes
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the harness asks a hung process where it is
     if n > 1:
-        setup = dict(coordinator_address=f"127.0.0.1:{args.port}", num_processes=n, process_id=pid,
-                     local_device_count=args.devices)
-        joined = distributed.initialize(**setup, timeout_s=30, heartbeat_timeout_s=args.heartbeat,
-                                        shutdown_timeout_s=10)
+        setup = dict(
+            coordinator_address=f"127.0.0.1:{args.port}",
+            num_processes=n,
+            process_id=pid,
+            local_device_count=args.devices,
+        )
+        joined = distributed.initialize(
+            **setup, timeout_s=30, heartbeat_timeout_s=args.heartbeat, shutdown_timeout_s=10
+        )
         assert joined and distributed.initialize(**setup) and distributed.is_multiprocess()  # idempotent
     else:
         jax.config.update("jax_num_cpu_devices", args.devices)

@@ -229,8 +229,9 @@ def reference_shampoo(
             param = param_leaves[k]
             dtype = (param if param is not None else g).dtype
             p64 = None if param is None else np.asarray(param, np.float64)
-            upd, new_matrix[k] = update_leaf(np.asarray(g, np.float64), p64, state.matrix[k], s, t, precondition,
-                                             refresh)
+            upd, new_matrix[k] = update_leaf(
+                np.asarray(g, np.float64), p64, state.matrix[k], s, t, precondition, refresh
+            )
             out[k] = jnp.asarray(upd, dtype)
 
         vec_idx = [k for k, m in enumerate(matrix) if not m]

@@ -59,11 +59,12 @@ def host_shard(tree, plan):
     buffers = []
     for bucket, sharding in zip(plan.buckets, plan.shardings(), strict=True):
         lead = () if bucket.layers is None else (bucket.layers,)
-        buf = np.zeros((*lead, bucket.layout.total_size), leaves[bucket.leaves[0]].dtype if bucket.leaves else
-                       np.float32)
+        buf = np.zeros(
+            (*lead, bucket.layout.total_size), leaves[bucket.leaves[0]].dtype if bucket.leaves else np.float32
+        )
         for slot, i in enumerate(bucket.leaves):
             o, n = bucket.layout.offsets[slot], bucket.layout.sizes[slot]
-            buf[..., o:o + n] = leaves[i].reshape(*lead, n)
+            buf[..., o : o + n] = leaves[i].reshape(*lead, n)
         buffers.append(jax.device_put(buf, sharding))
     return vj.ShardedParams(buffers, plan)
 
@@ -75,7 +76,7 @@ def host_unshard(sp):
         full = np.asarray(buf)
         for slot, i in enumerate(bucket.leaves):
             o, n = bucket.layout.offsets[slot], bucket.layout.sizes[slot]
-            out[i] = full[..., o:o + n].reshape(plan.leaves[i].shape)
+            out[i] = full[..., o : o + n].reshape(plan.leaves[i].shape)
     return jax.tree_util.tree_unflatten(plan.treedef, out)
 
 
@@ -99,8 +100,9 @@ def test_to_logical_is_one_all_to_all_per_leaf_and_never_gathers(m):
     leaves, sums = out(*[_logical._relabel(b, s) for b, s in zip(sp.buffers, in_shardings, strict=True)])
     assert_trees_equal(jax.tree_util.tree_unflatten(plan.treedef, leaves), tree)
     want = _integrity.checksums(tree)  # the in-kernel checksums are those of the whole logical leaves
-    assert [list(map(int, r)) for r in np.asarray(sums)] == [want[_integrity.raw_path(p)] for p, _ in
-                                                             jax.tree_util.tree_flatten_with_path(tree)[0]]
+    assert [list(map(int, r)) for r in np.asarray(sums)] == [
+        want[_integrity.raw_path(p)] for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
+    ]
     for leaf, sh in zip(leaves, _logical.logical_shardings(plan), strict=True):
         assert leaf.sharding.is_equivalent_to(sh, leaf.ndim)
     fn, in_shardings = _logical._from_logical_fn(plan)
@@ -136,9 +138,12 @@ def test_storage_split_rule():
 # ---------------------------------------------------------------------------------------- restore anywhere
 @pytest.mark.parametrize(
     ("src", "dst"),
-    [((8, None), (3, vj.rows(2))), ((3, vj.rows(2)), (8, None)),
-     pytest.param((1, None), (8, vj.whole()), marks=pytest.mark.slow),
-     pytest.param((8, vj.rows(1)), (1, None), marks=pytest.mark.slow)],
+    [
+        ((8, None), (3, vj.rows(2))),
+        ((3, vj.rows(2)), (8, None)),
+        pytest.param((1, None), (8, vj.whole()), marks=pytest.mark.slow),
+        pytest.param((8, vj.rows(1)), (1, None), marks=pytest.mark.slow),
+    ],
     ids=["8to3-element-to-rows2", "3to8", "1to8-whole", "8to1"],
 )
 def test_round_trip_into_another_plan_is_bitwise(tmp_path, src, dst):
@@ -153,7 +158,8 @@ def test_round_trip_into_another_plan_is_bitwise(tmp_path, src, dst):
         r = mngr.restore(params=dst_plan, opt_state=target)
     assert r.step == 7 and r.metadata == {"loader": {"pos": 3}}
     assert r.params.plan == dst_plan and all(
-        x.sharding == s for x, s in zip(r.params.buffers, dst_plan.shardings(), strict=True))
+        x.sharding == s for x, s in zip(r.params.buffers, dst_plan.shardings(), strict=True)
+    )
     assert_trees_equal(host_unshard(r.params), host_unshard(sp))
     adam, adam_r = state[0], r.opt_state[0]
     assert int(adam_r.count) == int(adam.count) == 3
@@ -163,7 +169,7 @@ def test_round_trip_into_another_plan_is_bitwise(tmp_path, src, dst):
         full = np.asarray(buf).reshape(-1, bucket.layout.total_size)
         used = np.zeros(bucket.layout.total_size, bool)
         for o, n in zip(bucket.layout.offsets, bucket.layout.sizes, strict=True):
-            used[o:o + n] = True
+            used[o : o + n] = True
         assert not np.any(full[:, ~used])
 
 
@@ -205,8 +211,10 @@ class EvenChunks:
 
     def from_logical(self, arrays):
         m = self.plan.num_devices
-        pad = jax.jit(lambda v: jnp.pad(v, (0, m * self.width - self.n)),
-                      out_shardings=NamedSharding(self.plan.mesh, P(self.plan.axis)))
+        pad = jax.jit(
+            lambda v: jnp.pad(v, (0, m * self.width - self.n)),
+            out_shardings=NamedSharding(self.plan.mesh, P(self.plan.axis)),
+        )
         return pad(arrays["v"])
 
 
@@ -318,23 +326,35 @@ def test_mismatched_tree_raises_naming_the_leaf(tmp_path):
     mngr = vj.checkpoint.Manager(tmp_path)
     mngr.save(1, params=host_shard(tree, plan), opt_state=optax.sgd(0.1, momentum=0.9).init(host_shard(tree, plan)))
     renamed = {("head2" if k == "head" else k): v for k, v in tree.items()}
-    with pytest.raises(ValueError, match=r"params leaf 'head2' \(shape \(12, 7\), bfloat16\) of the target is not "
-                                         r"in the checkpoint; the checkpoint has \['head'\].*renamed"):
+    with pytest.raises(
+        ValueError,
+        match=r"params leaf 'head2' \(shape \(12, 7\), bfloat16\) of the target is not "
+        r"in the checkpoint; the checkpoint has \['head'\].*renamed",
+    ):
         mngr.restore(params=plan_of(renamed, 2))
     wider = dict(tree, embed=jnp.zeros((50, 13)))
-    with pytest.raises(ValueError, match=r"leaf 'embed' is stored with shape \(50, 12\) and dtype float32, but "
-                                         r"the target expects shape \(50, 13\) and dtype float32\. Plan the target"):
+    with pytest.raises(
+        ValueError,
+        match=r"leaf 'embed' is stored with shape \(50, 12\) and dtype float32, but "
+        r"the target expects shape \(50, 13\) and dtype float32\. Plan the target",
+    ):
         mngr.restore(params=plan_of(wider, 2))
     cast = dict(tree, bias=tree["bias"].astype(jnp.bfloat16))
-    with pytest.raises(ValueError, match=r"leaf 'bias' is stored with shape \(3,\) and dtype float32, but the "
-                                         r"target expects shape \(3,\) and dtype bfloat16"):
+    with pytest.raises(
+        ValueError,
+        match=r"leaf 'bias' is stored with shape \(3,\) and dtype float32, but the "
+        r"target expects shape \(3,\) and dtype bfloat16",
+    ):
         mngr.restore(params=plan_of(cast, 2))
     missing = {k: v for k, v in tree.items() if k != "bias"}
     with pytest.raises(ValueError, match=r"checkpoint's params leaf 'bias' \(shape \(3,\), float32\) has no place"):
         mngr.restore(params=plan_of(missing, 2))
     adam = jax.eval_shape(optax.adam(0.1).init, host_shard(tree, plan))
-    with pytest.raises(ValueError, match=r"optimizer-state leaf '0/count' of the target template is not in the "
-                                         r"checkpoint"):
+    with pytest.raises(
+        ValueError,
+        match=r"optimizer-state leaf '0/count' of the target template is not in the "
+        r"checkpoint",
+    ):
         mngr.restore(params=plan, opt_state=adam)
     mngr.close()
 
@@ -389,11 +409,12 @@ KILL_MID_SAVE = textwrap.dedent("""
 def test_sigkill_mid_save_keeps_the_previous_checkpoint(tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, "-c", KILL_MID_SAVE, str(tmp_path)], env=env, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", KILL_MID_SAVE, str(tmp_path)], env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stdout, proc.stderr[-2000:])
     assert any(".orbax-checkpoint-tmp" in d for d in os.listdir(tmp_path))  # the partial step is left behind
-    tree = {"w": jnp.arange(2 ** 22, dtype=jnp.float32).reshape(2048, 2048), "b": jnp.ones(16)}
+    tree = {"w": jnp.arange(2**22, dtype=jnp.float32).reshape(2048, 2048), "b": jnp.ones(16)}
     plan = plan_of(tree, 2)
     mngr = vj.checkpoint.Manager(tmp_path)
     assert mngr.latest_step() == 1 and mngr.all_steps() == [1]
@@ -426,14 +447,38 @@ def test_manager_keeps_max_to_keep_and_async_save_finishes(tmp_path):
 def test_train_gpt_resume_gives_the_uninterrupted_losses(tmp_path, optimizer):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    small = ["--steps", "20", "--plot=", "--data-mb", "0.5", "--layers", "2", "--d-model", "32", "--heads", "2",
-             "--batch", "8", "--seq", "32", "--save-every", "5", "--optimizer", optimizer]
+    small = [
+        "--steps",
+        "20",
+        "--plot=",
+        "--data-mb",
+        "0.5",
+        "--layers",
+        "2",
+        "--d-model",
+        "32",
+        "--heads",
+        "2",
+        "--batch",
+        "8",
+        "--seq",
+        "32",
+        "--save-every",
+        "5",
+        "--optimizer",
+        optimizer,
+    ]
     ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt")]
 
     def run(name, *extra):
         out = tmp_path / f"{name}.json"
-        subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"), *small, *extra,
-                        "--log-json", str(out)], env=env, check=True, capture_output=True, timeout=600)
+        subprocess.run(
+            [sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"), *small, *extra, "--log-json", str(out)],
+            env=env,
+            check=True,
+            capture_output=True,
+            timeout=600,
+        )
         return json.loads(out.read_text())["train"]
 
     full = run("full")

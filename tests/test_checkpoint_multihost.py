@@ -25,8 +25,14 @@ def launch(name: str, args: list[str], start: float) -> Worker:
 
 def job(n: int, devices: int, mode: str, directory: str, out: str, start: float) -> list[Worker]:
     port = free_port()
-    return [launch(f"{mode} process {i} of {n}x{devices}", [str(i), str(n), str(port), str(devices), mode,
-                                                                directory, out], start) for i in range(n)]
+    return [
+        launch(
+            f"{mode} process {i} of {n}x{devices}",
+            [str(i), str(n), str(port), str(devices), mode, directory, out],
+            start,
+        )
+        for i in range(n)
+    ]
 
 
 @pytest.mark.slow
@@ -34,10 +40,12 @@ def test_save_on_two_processes_restore_on_one_and_back(tmp_path):
     start = time.monotonic()
     a, b = str(tmp_path / "from2x4"), str(tmp_path / "from1x8")
     saved = job(2, 4, "save", a, str(tmp_path / "saved2x4.npz"), start) + job(
-        1, 8, "save", b, str(tmp_path / "saved1x8.npz"), start)
+        1, 8, "save", b, str(tmp_path / "saved1x8.npz"), start
+    )
     run_workers(saved, start, 150)
     restored = job(1, 8, "restore", a, str(tmp_path / "restored1x8.npz"), start) + job(
-        2, 4, "restore", b, str(tmp_path / "restored2x4.npz"), start)
+        2, 4, "restore", b, str(tmp_path / "restored2x4.npz"), start
+    )
     wall = run_workers(restored, start, 300)
     for want_file, got_file in (("saved2x4", "restored1x8"), ("saved1x8", "restored2x4")):
         want, got = np.load(tmp_path / f"{want_file}.npz"), np.load(tmp_path / f"{got_file}.npz")

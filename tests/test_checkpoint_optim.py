@@ -33,16 +33,22 @@ def standard_promotion():
 
 
 def sharded_views(state):
-    return [logical(x) for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, ShardedParams))
-            if isinstance(x, ShardedParams)]
+    return [
+        logical(x)
+        for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, ShardedParams))
+        if isinstance(x, ShardedParams)
+    ]
 
 
-@pytest.mark.parametrize(("opt", "a", "b"), [
-    pytest.param("shampoo", "m8", "m3", id="shampoo-m8-m3"),
-    pytest.param("muon", "m3", "m8", id="muon-m3-m8", marks=pytest.mark.slow),
-    pytest.param("shampoo", "m1", "m8", id="shampoo-m1-m8", marks=pytest.mark.slow),
-    pytest.param("muon", "m8", "m1", id="muon-m8-m1", marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    ("opt", "a", "b"),
+    [
+        pytest.param("shampoo", "m8", "m3", id="shampoo-m8-m3"),
+        pytest.param("muon", "m3", "m8", id="muon-m3-m8", marks=pytest.mark.slow),
+        pytest.param("shampoo", "m1", "m8", id="shampoo-m1-m8", marks=pytest.mark.slow),
+        pytest.param("muon", "m8", "m1", id="muon-m8-m1", marks=pytest.mark.slow),
+    ],
+)
 def test_optimizer_state_restores_into_another_device_count(tmp_path, opt, a, b):
     sp_a, state_a = trained(opt, a)
     with vj.checkpoint.Manager(tmp_path) as mngr:
@@ -57,8 +63,11 @@ def test_optimizer_state_restores_into_another_device_count(tmp_path, opt, a, b)
     # Exact: the PerDevice leaves' logical views, the ShardedParams leaves' logical trees, the counts.
     assert_trees_equal(logical_view(per_device(r.opt_state)), logical_view(per_device(state_a)), what="PerDevice")
     assert_trees_equal(sharded_views(r.opt_state), sharded_views(state_a), what="ShardedParams")
-    counts = lambda s: [np.asarray(x) for x in jax.tree.leaves(s, is_leaf=lambda x: isinstance(x, ShardedParams))
-                        if not isinstance(x, ShardedParams) and np.ndim(x) == 0]
+    counts = lambda s: [
+        np.asarray(x)
+        for x in jax.tree.leaves(s, is_leaf=lambda x: isinstance(x, ShardedParams))
+        if not isinstance(x, ShardedParams) and np.ndim(x) == 0
+    ]
     assert_trees_equal(counts(r.opt_state), counts(state_a), what="counts")
     assert_trees_equal(logical(r.params), logical(sp_a), what="params")
     # Training continues on the new device count as on the old one.
@@ -87,5 +96,6 @@ def test_low_precision_state_restores_in_its_own_dtype(tmp_path):
             r = mngr.restore(params=plans[name], opt_state=template)
             assert [x.dtype for x in jax.tree.leaves(r.opt_state)] == [x.dtype for x in jax.tree.leaves(template)]
             assert_trees_equal(sharded_views(r.opt_state), sharded_views(state), what=f"ShardedParams on {name}")
-            assert_trees_equal(logical_view(per_device(r.opt_state)), logical_view(per_device(state)),
-                               what=f"PerDevice on {name}")
+            assert_trees_equal(
+                logical_view(per_device(r.opt_state)), logical_view(per_device(state)), what=f"PerDevice on {name}"
+            )

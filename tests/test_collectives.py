@@ -17,8 +17,9 @@ V, D, L, T = 19, 6, 3, 5
 def tiny_params(seed=0):
     rng = np.random.default_rng(seed)
     shapes = {"embed": (V, D), "blocks": {"w": (L, D, D), "b": (L, D)}, "head": (D, V)}
-    return jax.tree.map(lambda s: jnp.asarray(rng.standard_normal(s) * 0.5, jnp.float32), shapes,
-                        is_leaf=lambda x: isinstance(x, tuple))
+    return jax.tree.map(
+        lambda s: jnp.asarray(rng.standard_normal(s) * 0.5, jnp.float32), shapes, is_leaf=lambda x: isinstance(x, tuple)
+    )
 
 
 def tiny_model(p, tokens):
@@ -71,10 +72,20 @@ def test_an_inf_cotangent_leaves_the_regathered_parameters_alone(reshard):
 
 
 def test_tie_changes_no_value():
-    bufs = [jnp.array([-0.0, 0.0, np.nan, np.inf, -np.inf, 1.5], jnp.float32), jnp.arange(4, dtype=jnp.int32),
-            jnp.array([-0.0, 2.0], jnp.bfloat16), jnp.zeros((0,), jnp.float32)]
-    for anchor in (jnp.array([np.inf, 1.0]), jnp.array([np.nan]), jnp.array([-3.0]), jnp.array([0.0], jnp.bfloat16),
-                   jnp.array([1 + 2j], jnp.complex64), {"no": jnp.arange(3)}):
+    bufs = [
+        jnp.array([-0.0, 0.0, np.nan, np.inf, -np.inf, 1.5], jnp.float32),
+        jnp.arange(4, dtype=jnp.int32),
+        jnp.array([-0.0, 2.0], jnp.bfloat16),
+        jnp.zeros((0,), jnp.float32),
+    ]
+    for anchor in (
+        jnp.array([np.inf, 1.0]),
+        jnp.array([np.nan]),
+        jnp.array([-3.0]),
+        jnp.array([0.0], jnp.bfloat16),
+        jnp.array([1 + 2j], jnp.complex64),
+        {"no": jnp.arange(3)},
+    ):
         out = jax.jit(collectives.tie)(bufs, anchor)
         for a, b in zip(out, bufs, strict=True):
             assert a.dtype == b.dtype
@@ -113,8 +124,9 @@ def test_hsdp_replica_sum_does_not_depend_on_the_varying_axes_check():
     gradient over the replicas: the same gradients as the XLA path, and as unsharded."""
     if len(jax.devices()) < 4:
         pytest.skip("needs 4 devices")
-    mesh = jax.make_mesh((2, 2), ("replica", "fsdp"), axis_types=(jax.sharding.AxisType.Explicit,) * 2,
-                         devices=jax.devices()[:4])
+    mesh = jax.make_mesh(
+        (2, 2), ("replica", "fsdp"), axis_types=(jax.sharding.AxisType.Explicit,) * 2, devices=jax.devices()[:4]
+    )
     params = tiny_params()
     plan = vj.plan(params, mesh, axis="fsdp", stacked=("blocks",))
     batch = {"x": np.ones((4, T), np.float32), "tok": tokens(4)}
@@ -126,6 +138,5 @@ def test_hsdp_replica_sum_does_not_depend_on_the_varying_axes_check():
     for mode in ("xla", "pallas"):
         policy = vj.kernels.KernelPolicy(mode=mode)
         assert policy.check_vma == (mode == "xla")
-        got = grad_step(plan, loss, data_axes=("replica", "fsdp"), kernels=policy)(vj.shard(params, plan), None,
-                                                                                     batch)
+        got = grad_step(plan, loss, data_axes=("replica", "fsdp"), kernels=policy)(vj.shard(params, plan), None, batch)
         assert_close_trees(vj.unshard(got), ref)

@@ -14,8 +14,11 @@ from vescale_jax.optim._compact import build_compact, compact, expand, on_leaves
 def tree():
     rng = np.random.default_rng(0)
     arr = lambda *s, dt=jnp.float32: jnp.asarray(rng.standard_normal(s), dt)
-    return {"a": {"w": arr(13, 7), "b": arr(7)}, "layers": {"w": arr(3, 9, 5), "b": arr(3, 5)},
-            "h": {"s": arr(10, dt=jnp.bfloat16), "w": arr(4, 6, dt=jnp.bfloat16)}}
+    return {
+        "a": {"w": arr(13, 7), "b": arr(7)},
+        "layers": {"w": arr(3, 9, 5), "b": arr(3, 5)},
+        "h": {"s": arr(10, dt=jnp.bfloat16), "w": arr(4, 6, dt=jnp.bfloat16)},
+    }
 
 
 @pytest.mark.parametrize("m", [1, 3, 8])
@@ -31,8 +34,9 @@ def test_compact_then_expand_keeps_the_chosen_leaves_and_zeroes_the_rest(m):
         assert c.shape == (m * tables.size,)
         back = jax.jit(lambda v, b: expand(v, b, plan, tables))(c, sp.buffers)
     out = vj.unshard(vj.ShardedParams(back, plan))
-    for (path, x), y, keep in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(out), chosen,
-                                  strict=True):
+    for (path, x), y, keep in zip(
+        jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(out), chosen, strict=True
+    ):
         want = np.asarray(x) if keep else np.zeros(x.shape, x.dtype)
         np.testing.assert_array_equal(np.asarray(y), want, err_msg=jax.tree_util.keystr(path))
 
@@ -54,8 +58,10 @@ def test_on_leaves_adamw_matches_optax_on_those_leaves():
     got = vj.unshard(u)
     for x, y, keep in zip(jax.tree.leaves(ref_u), jax.tree.leaves(got), chosen, strict=True):
         want = np.asarray(x, np.float32) if keep else np.zeros(x.shape, np.float32)
-        np.testing.assert_allclose(np.asarray(y, np.float32), want, rtol=1e-2 if x.dtype == jnp.bfloat16 else 1e-6,
-                                   atol=1e-6)
-    moments = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, vj.PerDevice))
-               if isinstance(x, vj.PerDevice)]
+        np.testing.assert_allclose(
+            np.asarray(y, np.float32), want, rtol=1e-2 if x.dtype == jnp.bfloat16 else 1e-6, atol=1e-6
+        )
+    moments = [
+        x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, vj.PerDevice)) if isinstance(x, vj.PerDevice)
+    ]
     assert len(moments) == 2 and all(x.value.shape == (3 * build_compact(plan, chosen).size,) for x in moments)

@@ -20,8 +20,13 @@ WORKER = os.path.join(HERE, "distributed_worker.py")
 
 
 def launch(pid: int, port: int, timeout_s: int, steps: int = 0) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, WORKER, str(pid), str(port), str(timeout_s), str(steps)],
-                            env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, WORKER, str(pid), str(port), str(timeout_s), str(steps)],
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def finish(proc: subprocess.Popen, within_s: float) -> tuple[int, str, float]:

@@ -25,11 +25,17 @@ def test_donated_params_and_opt_state_raise():
 
     x = jnp.ones((6, 8))
     new_params, new_state = step(sp, state, x)
-    with pytest.raises(ValueError, match=r"these params were donated to the last step; use the returned ones "
-                                         r"\(the buffer of bucket '.+' is deleted\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"these params were donated to the last step; use the returned ones "
+        r"\(the buffer of bucket '.+' is deleted\)",
+    ):
         step(sp, new_state, x)
-    with pytest.raises(ValueError, match=r"this opt_state was donated to the last step; use the returned one "
-                                         r"\(opt_state leaf .*trace.* is deleted\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"this opt_state was donated to the last step; use the returned one "
+        r"\(opt_state leaf .*trace.* is deleted\)",
+    ):
         step(new_params, state, x)
     # The returned ones work, and donate=False keeps the inputs alive.
     new_params, new_state = step(new_params, new_state, x)

@@ -306,9 +306,7 @@ def test_pallas_kernels_on_the_gather_path_give_identical_gradients(monkeypatch,
 
         @vj.fsdp(plan=plan, donate=False, reshard_after_forward=reshard, kernels=vj.kernels.KernelPolicy(mode=mode))
         def grad_step(params, _, batch):
-            return jax.value_and_grad(lambda p: loss_fn(vj.flax.nnx_apply(graphdef, p, batch["x"]), batch["y"]))(
-                params
-            )
+            return jax.value_and_grad(lambda p: loss_fn(vj.flax.nnx_apply(graphdef, p, batch["x"]), batch["y"]))(params)
 
         results[mode] = grad_step(sp, None, batch)
         for got in calls.values():

@@ -14,10 +14,14 @@ from vescale_jax.optim import _leaves as leaves
 def huge_plan(m):
     # One bucket of ~4.3e9 elements: two matrices of over 2**31 elements each (whichever comes second starts
     # past 2**31), a bias and a small matrix.
-    tree = {"layer": {"w": jax.ShapeDtypeStruct((2**16 + 1, 2**15), jnp.float32),
-                      "u": jax.ShapeDtypeStruct((2**16 + 3, 2**15), jnp.float32),
-                      "b": jax.ShapeDtypeStruct((7,), jnp.float32),
-                      "v": jax.ShapeDtypeStruct((3, 5), jnp.float32)}}
+    tree = {
+        "layer": {
+            "w": jax.ShapeDtypeStruct((2**16 + 1, 2**15), jnp.float32),
+            "u": jax.ShapeDtypeStruct((2**16 + 3, 2**15), jnp.float32),
+            "b": jax.ShapeDtypeStruct((7,), jnp.float32),
+            "v": jax.ShapeDtypeStruct((3, 5), jnp.float32),
+        }
+    }
     return vj.plan(tree, make_mesh(m), units=lambda path, leaf: "layer")
 
 
@@ -44,9 +48,12 @@ def test_per_element_past_int32(m):
     checked = 0
     for k in range(m):
         # Positions around every leaf boundary that falls on device k, and the shard's ends.
-        edges = [o + d for slot in range(len(bucket.leaves))
-                 for o in (bucket.layout.offsets[slot], bucket.layout.offsets[slot] + bucket.layout.sizes[slot])
-                 for d in (-1, 0, 1)]
+        edges = [
+            o + d
+            for slot in range(len(bucket.leaves))
+            for o in (bucket.layout.offsets[slot], bucket.layout.offsets[slot] + bucket.layout.sizes[slot])
+            for d in (-1, 0, 1)
+        ]
         local = sorted({e - k * size for e in edges if 0 <= e - k * size < size} | {0, size - 1})
         i = np.array(local, np.int64)
         got = local_leaf(lo[k], hi[k], leaf_of[k], jnp.asarray(i, jnp.int32), pad)
@@ -55,8 +62,9 @@ def test_per_element_past_int32(m):
     assert checked > 0  # positions past 2**31 were checked
     # The table spread over the buffers compiles for the abstract bucket (nothing is allocated).
     table = np.arange(len(plan.leaves) + 1, dtype=np.float32)
-    abstract = jax.ShapeDtypeStruct(bucket.shape, jnp.float32,
-                                    sharding=jax.sharding.NamedSharding(plan.mesh, plan.partition_spec(bucket)))
+    abstract = jax.ShapeDtypeStruct(
+        bucket.shape, jnp.float32, sharding=jax.sharding.NamedSharding(plan.mesh, plan.partition_spec(bucket))
+    )
     with jax.set_mesh(plan.mesh):
         lowered = jax.jit(lambda b: leaves.per_element(plan, [b], table)[0]).lower(abstract)
     assert "s64" not in lowered.as_text()  # int32 indices only (x64 is off), and none of them wraps

@@ -28,8 +28,11 @@ def tree():
     """Matrices, vectors and a stacked group whose widths no device count divides (padding in every bucket)."""
     rng = np.random.default_rng(0)
     arr = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
-    return {"embed": {"w": arr(13, 7), "b": arr(7)}, "layers": {"w": arr(3, 9, 5), "b": arr(3, 5)},
-            "head": {"scale": arr(10), "w": arr(4, 6)}}
+    return {
+        "embed": {"w": arr(13, 7), "b": arr(7)},
+        "layers": {"w": arr(3, 9, 5), "b": arr(3, 5)},
+        "head": {"scale": arr(10), "w": arr(4, 6)},
+    }
 
 
 @functools.cache
@@ -90,8 +93,9 @@ def test_shape_based_masks_and_labels_on_sharded_params_raise():
     params, plan, grads = setup(3)
     sp, g = vj.shard(params, plan), vj.shard(grads[0], plan)
     with jax.set_mesh(plan.mesh):
-        with pytest.raises(PerLeafOnBucketsError,
-                           match=r"optax\.masked.*'embed:float32' \(\d+,\) -> False.*vj\.optim\.adamw"):
+        with pytest.raises(
+            PerLeafOnBucketsError, match=r"optax\.masked.*'embed:float32' \(\d+,\) -> False.*vj\.optim\.adamw"
+        ):
             tx = optax.adamw(0.1, mask=no_bias_decay)
             tx.update(g, tx.init(sp), sp)
         with pytest.raises(PerLeafOnBucketsError, match=r"partition.*vj\.optim\.partition"):
@@ -100,8 +104,11 @@ def test_shape_based_masks_and_labels_on_sharded_params_raise():
         with pytest.raises(PerLeafOnBucketsError, match=r"optax\.contrib\.muon.*vj\.optim\.muon"):
             tx = optax.contrib.muon(0.1)
             tx.update(g, tx.init(sp), sp)
-        with pytest.raises(PerLeafOnBucketsError, match=r"'head:float32' \(\d+,\) -> False.*'layers:float32' "
-                           r"\(3, \d+\) -> True.*vj\.optim\.masked"):
+        with pytest.raises(
+            PerLeafOnBucketsError,
+            match=r"'head:float32' \(\d+,\) -> False.*'layers:float32' "
+            r"\(3, \d+\) -> True.*vj\.optim\.masked",
+        ):
             jax.tree.map(lambda x: x.ndim >= 2, sp)
 
 
@@ -138,21 +145,33 @@ def test_masks_partition_and_lamb_match_optax_on_the_logical_tree(m):
     mask_tree = {"embed": {"w": True, "b": False}, "layers": True, "head": False}  # a prefix tree
     label_tree = {"embed": "matrix", "layers": {"w": "matrix", "b": "vector"}, "head": "vector"}
     cases = {
-        "adamw(mask=fn)": (optax.adamw(0.1, weight_decay=0.5, mask=no_bias_decay),
-                           vj.optim.adamw(0.1, weight_decay=0.5, mask=no_bias_decay)),
-        "lamb(mask=tree)": (optax.lamb(0.1, weight_decay=0.2, mask=mask_tree),
-                            vj.optim.lamb(0.1, weight_decay=0.2, mask=mask_tree)),
+        "adamw(mask=fn)": (
+            optax.adamw(0.1, weight_decay=0.5, mask=no_bias_decay),
+            vj.optim.adamw(0.1, weight_decay=0.5, mask=no_bias_decay),
+        ),
+        "lamb(mask=tree)": (
+            optax.lamb(0.1, weight_decay=0.2, mask=mask_tree),
+            vj.optim.lamb(0.1, weight_decay=0.2, mask=mask_tree),
+        ),
         "masked(adam)": (optax.masked(optax.adam(0.1), mask_tree), vj.optim.masked(optax.adam(0.1), mask_tree)),
-        "partition(fn)": (optax.partition({"matrix": optax.adam(0.1), "vector": optax.sgd(0.05, 0.9)}, labels_fn),
-                          vj.optim.partition({"matrix": optax.adam(0.1), "vector": optax.sgd(0.05, 0.9)}, labels_fn)),
+        "partition(fn)": (
+            optax.partition({"matrix": optax.adam(0.1), "vector": optax.sgd(0.05, 0.9)}, labels_fn),
+            vj.optim.partition({"matrix": optax.adam(0.1), "vector": optax.sgd(0.05, 0.9)}, labels_fn),
+        ),
         "partition(tree, compact)": (
             optax.partition({"matrix": optax.adam(0.1), "vector": optax.lion(0.05)}, label_tree),
-            vj.optim.partition({"matrix": optax.adam(0.1), "vector": optax.lion(0.05)}, label_tree, compact=True)),
+            vj.optim.partition({"matrix": optax.adam(0.1), "vector": optax.lion(0.05)}, label_tree, compact=True),
+        ),
         "partition(lamb, clip)": (
-            optax.partition({"matrix": optax.lamb(0.1), "vector": optax.chain(optax.clip_by_global_norm(0.3),
-                                                                              optax.sgd(0.1))}, labels_fn),
-            vj.optim.partition({"matrix": vj.optim.lamb(0.1), "vector": optax.chain(
-                optax.clip_by_global_norm(0.3), optax.sgd(0.1))}, labels_fn)),
+            optax.partition(
+                {"matrix": optax.lamb(0.1), "vector": optax.chain(optax.clip_by_global_norm(0.3), optax.sgd(0.1))},
+                labels_fn,
+            ),
+            vj.optim.partition(
+                {"matrix": vj.optim.lamb(0.1), "vector": optax.chain(optax.clip_by_global_norm(0.3), optax.sgd(0.1))},
+                labels_fn,
+            ),
+        ),
     }
     if m != 3:
         cases = {k: cases[k] for k in ("adamw(mask=fn)", "lamb(mask=tree)", "partition(fn)")}
@@ -175,17 +194,34 @@ def test_leaf_norms_match_the_logical_leaves():
 @pytest.mark.slow
 def test_per_leaf_reductions_match_optax():
     cases = {
-        "trust_ratio": (optax.chain(optax.sgd(0.1), optax.scale_by_trust_ratio(min_norm=0.1, eps=1e-3)),
-                        optax.chain(optax.sgd(0.1), vj.optim.scale_by_trust_ratio(min_norm=0.1, eps=1e-3))),
+        "trust_ratio": (
+            optax.chain(optax.sgd(0.1), optax.scale_by_trust_ratio(min_norm=0.1, eps=1e-3)),
+            optax.chain(optax.sgd(0.1), vj.optim.scale_by_trust_ratio(min_norm=0.1, eps=1e-3)),
+        ),
         "block_norm_rms": (
             optax.chain(optax.clip_by_block_rms(0.4), optax.scale_by_param_block_rms(), optax.scale(-0.1)),
-            optax.chain(vj.optim.clip_by_block_rms(0.4), vj.optim.scale_by_param_block_rms(), optax.scale(-0.1))),
-        "lars": (optax.lars(0.1, weight_decay=0.1, weight_decay_mask=no_bias_decay, trust_coefficient=0.01,
-                            trust_ratio_mask={"embed": True, "layers": False, "head": True}),
-                 vj.optim.lars(0.1, weight_decay=0.1, weight_decay_mask=no_bias_decay, trust_coefficient=0.01,
-                               trust_ratio_mask={"embed": True, "layers": False, "head": True})),
-        "block_norm": (optax.chain(optax.scale_by_param_block_norm(), optax.scale(-0.01)),
-                       optax.chain(vj.optim.scale_by_param_block_norm(), optax.scale(-0.01))),
+            optax.chain(vj.optim.clip_by_block_rms(0.4), vj.optim.scale_by_param_block_rms(), optax.scale(-0.1)),
+        ),
+        "lars": (
+            optax.lars(
+                0.1,
+                weight_decay=0.1,
+                weight_decay_mask=no_bias_decay,
+                trust_coefficient=0.01,
+                trust_ratio_mask={"embed": True, "layers": False, "head": True},
+            ),
+            vj.optim.lars(
+                0.1,
+                weight_decay=0.1,
+                weight_decay_mask=no_bias_decay,
+                trust_coefficient=0.01,
+                trust_ratio_mask={"embed": True, "layers": False, "head": True},
+            ),
+        ),
+        "block_norm": (
+            optax.chain(optax.scale_by_param_block_norm(), optax.scale(-0.01)),
+            optax.chain(vj.optim.scale_by_param_block_norm(), optax.scale(-0.01)),
+        ),
     }
     for name, (ref, got) in run_cases(cases, 3).items():
         assert_trees_close(got, ref, what=name)
@@ -210,8 +246,9 @@ ELEMENTWISE = {
     "lion": lambda: optax.lion(0.1),
     "sign_sgd": lambda: optax.sign_sgd(0.1),
     "rprop": lambda: optax.rprop(0.1),
-    "clip + zero_nans + ema": lambda: optax.chain(optax.zero_nans(), optax.clip(0.5), optax.ema(0.9),
-                                                  optax.scale(-0.1)),
+    "clip + zero_nans + ema": lambda: optax.chain(
+        optax.zero_nans(), optax.clip(0.5), optax.ema(0.9), optax.scale(-0.1)
+    ),
     "clip_by_global_norm + adamw": lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(0.1)),
     "apply_if_finite(adam)": lambda: optax.apply_if_finite(optax.adam(0.1), 3),
     "MultiSteps(adam)": lambda: optax.MultiSteps(optax.adam(0.1), 2),

@@ -20,8 +20,11 @@ def standard_promotion():
 
 def init():
     k = jax.random.split(jax.random.key(0), 3)
-    return {"w": jax.random.normal(k[0], (16, 64)) / 4, "b": jax.random.normal(k[1], (64,)).astype(jnp.bfloat16),
-            "s": (1 + jax.random.normal(k[2], (64,)) / 8).astype(jnp.bfloat16)}
+    return {
+        "w": jax.random.normal(k[0], (16, 64)) / 4,
+        "b": jax.random.normal(k[1], (64,)).astype(jnp.bfloat16),
+        "s": (1 + jax.random.normal(k[2], (64,)) / 8).astype(jnp.bfloat16),
+    }
 
 
 def model(p, x):
@@ -48,8 +51,9 @@ def grad_fn(p, batch):
     return jax.grad(lambda p: jnp.mean((vj.apply(model, p, batch["x"]) - batch["y"]) ** 2))(p)
 
 
-@pytest.mark.parametrize(("m", "reshard"), [(3, True), (8, True), (3, False),
-                                           pytest.param(8, False, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    ("m", "reshard"), [(3, True), (8, True), (3, False), pytest.param(8, False, marks=pytest.mark.slow)]
+)
 def test_bf16_leaf_gradient_matches_unsharded(m, reshard):
     params = init()
     plan = vj.plan(params, make_mesh(m))
@@ -66,7 +70,6 @@ def test_bf16_leaf_gradient_matches_unsharded(m, reshard):
         assert got[key].dtype == jnp.bfloat16
         assert np.max(ulps(got[key], ref[key])) <= 1, (key, int(np.sum(ulps(got[key], ref[key]) > 0)))
     np.testing.assert_allclose(np.asarray(got["w"]), np.asarray(ref["w"]), rtol=1e-5, atol=1e-7)
-
 
 
 @pytest.mark.parametrize("m", [pytest.param(3, marks=pytest.mark.slow), 8])
@@ -109,8 +112,12 @@ def test_default_reduce_dtype_of_low_precision_masters():
 
 def stacked_init():
     k = jax.random.split(jax.random.key(1), 2)
-    return {"layers": {"w": jax.random.normal(k[0], (3, 16, 16)) / 4,
-                       "b": jax.random.normal(k[1], (3, 16)).astype(jnp.bfloat16)}}
+    return {
+        "layers": {
+            "w": jax.random.normal(k[0], (3, 16, 16)) / 4,
+            "b": jax.random.normal(k[1], (3, 16)).astype(jnp.bfloat16),
+        }
+    }
 
 
 def stacked_layer(p, h):
@@ -133,6 +140,7 @@ def test_bf16_leaf_of_a_stacked_group_reduces_like_unsharded(m):
         def f(p):
             h = vj.apply(lambda q, x: vj.scan_layers(stacked_layer, q["layers"], x), p, batch["x"])
             return jnp.mean((h - batch["y"]) ** 2)
+
         return p, o, jax.grad(f)(p)
 
     x, y = data(0)

@@ -81,8 +81,14 @@ def child_env() -> dict[str, str]:
 
 def launch(name: str, args: list[str], start: float, *, worker: str = WORKER) -> Worker:
     popen = subprocess.Popen(
-        [sys.executable, worker, *args], env=child_env(), cwd=ROOT, stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
+        [sys.executable, worker, *args],
+        env=child_env(),
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
     )
     worker = Worker(name, popen)
 
@@ -141,8 +147,9 @@ def run_workers(workers: list[Worker], start: float, timeout_s: float, *, fail_f
                 _stop(workers)
                 hung = min(running, key=lambda w: w.last_progress()[0])
                 t, line = hung.last_progress()
-                report = "\n".join(f"  {w.name} (last output at {w.last_progress()[0]:.1f} s):\n{w.tail(20)}"
-                                   for w in running)
+                report = "\n".join(
+                    f"  {w.name} (last output at {w.last_progress()[0]:.1f} s):\n{w.tail(20)}" for w in running
+                )
                 raise WorkerFailure(
                     f"timed out after {timeout_s:.0f} s: {', '.join(w.name for w in running)} still running; "
                     f"{hung.name} hung (silent since {t:.1f} s, last line {line!r}); killed them all.\n{report}"
@@ -155,8 +162,11 @@ def run_workers(workers: list[Worker], start: float, timeout_s: float, *, fail_f
 def launch_job(tmp_path, num_processes: int, devices: int, start: float, *extra: str) -> tuple[list[Worker], str]:
     port, out = free_port(), str(tmp_path / f"{num_processes}x{devices}.npz")
     workers = [
-        launch(f"process {i} of {num_processes}×{devices}",
-               [str(i), str(num_processes), str(port), str(devices), str(STEPS), out, *extra], start)
+        launch(
+            f"process {i} of {num_processes}×{devices}",
+            [str(i), str(num_processes), str(port), str(devices), str(STEPS), out, *extra],
+            start,
+        )
         for i in range(num_processes)
     ]
     return workers, out
@@ -211,8 +221,16 @@ def test_hung_peer_is_named(tmp_path):
 
 # --- vj.distributed in this (single-process) test process --------------------------------------------------------
 
-CLUSTER_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID",
-                "OMPI_MCA_orte_hnp_uri", "KUBERNETES_SERVICE_HOST", "JAX_COORDINATOR_ADDRESS")
+CLUSTER_VARS = (
+    "SLURM_JOB_ID",
+    "SLURM_STEP_NODELIST",
+    "SLURM_NTASKS",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "OMPI_MCA_orte_hnp_uri",
+    "KUBERNETES_SERVICE_HOST",
+    "JAX_COORDINATOR_ADDRESS",
+)
 
 
 @pytest.fixture
@@ -248,8 +266,13 @@ def test_initialize_errors(fresh, monkeypatch):
     with pytest.raises(RuntimeError, match=r"backends are already initialised.*at the very start"):
         fresh.initialize(coordinator_address="127.0.0.1:1", num_processes=2, process_id=0)
     # A detected 2-task SLURM step is a multi-process job: the same error, naming the environment.
-    slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node001", "SLURM_NTASKS": "2", "SLURM_PROCID": "0",
-             "SLURM_LOCALID": "0"}
+    slurm = {
+        "SLURM_JOB_ID": "7",
+        "SLURM_STEP_NODELIST": "node001",
+        "SLURM_NTASKS": "2",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+    }
     for var, value in slurm.items():
         monkeypatch.setenv(var, value)
     assert fresh.detect_cluster() == "SlurmCluster"

@@ -33,8 +33,9 @@ def make_params(seed=0):
         "layers": {"w": (3, 20, 52), "b": (3, 52)},
         "head": {"w": (16, 16)},
     }
-    return jax.tree.map(lambda s: jnp.asarray(rng.standard_normal(s), jnp.float32), shapes,
-                        is_leaf=lambda x: isinstance(x, tuple))
+    return jax.tree.map(
+        lambda s: jnp.asarray(rng.standard_normal(s), jnp.float32), shapes, is_leaf=lambda x: isinstance(x, tuple)
+    )
 
 
 def dims_tree(params):
@@ -76,10 +77,13 @@ def reference(name, params, grads, **kw):
 def shard_fns(plan):
     """Cached (jitted once) shard / unshard for a plan: vj.shard / vj.unshard re-trace on every call."""
     replicated = jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec())
-    pack = jax.jit(lambda xs: vj.ShardedParams(vj._buffer.pack(jax.tree.leaves(xs), plan), plan),
-                   out_shardings=vj.ShardedParams(plan.shardings(), plan))
-    unpack_fn = jax.jit(lambda bufs: jax.tree_util.tree_unflatten(plan.treedef, vj._buffer.unpack(bufs, plan)),
-                        out_shardings=replicated)
+    pack = jax.jit(
+        lambda xs: vj.ShardedParams(vj._buffer.pack(jax.tree.leaves(xs), plan), plan),
+        out_shardings=vj.ShardedParams(plan.shardings(), plan),
+    )
+    unpack_fn = jax.jit(
+        lambda bufs: jax.tree_util.tree_unflatten(plan.treedef, vj._buffer.unpack(bufs, plan)), out_shardings=replicated
+    )
     return pack, lambda sp: unpack_fn([jax.device_put(x, replicated) for x in sp.buffers])
 
 
@@ -107,9 +111,17 @@ GRADS = grads_seq(PARAMS)
 # ns_steps=3 keeps compile time down; OPTIONS runs the 5-step 'dion' table.
 DEFAULT = dict(learning_rate=0.05, ns_steps=3, muon_weight_dimension_numbers=dims_tree)
 OPTIONS = dict(
-    learning_rate=0.03, nesterov=False, adaptive=True, weight_decay=0.1,
-    weight_decay_mask=lambda p: jax.tree.map(lambda x: x.shape != (16, 16), p), consistent_rms=0.2,
-    adam_weight_decay=0.01, adam_learning_rate=0.01, ns_coeffs="dion", ns_steps=5, beta=0.9,
+    learning_rate=0.03,
+    nesterov=False,
+    adaptive=True,
+    weight_decay=0.1,
+    weight_decay_mask=lambda p: jax.tree.map(lambda x: x.shape != (16, 16), p),
+    consistent_rms=0.2,
+    adam_weight_decay=0.01,
+    adam_learning_rate=0.01,
+    ns_coeffs="dion",
+    ns_steps=5,
+    beta=0.9,
     muon_weight_dimension_numbers=dims_tree,
 )
 
@@ -128,8 +140,11 @@ def test_parity_element(m):
     for x in bucket_leaves:
         assert x.sharding.is_equivalent_to(by_shape[x.shape], x.ndim), (x.shape, x.sharding)
     # AdamW's moments cover the non-Muon leaves only, each device keeping those it holds.
-    adam = [x.value for x in jax.tree.leaves(state.adam, is_leaf=lambda x: isinstance(x, vj.PerDevice))
-            if isinstance(x, vj.PerDevice)]
+    adam = [
+        x.value
+        for x in jax.tree.leaves(state.adam, is_leaf=lambda x: isinstance(x, vj.PerDevice))
+        if isinstance(x, vj.PerDevice)
+    ]
     dims = resolve_dimension_numbers(plan, dims_tree)
     non_muon = sum(s.size for s, d in zip(plan.leaves, dims, strict=True) if d is None)
     assert len(adam) == 2
@@ -187,8 +202,7 @@ def test_owners_slots_and_batching():
 def test_leftover_matrices_are_split_by_columns():
     # 9 matrices of 64 x 256 on 8 devices: 8 owners, and the ninth split by columns (32 per device) instead of
     # a second slot everywhere; the update matches optax on the logical tree.
-    params = {f"l{i}": jnp.asarray(np.random.default_rng(i).standard_normal((64, 256)), jnp.float32)
-              for i in range(9)}
+    params = {f"l{i}": jnp.asarray(np.random.default_rng(i).standard_normal((64, 256)), jnp.float32) for i in range(9)}
     plan = vj.plan(params, make_mesh(8), units=lambda path, leaf: "all")
     routing = vjo.muon_routing(plan)
     assert routing.classes == ((64, 256, 1),) and routing.splits == ((64, 256, 1),)
@@ -244,8 +258,9 @@ def test_muon_inside_a_vj_fsdp_step_matches_optax_unsharded():
 
     @vj.fsdp(plan=plan)
     def step(p, state, batch):
-        loss, g = jax.value_and_grad(lambda p: loss_fn(vj.flax.nnx_apply(graphdef, p, batch["x"] % 67),
-                                                       batch["y"] % 67))(p)
+        loss, g = jax.value_and_grad(
+            lambda p: loss_fn(vj.flax.nnx_apply(graphdef, p, batch["x"] % 67), batch["y"] % 67)
+        )(p)
         u, state = tx.update(g, state, p)
         return optax.apply_updates(p, u), state, loss
 
@@ -272,9 +287,14 @@ RUN_SHAPES = {
     "vec": (11,),
 }
 RUN_DIMS = {
-    "tall": MDN(), "wide": MDN(), "layers": {"w": MDN(1, 2), "t": MDN(1, 2), "b": None},
-    "nd": MDN(reduction_axis=(0, 1), output_axis=2), "perm": MDN(reduction_axis=1, output_axis=0),
-    "mixed": MDN(reduction_axis=1, output_axis=(0, 2)), "split": {f"s{i}": MDN() for i in range(4)}, "vec": None,
+    "tall": MDN(),
+    "wide": MDN(),
+    "layers": {"w": MDN(1, 2), "t": MDN(1, 2), "b": None},
+    "nd": MDN(reduction_axis=(0, 1), output_axis=2),
+    "perm": MDN(reduction_axis=1, output_axis=0),
+    "mixed": MDN(reduction_axis=1, output_axis=(0, 2)),
+    "split": {f"s{i}": MDN() for i in range(4)},
+    "vec": None,
 }
 
 
@@ -353,8 +373,9 @@ def _simulate_routing(plan, routing, dims_tree):
 def test_run_tables_match_brute_force(m, granularity, monkeypatch):
     from vescale_jax.optim import _runs as runs
 
-    shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32), RUN_SHAPES,
-                          is_leaf=lambda x: isinstance(x, tuple))
+    shapes = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s, jnp.float32), RUN_SHAPES, is_leaf=lambda x: isinstance(x, tuple)
+    )
     plan = vj.plan(shapes, make_mesh(m), stacked=["layers"], granularity=granularity)
     routing = vjo.muon_routing(plan, RUN_DIMS)
     assert routing.splits and any(r.transposed for r in routing.matrices) and routing.width

@@ -29,16 +29,22 @@ def standard_promotion():
 def make_params(dtype=jnp.float32):
     k = jax.random.split(jax.random.key(0), 3)
     # A split matrix, a small matrix and a vector (the AdamW branch).
-    return {"w": jax.random.normal(k[0], (8, 12), dtype), "v": jax.random.normal(k[1], (4, 6), dtype),
-            "b": jax.random.normal(k[2], (12,), dtype)}
+    return {
+        "w": jax.random.normal(k[0], (8, 12), dtype),
+        "v": jax.random.normal(k[1], (4, 6), dtype),
+        "b": jax.random.normal(k[2], (12,), dtype),
+    }
 
 
 def setup(name, m, *, auto=False):
     mesh = make_mesh(m, auto=auto)
     params = make_params()
     plan = vj.plan(params, mesh, granularity=vj.rows(4) if name == "shampoo" else vj.element())
-    factory = (functools.partial(vj.optim.muon, plan=plan) if name == "muon"
-               else functools.partial(vj.optim.shampoo, plan=plan, block_size=4))
+    factory = (
+        functools.partial(vj.optim.muon, plan=plan)
+        if name == "muon"
+        else functools.partial(vj.optim.shampoo, plan=plan, block_size=4)
+    )
     return mesh, plan, factory, vj.shard(params, plan)
 
 
@@ -53,15 +59,19 @@ def flat(tree):
 def assert_placed(state, plan, where):
     """Bucket-shaped state like its bucket, PerDevice state split on dim 0, the rest replicated."""
     by_shape = {b.shape: plan.partition_spec(b) for b in plan.buckets}
-    per_device = {id(x.value) for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, PerDevice))
-                  if isinstance(x, PerDevice)}
+    per_device = {
+        id(x.value)
+        for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, PerDevice))
+        if isinstance(x, PerDevice)
+    }
     for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
         spec = by_shape.get(x.shape, jax.sharding.PartitionSpec())
         if id(x) in per_device:
             spec = jax.sharding.PartitionSpec(plan.axis, *[None] * (x.ndim - 1))
         want = jax.sharding.NamedSharding(plan.mesh, spec)
         assert x.sharding.is_equivalent_to(want, x.ndim), (
-            f"{where}: state leaf {jax.tree_util.keystr(path)} {x.shape} has {x.sharding}, expected {spec}")
+            f"{where}: state leaf {jax.tree_util.keystr(path)} {x.shape} has {x.sharding}, expected {spec}"
+        )
 
 
 # 3 devices (ragged, split matrices) run by default; 1 and 8 are slow (each case compiles several steps).
@@ -160,7 +170,8 @@ def test_jit_init_sharded_on_auto_axes():
 def complex_params():
     k = jax.random.split(jax.random.key(1), 3)
     c = lambda k, s: (jax.random.normal(k, s) + 1j * jax.random.normal(jax.random.fold_in(k, 1), s)).astype(
-        jnp.complex64)
+        jnp.complex64
+    )
     return {"w": c(k[0], (8, 12)), "v": c(k[1], (13, 5)), "b": c(k[2], (12,))}, c
 
 
@@ -184,8 +195,13 @@ def test_muon_complex_matches_optax(m, adaptive):
     u = vj.unshard(u)
     for key in params:
         assert np.all(np.isfinite(np.asarray(u[key]))), key
-        np.testing.assert_allclose(np.asarray(u[key]), np.asarray(r[key]), rtol=1e-4, atol=1e-6 * (
-            1 + float(np.max(np.abs(np.asarray(r[key]))))), err_msg=key)
+        np.testing.assert_allclose(
+            np.asarray(u[key]),
+            np.asarray(r[key]),
+            rtol=1e-4,
+            atol=1e-6 * (1 + float(np.max(np.abs(np.asarray(r[key]))))),
+            err_msg=key,
+        )
 
 
 def test_shampoo_rejects_complex():

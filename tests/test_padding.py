@@ -49,14 +49,17 @@ def padding_values(sp):
     for bucket, buf in zip(sp.plan.buckets, sp.buffers, strict=True):
         used = np.zeros(bucket.layout.total_size, bool)
         for n, o in zip(bucket.layout.sizes, bucket.layout.offsets, strict=True):
-            used[o: o + n] = True
+            used[o : o + n] = True
         vals.append(np.asarray(buf)[..., ~used].ravel())
     return np.concatenate(vals)
 
 
 def sharded_nodes(tree):
-    return [x for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, vj.ShardedParams))
-            if isinstance(x, vj.ShardedParams)]
+    return [
+        x
+        for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, vj.ShardedParams))
+        if isinstance(x, vj.ShardedParams)
+    ]
 
 
 def runs(tx, batches, m):
@@ -165,4 +168,5 @@ def test_a_step_that_maps_over_params_keeps_padding_zero():
     out, _ = step(vj.shard(params, plan), None, data(1)[0])
     np.testing.assert_array_equal(padding_values(out), 0.0)
     assert float(jax.jit(optax.tree.norm)(out)) == pytest.approx(
-        float(optax.tree.norm(jax.tree.map(lambda x: x + 1, params))), rel=1e-6)
+        float(optax.tree.norm(jax.tree.map(lambda x: x + 1, params))), rel=1e-6
+    )

@@ -54,11 +54,9 @@ def test_step_output_of_a_bucket_shape_keeps_its_own_sharding(m):
     tx = optax.sgd(0.1, momentum=0.9)
 
     def step(params, opt_state, batch):
-        grads = jax.grad(lambda p: vj.apply(lambda t, x: x * jnp.sum(t["w"]) + jnp.sum(t["b"]), p, batch).sum())(
-            params)
+        grads = jax.grad(lambda p: vj.apply(lambda t, x: x * jnp.sum(t["w"]) + jnp.sum(t["b"]), p, batch).sum())(params)
         updates, opt_state = tx.update(grads, opt_state, params)
-        metric = jax.lax.with_sharding_constraint(jnp.zeros(bucket.shape, jnp.float32) + batch.sum(),
-                                                  replicated(plan))
+        metric = jax.lax.with_sharding_constraint(jnp.zeros(bucket.shape, jnp.float32) + batch.sum(), replicated(plan))
         return optax.apply_updates(params, updates), opt_state, metric, grads
 
     fn = vj.fsdp(step, plan=plan)
@@ -79,8 +77,12 @@ def test_init_opt_state_places_by_type(auto):
     bucket = plan.buckets[0]
 
     def init(params):
-        return {"mu": jax.tree.map(jnp.zeros_like, params), "table": jnp.zeros(bucket.shape, jnp.float32),
-                "rows": PerDevice(jnp.zeros((m * 2, 4), jnp.float32), plan), "count": jnp.zeros((), jnp.int32)}
+        return {
+            "mu": jax.tree.map(jnp.zeros_like, params),
+            "table": jnp.zeros(bucket.shape, jnp.float32),
+            "rows": PerDevice(jnp.zeros((m * 2, 4), jnp.float32), plan),
+            "count": jnp.zeros((), jnp.int32),
+        }
 
     tx = optax.GradientTransformation(init, lambda u, s, p=None: (u, s))
     state = vj.init_opt_state(tx, sp)
@@ -255,8 +257,7 @@ def test_place_batch_moves_device_arrays_on_device(auto, microbatches):
     plan, _, _ = setup(m, auto=auto)
     host = host_batch(m)
     want = vj.place_batch(host, plan, microbatches=microbatches)
-    inputs = [jax.tree.map(jnp.asarray, host), jax.device_put(host, replicated(plan)),
-              vj.place_batch(host, plan)]
+    inputs = [jax.tree.map(jnp.asarray, host), jax.device_put(host, replicated(plan)), vj.place_batch(host, plan)]
     with no_host_copy():
         got = [vj.place_batch(batch, plan, microbatches=microbatches) for batch in inputs]
     for g in got:

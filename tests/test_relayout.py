@@ -31,16 +31,22 @@ def standard_promotion():
 def make_params():
     """Edge blocks (37, 11, 5, 24, 52 are not multiples of 4), a stacked group, an N-D leaf and vectors."""
     rng = np.random.default_rng(0)
-    shapes = {"a": {"w": (37, 11), "b": (11,)}, "b": {"w": (11, 5), "v": (6, 4, 5)},
-              "layers": {"w": (3, 20, 52), "b": (3, 52)}, "head": {"w": (4, 4)}}
-    return jax.tree.map(lambda s: jnp.asarray(rng.standard_normal(s), jnp.float32), shapes,
-                        is_leaf=lambda x: isinstance(x, tuple))
+    shapes = {
+        "a": {"w": (37, 11), "b": (11,)},
+        "b": {"w": (11, 5), "v": (6, 4, 5)},
+        "layers": {"w": (3, 20, 52), "b": (3, 52)},
+        "head": {"w": (4, 4)},
+    }
+    return jax.tree.map(
+        lambda s: jnp.asarray(rng.standard_normal(s), jnp.float32), shapes, is_leaf=lambda x: isinstance(x, tuple)
+    )
 
 
 PARAMS = make_params()
 _rng = np.random.default_rng(1)
-GRADS = [jax.tree.map(lambda x: jnp.asarray(_rng.standard_normal(x.shape), x.dtype), PARAMS)
-         for _ in range(BEFORE + AFTER)]
+GRADS = [
+    jax.tree.map(lambda x: jnp.asarray(_rng.standard_normal(x.shape), x.dtype), PARAMS) for _ in range(BEFORE + AFTER)
+]
 
 
 def mesh_2x4():
@@ -51,10 +57,20 @@ def mesh_2x4():
 
 # name -> (mesh, granularity); "m3r" changes the granularity, "2x4" the mesh (replica x fsdp).
 PLANS = {
-    "shampoo": {"m1": (1, vj.rows(BLOCK)), "m3": (3, vj.rows(BLOCK)), "m8": (8, vj.rows(BLOCK)),
-                "m3r": (3, vj.rows(2 * BLOCK)), "2x4": ("2x4", vj.rows(BLOCK))},
-    "muon": {"m1": (1, vj.element()), "m3": (3, vj.element()), "m8": (8, vj.element()),
-             "m3r": (3, vj.rows(3)), "2x4": ("2x4", vj.element())},
+    "shampoo": {
+        "m1": (1, vj.rows(BLOCK)),
+        "m3": (3, vj.rows(BLOCK)),
+        "m8": (8, vj.rows(BLOCK)),
+        "m3r": (3, vj.rows(2 * BLOCK)),
+        "2x4": ("2x4", vj.rows(BLOCK)),
+    },
+    "muon": {
+        "m1": (1, vj.element()),
+        "m3": (3, vj.element()),
+        "m8": (8, vj.element()),
+        "m3r": (3, vj.rows(3)),
+        "2x4": ("2x4", vj.element()),
+    },
 }
 _CACHE = {}
 
@@ -87,8 +103,9 @@ def setup(opt, name):
 
 def logical(sp):
     """ShardedParams -> the logical tree as numpy (test helper; gathers everything)."""
-    return jax.tree_util.tree_unflatten(sp.plan.treedef, vj._buffer.unpack([np.asarray(b) for b in sp.buffers],
-                                                                           sp.plan))
+    return jax.tree_util.tree_unflatten(
+        sp.plan.treedef, vj._buffer.unpack([np.asarray(b) for b in sp.buffers], sp.plan)
+    )
 
 
 def train(opt, name, grads, sp=None, state=None):
@@ -144,8 +161,10 @@ PAIRS = [("m8", "m3"), ("m3", "m8"), ("m1", "m8"), ("m8", "m1"), ("m3", "m3r"), 
 
 
 def pair_params(opt, default=()):
-    return [pytest.param(opt, a, b, id=f"{opt}-{a}-{b}", marks=[] if (a, b) in default else [pytest.mark.slow])
-            for a, b in PAIRS]
+    return [
+        pytest.param(opt, a, b, id=f"{opt}-{a}-{b}", marks=[] if (a, b) in default else [pytest.mark.slow])
+        for a, b in PAIRS
+    ]
 
 
 @pytest.mark.parametrize(("opt", "a", "b"), pair_params("shampoo", [("m8", "m3")]) + pair_params("muon"))
@@ -161,8 +180,9 @@ def test_trained_state_moves_to_another_plan(opt, a, b):
     assert_trees_equal(logical_view(per_device(state_b)), logical_view(per_device(state_a)), what=f"{a}->{b} view")
     # A -> B -> A gives back A's PerDevice values bit for bit (empty slots included).
     state_back, _ = move(state_b, sp_b, opt, a)
-    assert_trees_equal([x.value for x in per_device(state_back)], [x.value for x in per_device(state_a)],
-                       what=f"{a}->{b}->{a}")
+    assert_trees_equal(
+        [x.value for x in per_device(state_back)], [x.value for x in per_device(state_a)], what=f"{a}->{b}->{a}"
+    )
     # Training continues under B as it would have under A.
     sp_a2, _ = train(opt, a, GRADS[BEFORE:], sp_a, state_a)
     sp_b2, _ = train(opt, b, GRADS[BEFORE:], sp_b, state_b)
@@ -219,8 +239,10 @@ def test_logical_view_holds_the_optimizer_state_by_leaf():
     beta2, b1, b2 = 0.999, 0.9, 0.999
     paths = {path_str(p): i for i, (p, _) in enumerate(jax.tree_util.tree_flatten_with_path(PARAMS)[0])}
     grads = [[np.asarray(x, np.float64) for x in jax.tree.leaves(g)] for g in GRADS[:BEFORE]]
-    left, right = shampoo_state.stats_left.layout.to_logical(shampoo_state.stats_left.value), \
-        shampoo_state.stats_right.layout.to_logical(shampoo_state.stats_right.value)
+    left, right = (
+        shampoo_state.stats_left.layout.to_logical(shampoo_state.stats_left.value),
+        shampoo_state.stats_right.layout.to_logical(shampoo_state.stats_right.value),
+    )
     roots = shampoo_state.root_left.layout.to_logical(shampoo_state.root_left.value)
     assert set(left) == {f"{p}/blocks" for p in ("a/w", "b/w", "b/v", "layers/w", "head/w")}
     for key, got in left.items():
@@ -243,7 +265,7 @@ def test_logical_view_holds_the_optimizer_state_by_leaf():
     for key in mu:
         g1, g2 = (g[paths[key]] for g in grads)
         np.testing.assert_allclose(np.asarray(mu[key]), (1 - b1) * (b1 * g1 + g2), rtol=1e-6, atol=1e-7)
-        np.testing.assert_allclose(np.asarray(nu[key]), (1 - b2) * (b2 * g1 ** 2 + g2 ** 2), rtol=1e-6, atol=1e-9)
+        np.testing.assert_allclose(np.asarray(nu[key]), (1 - b2) * (b2 * g1**2 + g2**2), rtol=1e-6, atol=1e-9)
     # Every PerDevice leaf of the state (the nested AdamW mu and nu included) kept its layout through jit.
     layouts = [x.layout for x in per_device(state)]
     assert len(layouts) == 6 and all(isinstance(x, BlockLayout) for x in layouts[:4])
@@ -269,8 +291,11 @@ def test_relayout_moves_pieces_in_bounded_memory(block):
     split = 0 if block % 8 else 1  # the dim the logical arrays are split on: blocks, or rows inside a block
     assert all(s.sharding.spec[split] == plan.axis for s in shapes.values()), shapes
     from vescale_jax.optim._relayout import _from_logical_fn, _to_logical_fn
-    for compiled in (_to_logical_fn(layout).lower(value).compile(),
-                     _from_logical_fn(layout, jnp.float32).lower(*shapes.values()).compile()):
+
+    for compiled in (
+        _to_logical_fn(layout).lower(value).compile(),
+        _from_logical_fn(layout, jnp.float32).lower(*shapes.values()).compile(),
+    ):
         census = testing.census(compiled)
         assert census.count("all-gather") == census.count("all-reduce") == 0
         if block % 8:
@@ -331,14 +356,22 @@ def test_exchange_moves_random_ragged_placements_exactly():
     for e, (a, b) in enumerate(moves):
         for k in range(m):
             for layer in range(layers):
-                src[k, src_at[e][k, layer]: src_at[e][k, layer] + a.local_sizes[k]] = \
-                    tensors[e][layer, a.starts[k]: a.ends[k]]
-                want[k, out_at[e][k, layer]: out_at[e][k, layer] + b.local_sizes[k]] = \
-                    tensors[e][layer, b.starts[k]: b.ends[k]]
+                src[k, src_at[e][k, layer] : src_at[e][k, layer] + a.local_sizes[k]] = tensors[e][
+                    layer, a.starts[k] : a.ends[k]
+                ]
+                want[k, out_at[e][k, layer] : out_at[e][k, layer] + b.local_sizes[k]] = tensors[e][
+                    layer, b.starts[k] : b.ends[k]
+                ]
     spec = jax.sharding.PartitionSpec("fsdp")
-    fn = jax.jit(jax.shard_map(
-        lambda s: _exchange(s, src_at, jnp.zeros((out_size,), s.dtype), out_at, moves, "fsdp", m),
-        mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+    fn = jax.jit(
+        jax.shard_map(
+            lambda s: _exchange(s, src_at, jnp.zeros((out_size,), s.dtype), out_at, moves, "fsdp", m),
+            mesh=mesh,
+            in_specs=spec,
+            out_specs=spec,
+            check_vma=False,
+        )
+    )
     x = jax.device_put(src.reshape(-1), jax.sharding.NamedSharding(mesh, spec))
     got = np.asarray(fn(x)).reshape(m, out_size)
     np.testing.assert_array_equal(got, want)

@@ -27,9 +27,9 @@ def standard_promotion():
 def make_step(plan, graphdef, tx, **kw):
     @vj.fsdp(plan=plan, **kw)
     def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(
-            lambda p: loss_fn(vj.flax.nnx_apply(graphdef, p, batch["x"]), batch["y"])
-        )(params)
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(vj.flax.nnx_apply(graphdef, p, batch["x"]), batch["y"]))(
+            params
+        )
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
@@ -124,10 +124,13 @@ def accumulation_setup():
 
     def grads_with(reduce):
         if reduce is None:  # one batch of K·B, no accumulation
-            return vj.fsdp(lambda params, _, batch: jax.value_and_grad(loss_of)(params, batch), plan=plan,
-                           donate=False)
-        return vj.fsdp(lambda params, _, batch: vj.accumulate(loss_of, params, batch, reduce=reduce), plan=plan,
-                       microbatches=K, donate=False)
+            return vj.fsdp(lambda params, _, batch: jax.value_and_grad(loss_of)(params, batch), plan=plan, donate=False)
+        return vj.fsdp(
+            lambda params, _, batch: vj.accumulate(loss_of, params, batch, reduce=reduce),
+            plan=plan,
+            microbatches=K,
+            donate=False,
+        )
 
     return plan, sp, grads_with
 
@@ -183,8 +186,11 @@ def test_hsdp_matches_unsharded_and_reduces_in_two_stages():
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(vj.unshard(got), ref)
 
-    census = testing.census(step.lower(vj.shard(params, plan), vj.init_opt_state(tx, vj.shard(params, plan)),
-                                       next(batches(1, batch=16))).compile())
+    census = testing.census(
+        step.lower(
+            vj.shard(params, plan), vj.init_opt_state(tx, vj.shard(params, plan)), next(batches(1, batch=16))
+        ).compile()
+    )
     shard_bytes = {b.layout.shard_size * 4 for b in plan.buckets}
     assert census.of("reduce-scatter") and all(op.group_size == 4 for op in census.of("reduce-scatter"))
     # The sum over the 2 replicas runs on the shards, after the reduce-scatter (XLA may combine several

@@ -37,8 +37,9 @@ def make_params(seed=0):
         "layers": {"w": (3, 20, 52), "b": (3, 52)},
         "head": {"w": (4, 4)},
     }
-    return jax.tree.map(lambda s: jnp.asarray(rng.standard_normal(s), jnp.float32), shapes,
-                        is_leaf=lambda x: isinstance(x, tuple))
+    return jax.tree.map(
+        lambda s: jnp.asarray(rng.standard_normal(s), jnp.float32), shapes, is_leaf=lambda x: isinstance(x, tuple)
+    )
 
 
 def grads_seq(params, n=STEPS, seed=1):
@@ -50,9 +51,19 @@ PARAMS = make_params()
 GRADS = grads_seq(PARAMS)
 STACKED = {"a": False, "b": False, "layers": True, "head": False}
 DEFAULT = dict(learning_rate=0.01, block_size=BLOCK)
-OPTIONS = dict(learning_rate=0.02, block_size=BLOCK, beta1=0.8, beta2=0.99, weight_decay=0.1, nesterov=True,
-               start_preconditioning_step=3, preconditioning_compute_steps=3, graft_type="rmsprop",
-               graft_beta2=0.9, matrix_epsilon=1e-4)
+OPTIONS = dict(
+    learning_rate=0.02,
+    block_size=BLOCK,
+    beta1=0.8,
+    beta2=0.99,
+    weight_decay=0.1,
+    nesterov=True,
+    start_preconditioning_step=3,
+    preconditioning_compute_steps=3,
+    graft_type="rmsprop",
+    graft_beta2=0.9,
+    matrix_epsilon=1e-4,
+)
 
 _REFS = {}
 
@@ -110,8 +121,9 @@ def test_parity_with_reference(m):
     tables = vjo.shampoo_blocks(plan, BLOCK)
     stats = state.shampoo[0].stats_left.value
     assert stats.shape == (m * tables.slots, BLOCK, BLOCK)
-    assert stats.sharding.is_equivalent_to(jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec(
-        plan.axis)), 3)
+    assert stats.sharding.is_equivalent_to(
+        jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec(plan.axis)), 3
+    )
     # Every block of every matrix leaf (edge blocks included) is placed exactly once.
     expected = 0
     for spec in plan.leaves:
@@ -181,8 +193,7 @@ def test_shampoo_inside_a_vj_fsdp_step_matches_the_reference():
     graphdef, shapes = abstract_model(cfg)
     plan = vj.plan(shapes, make_mesh(3), stacked=("blocks",), granularity=vj.rows(BLOCK))
     params = init_params(cfg, jax.random.key(0))
-    stacked = jax.tree_util.tree_map_with_path(lambda path, _: path_str(path).startswith("blocks/"),
-                                               params)
+    stacked = jax.tree_util.tree_map_with_path(lambda path, _: path_str(path).startswith("blocks/"), params)
     kw = dict(learning_rate=3e-3, block_size=BLOCK, weight_decay=0.1, preconditioning_compute_steps=2)
     ref_tx = reference_shampoo(is_stacked=stacked, **kw)
     tx = vjo.shampoo(plan=plan, **kw)
@@ -192,8 +203,9 @@ def test_shampoo_inside_a_vj_fsdp_step_matches_the_reference():
 
     @vj.fsdp(plan=plan)
     def step(p, state, batch):
-        loss, g = jax.value_and_grad(lambda p: loss_fn(vj.flax.nnx_apply(graphdef, p, batch["x"] % 67),
-                                                       batch["y"] % 67))(p)
+        loss, g = jax.value_and_grad(
+            lambda p: loss_fn(vj.flax.nnx_apply(graphdef, p, batch["x"] % 67), batch["y"] % 67)
+        )(p)
         u, state = tx.update(g, state, p)
         return optax.apply_updates(p, u), state, loss
 

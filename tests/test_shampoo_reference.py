@@ -26,8 +26,10 @@ def rand(shape, seed, dtype=jnp.float32):
 def grads_seq(params, n, seed=1):
     """n gradient trees, each step at a different scale so the exponential averages matter."""
     rng = np.random.default_rng(seed)
-    return [jax.tree.map(lambda x, k=k: jnp.asarray((1 + k) * rng.standard_normal(x.shape), x.dtype), params)
-            for k in range(n)]
+    return [
+        jax.tree.map(lambda x, k=k: jnp.asarray((1 + k) * rng.standard_normal(x.shape), x.dtype), params)
+        for k in range(n)
+    ]
 
 
 def run(tx, params, grads, pass_params=True):
@@ -52,8 +54,23 @@ def ema(values, beta, t):
     return sum((1 - beta) * beta ** (t - k) * values[k - 1] for k in range(1, t + 1))
 
 
-def hand_single_block(grads, param, *, lr, beta1=0.9, beta2=0.999, graft="adam", graft_beta2=None, deps=1e-10,
-                      meps=1e-6, wd=0.0, start=1, every=1, p=4, nesterov=False):
+def hand_single_block(
+    grads,
+    param,
+    *,
+    lr,
+    beta1=0.9,
+    beta2=0.999,
+    graft="adam",
+    graft_beta2=None,
+    deps=1e-10,
+    meps=1e-6,
+    wd=0.0,
+    start=1,
+    every=1,
+    p=4,
+    nesterov=False,
+):
     """Shampoo for one 2-D leaf that is a single block, written from closed forms: the statistics and moments
     as explicit weighted sums, the roots of the latest refresh step <= t recomputed from that step's sums."""
     gs = [np.asarray(g, np.float64) for g in grads]
@@ -100,8 +117,15 @@ def close(a, b, rtol=1e-5, atol=1e-7):
 def test_one_step_single_block_matches_svd(shape, exponent):
     lr, beta2, meps = 0.3, 0.95, 1e-6
     g = rand(shape, 0)
-    tx = reference_shampoo(lr, block_size=max(shape), beta1=0.0, beta2=beta2, graft_type="sgd",
-                           matrix_epsilon=meps, exponent_override=exponent)
+    tx = reference_shampoo(
+        lr,
+        block_size=max(shape),
+        beta1=0.0,
+        beta2=beta2,
+        graft_type="sgd",
+        matrix_epsilon=meps,
+        exponent_override=exponent,
+    )
     (upd,), _ = run(tx, {"w": g}, [{"w": g}], pass_params=False)
 
     p = exponent or 4
@@ -156,8 +180,12 @@ def test_zero_padding_invariance(graft):
 
     kw = dict(graft_type=graft, beta1=0.9, beta2=0.95, weight_decay=0.0)
     real, _ = run(reference_shampoo(0.1, block_size=16, **kw), {"w": w}, grads, pass_params=False)
-    padded, _ = run(reference_shampoo(0.1, block_size=16, **kw), {"w": pad(w)},
-                    [{"w": pad(g["w"])} for g in grads], pass_params=False)
+    padded, _ = run(
+        reference_shampoo(0.1, block_size=16, **kw),
+        {"w": pad(w)},
+        [{"w": pad(g["w"])} for g in grads],
+        pass_params=False,
+    )
     for step in range(4):
         close(padded[step]["w"][:rows, :cols], real[step]["w"], rtol=1e-5, atol=1e-8)
         mask = np.ones((prow, pcol), bool)
@@ -172,9 +200,17 @@ def test_before_start_is_graft_and_vectors_are_adamw(graft):
     lr, beta1, beta2, deps, wd, start, steps = 0.05, 0.8, 0.9, 1e-8, 0.1, 4, 5
     params = {"w": rand((6, 8), 0), "b": rand((8,), 1), "s": rand((), 2), "stk": {"v": rand((3, 5), 3)}}
     grads = grads_seq(params, steps)
-    tx = reference_shampoo(lr, block_size=3, is_stacked={"w": False, "b": False, "s": False, "stk": True},
-                           beta1=beta1, beta2=beta2, diagonal_epsilon=deps, weight_decay=wd,
-                           start_preconditioning_step=start, graft_type=graft)
+    tx = reference_shampoo(
+        lr,
+        block_size=3,
+        is_stacked={"w": False, "b": False, "s": False, "stk": True},
+        beta1=beta1,
+        beta2=beta2,
+        diagonal_epsilon=deps,
+        weight_decay=wd,
+        start_preconditioning_step=start,
+        graft_type=graft,
+    )
     ups, _ = run(tx, params, grads)
 
     gw = [np.asarray(g["w"], np.float64) for g in grads]
@@ -182,17 +218,31 @@ def test_before_start_is_graft_and_vectors_are_adamw(graft):
     grafted = []
     for t in range(1, start):
         sq = [x**2 for x in gw[:t]]
-        gr = {"sgd": gw[t - 1],
-              "adagrad": gw[t - 1] / (np.sqrt(sum(sq)) + deps),
-              "rmsprop": gw[t - 1] / (np.sqrt(ema(sq, beta2, t)) + deps),
-              "adam": gw[t - 1] / (np.sqrt(ema(sq, beta2, t) / (1 - beta2**t)) + deps)}[graft]
+        gr = {
+            "sgd": gw[t - 1],
+            "adagrad": gw[t - 1] / (np.sqrt(sum(sq)) + deps),
+            "rmsprop": gw[t - 1] / (np.sqrt(ema(sq, beta2, t)) + deps),
+            "adam": gw[t - 1] / (np.sqrt(ema(sq, beta2, t) / (1 - beta2**t)) + deps),
+        }[graft]
         grafted.append(gr)
         expected = -lr * (ema(grafted, beta1, t) / (1 - beta1**t) + wd * w)
         close(ups[t - 1]["w"], expected)
     # From the start step on, the preconditioner changes the direction.
-    assert not np.allclose(ups[start - 1]["w"], hand_single_block(
-        grads=[g["w"] for g in grads[:start]], param=w, lr=lr, beta1=beta1, beta2=beta2, graft=graft, deps=deps,
-        wd=wd, start=10**6)[start - 1], rtol=1e-3)
+    assert not np.allclose(
+        ups[start - 1]["w"],
+        hand_single_block(
+            grads=[g["w"] for g in grads[:start]],
+            param=w,
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            graft=graft,
+            deps=deps,
+            wd=wd,
+            start=10**6,
+        )[start - 1],
+        rtol=1e-3,
+    )
 
     vec = lambda tree: {"b": tree["b"], "s": tree["s"], "v": tree["stk"]["v"]}
     adamw = optax.adamw(lr, b1=beta1, b2=beta2, eps=deps, weight_decay=wd)
@@ -253,16 +303,34 @@ def test_variants_match_closed_form(cfg):
     lr, beta2, steps = 0.1, 0.9, 7
     w = rand((6, 9), 0)
     grads = grads_seq({"w": w}, steps)
-    tx = reference_shampoo(lr, block_size=9, beta1=cfg["beta1"], beta2=beta2, weight_decay=cfg.get("wd", 0.0),
-                           start_preconditioning_step=cfg.get("start", 1),
-                           preconditioning_compute_steps=cfg.get("every", 1), graft_type=cfg["graft"],
-                           graft_beta2=cfg.get("graft_beta2"), nesterov=cfg.get("nesterov", False),
-                           exponent_override=cfg.get("p", 0))
+    tx = reference_shampoo(
+        lr,
+        block_size=9,
+        beta1=cfg["beta1"],
+        beta2=beta2,
+        weight_decay=cfg.get("wd", 0.0),
+        start_preconditioning_step=cfg.get("start", 1),
+        preconditioning_compute_steps=cfg.get("every", 1),
+        graft_type=cfg["graft"],
+        graft_beta2=cfg.get("graft_beta2"),
+        nesterov=cfg.get("nesterov", False),
+        exponent_override=cfg.get("p", 0),
+    )
     ups, _ = run(tx, {"w": w}, grads)
-    expected = hand_single_block([g["w"] for g in grads], w, lr=lr, beta1=cfg["beta1"], beta2=beta2,
-                                 graft=cfg["graft"], graft_beta2=cfg.get("graft_beta2"), wd=cfg.get("wd", 0.0),
-                                 start=cfg.get("start", 1), every=cfg.get("every", 1), p=cfg.get("p", 4),
-                                 nesterov=cfg.get("nesterov", False))
+    expected = hand_single_block(
+        [g["w"] for g in grads],
+        w,
+        lr=lr,
+        beta1=cfg["beta1"],
+        beta2=beta2,
+        graft=cfg["graft"],
+        graft_beta2=cfg.get("graft_beta2"),
+        wd=cfg.get("wd", 0.0),
+        start=cfg.get("start", 1),
+        every=cfg.get("every", 1),
+        p=cfg.get("p", 4),
+        nesterov=cfg.get("nesterov", False),
+    )
     for step in range(steps):
         close(ups[step]["w"], expected[step])
 
@@ -272,8 +340,14 @@ def test_roots_refreshed_on_the_right_steps(start, every, refresh_steps):
     beta2, meps, steps = 0.9, 1e-6, 7
     w = rand((5, 4), 0)
     grads = grads_seq({"w": w}, steps)
-    tx = reference_shampoo(0.1, block_size=8, beta2=beta2, matrix_epsilon=meps, start_preconditioning_step=start,
-                           preconditioning_compute_steps=every)
+    tx = reference_shampoo(
+        0.1,
+        block_size=8,
+        beta2=beta2,
+        matrix_epsilon=meps,
+        start_preconditioning_step=start,
+        preconditioning_compute_steps=every,
+    )
     _, states = run(tx, {"w": w}, grads)
     gw = [np.asarray(g["w"], np.float64) for g in grads]
     for t in range(1, steps + 1):
@@ -287,8 +361,7 @@ def test_roots_refreshed_on_the_right_steps(start, every, refresh_steps):
             continue
         s = max(refreshed)
         close(block.left_root, psd_power(ema([x @ x.T for x in gw[:s]], beta2, s), 4, meps), rtol=1e-9, atol=1e-12)
-        close(block.right_root, psd_power(ema([x.T @ x for x in gw[:s]], beta2, s), 4, meps), rtol=1e-9,
-              atol=1e-12)
+        close(block.right_root, psd_power(ema([x.T @ x for x in gw[:s]], beta2, s), 4, meps), rtol=1e-9, atol=1e-12)
         if t not in refresh_steps:  # held over unchanged from the previous step
             prev = states[t - 2].matrix[0].blocks[0][0]
             np.testing.assert_array_equal(block.left_root, prev.left_root)

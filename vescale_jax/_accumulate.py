@@ -128,8 +128,13 @@ def gather_copies(params: ShardedParams) -> GatheredParams:
         raise TypeError(f"vj.accumulate(reduce='once'): params must be a vj.ShardedParams, got {type(params)}.")
     plan, how = params.plan, _gather_options()
     specs = _specs(plan)
-    mapped = jax.shard_map(lambda bufs: collectives.gather_copies(bufs, plan, how), mesh=plan.mesh,
-                           in_specs=(specs,), out_specs=specs, check_vma=how.kernels.check_vma)
+    mapped = jax.shard_map(
+        lambda bufs: collectives.gather_copies(bufs, plan, how),
+        mesh=plan.mesh,
+        in_specs=(specs,),
+        out_specs=specs,
+        check_vma=how.kernels.check_vma,
+    )
     return GatheredParams(mapped(params.buffers), plan)
 
 
@@ -137,6 +142,11 @@ def reduce_copies(grads: GatheredParams, like: ShardedParams) -> ShardedParams:
     """Reduce-scatters full per-device gradients into the plan's shards (in the policy's reduce dtype)."""
     plan, how = like.plan, _gather_options()
     specs = _specs(plan)
-    mapped = jax.shard_map(lambda gs: collectives.reduce_copies(gs, plan, how), mesh=plan.mesh,
-                           in_specs=(specs,), out_specs=specs, check_vma=how.kernels.check_vma)
+    mapped = jax.shard_map(
+        lambda gs: collectives.reduce_copies(gs, plan, how),
+        mesh=plan.mesh,
+        in_specs=(specs,),
+        out_specs=specs,
+        check_vma=how.kernels.check_vma,
+    )
     return ShardedParams(mapped(grads.buffers), plan)

@@ -51,8 +51,10 @@ def tree_difference(got_paths: Sequence[str], planned_paths: Sequence[str]) -> s
         if extra:
             parts.append(f"extra (in the tree, not in the plan): {_listing(extra)}")
     if not parts:
-        parts.append("the same key paths, but other container types (e.g. a dict where the plan had an "
-                     "nnx.State, a list where it had a tuple, or a None node)")
+        parts.append(
+            "the same key paths, but other container types (e.g. a dict where the plan had an "
+            "nnx.State, a list where it had a tuple, or a None node)"
+        )
     return "; ".join(parts)
 
 
@@ -73,8 +75,10 @@ def plan_difference(got: Any, want: Any) -> str:
         return f"the trees differ: {tree_difference(got_paths, want_paths)}"
     for a, b in zip(got.leaves, want.leaves, strict=True):
         if a != b:
-            return (f"leaf {a.path!r} differs: shape {a.shape} {a.dtype} {a.granularity!r} bucket {a.bucket} vs "
-                    f"shape {b.shape} {b.dtype} {b.granularity!r} bucket {b.bucket}")
+            return (
+                f"leaf {a.path!r} differs: shape {a.shape} {a.dtype} {a.granularity!r} bucket {a.bucket} vs "
+                f"shape {b.shape} {b.dtype} {b.granularity!r} bucket {b.bucket}"
+            )
     for a, b in zip(got.buckets, want.buckets, strict=True):
         if a != b:
             return f"bucket {a.name!r} has another layout (S={a.layout.shard_size} vs {b.layout.shard_size})"
@@ -92,11 +96,17 @@ def check_sharded_params(x: Any, fn: str, *, what: str = "params") -> None:
     elif x is None:
         hint = "build them with vj.shard(params, plan) or vj.init_sharded(init_fn, plan, key)."
     else:
-        inner = [type(v).__name__ for v in jax.tree.leaves(x, is_leaf=lambda v: isinstance(v, ShardedParams))
-                 if isinstance(v, ShardedParams)]
-        hint = ("it holds a vj.ShardedParams inside; pass that one, not the container." if inner else
-                "a logical tree is not sharded yet: pass vj.shard(params, plan) (or vj.init_sharded(init_fn, "
-                "plan, key)).")
+        inner = [
+            type(v).__name__
+            for v in jax.tree.leaves(x, is_leaf=lambda v: isinstance(v, ShardedParams))
+            if isinstance(v, ShardedParams)
+        ]
+        hint = (
+            "it holds a vj.ShardedParams inside; pass that one, not the container."
+            if inner
+            else "a logical tree is not sharded yet: pass vj.shard(params, plan) (or vj.init_sharded(init_fn, "
+            "plan, key))."
+        )
     raise TypeError(f"{fn}: {what} must be a vj.ShardedParams, got {type(x).__name__}; {hint}")
 
 
@@ -156,8 +166,9 @@ def check_kernel_policy(kernels: Any, fn: str) -> Any:
     if isinstance(kernels, KernelPolicy):
         return kernels
     hint = f"vj.kernels.KernelPolicy(mode={kernels!r})" if isinstance(kernels, str) else "vj.kernels.KernelPolicy()"
-    raise TypeError(f"{fn}: kernels= must be a vj.kernels.KernelPolicy, got {type(kernels).__name__}; write "
-                    f"kernels={hint}.")
+    raise TypeError(
+        f"{fn}: kernels= must be a vj.kernels.KernelPolicy, got {type(kernels).__name__}; write kernels={hint}."
+    )
 
 
 def check_precision_type(precision: Any, fn: str) -> None:
@@ -170,8 +181,11 @@ def check_precision_type(precision: Any, fn: str) -> None:
         name = np.dtype(precision).name
     except TypeError:
         name = None
-    fix = (f"precision=vj.MixedPrecision(compute_dtype=jnp.{name})" if name else
-           "precision=vj.MixedPrecision(compute_dtype=jnp.bfloat16)")
+    fix = (
+        f"precision=vj.MixedPrecision(compute_dtype=jnp.{name})"
+        if name
+        else "precision=vj.MixedPrecision(compute_dtype=jnp.bfloat16)"
+    )
     raise TypeError(
         f"{fn}: precision must be a vj.MixedPrecision policy, got "
         f"{f'the dtype {name}' if name else f'{precision!r} ({type(precision).__name__})'}; "
@@ -223,8 +237,10 @@ def check_step_outputs(out: Any, plan: Any, opt_state: Any) -> None:
     """Checks a donating ``vj.fsdp`` step returned ``(params, opt_state, *rest)`` (at trace time, so once)."""
     from vescale_jax._buffer import ShardedParams
 
-    contract = ("a vj.fsdp step returns (params, opt_state, *rest) — the new ShardedParams first, the new optimizer "
-                "state second, then metrics")
+    contract = (
+        "a vj.fsdp step returns (params, opt_state, *rest) — the new ShardedParams first, the new optimizer "
+        "state second, then metrics"
+    )
     if not isinstance(out, tuple | list) or len(out) < 2:
         got = f"{len(out)} output(s)" if isinstance(out, tuple | list) else f"one value, {_describe(out)}"
         raise ValueError(
@@ -263,8 +279,11 @@ def _describe(x: Any) -> str:
 
 def int_grad_message(plan: Any) -> str | None:
     """The fix for ``jax.grad`` over params with integer leaves (which JAX reports without naming them)."""
-    bad = [f"{s.path!r} ({s.dtype}{list(s.shape)})" for s in plan.leaves
-           if not np.issubdtype(np.dtype(s.dtype), np.inexact)]
+    bad = [
+        f"{s.path!r} ({s.dtype}{list(s.shape)})"
+        for s in plan.leaves
+        if not np.issubdtype(np.dtype(s.dtype), np.inexact)
+    ]
     if not bad:
         return None
     return (

@@ -93,8 +93,12 @@ class Gather:
         per-device partial sums reach the reduce-scatter unrounded (see :mod:`vescale_jax._widen`). fp32
         masters computing in bf16 keep the bf16 gathered copy."""
         gather, grad = self.policy.gather_dtype(dtype), self.policy.grad_dtype(dtype)
-        return (self.widen and jnp.issubdtype(gather, jnp.floating) and np.dtype(dtype).itemsize < 4
-                and grad.itemsize > gather.itemsize)
+        return (
+            self.widen
+            and jnp.issubdtype(gather, jnp.floating)
+            and np.dtype(dtype).itemsize < 4
+            and grad.itemsize > gather.itemsize
+        )
 
     def leaf_dtype(self, dtype: Any) -> np.dtype:
         """The dtype :func:`gather_leaves` returns a bucket of ``dtype``'s leaves in."""
@@ -157,8 +161,14 @@ def tie(buffers: Sequence[jax.Array], anchor: Any) -> list[jax.Array]:
     its first inexact element ``c``; XLA does not fold ``|c| * 0`` (it is NaN for non-finite ``c``, which the
     select discards), and ``x + -0.0 == x`` for every ``x``, signed zeros and NaN included.
     """
-    c = next((jnp.ravel(a)[0] for a in jax.tree.leaves(anchor)
-              if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jnp.inexact) and a.size), None)
+    c = next(
+        (
+            jnp.ravel(a)[0]
+            for a in jax.tree.leaves(anchor)
+            if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jnp.inexact) and a.size
+        ),
+        None,
+    )
     if c is None:
         return list(buffers)
     if jnp.issubdtype(c.dtype, jnp.complexfloating):
@@ -190,7 +200,7 @@ def unpack(
     shapes = [tuple(s) for s in shapes]
     lead = full.shape[:-1]
     if lead:
-        per = [s[len(lead):] for s in shapes]
+        per = [s[len(lead) :] for s in shapes]
         fn = lambda f: unpack(f, layout, per, kernels_policy=kernels_policy)
         for _ in lead:
             fn = jax.vmap(fn)
@@ -202,8 +212,12 @@ def unpack(
 
 
 def pack(
-    leaves: Sequence[jax.Array], layout: BucketLayout, *, dtype: Any, kernels_policy: KernelPolicy,
-    lead: tuple[int, ...] = ()
+    leaves: Sequence[jax.Array],
+    layout: BucketLayout,
+    *,
+    dtype: Any,
+    kernels_policy: KernelPolicy,
+    lead: tuple[int, ...] = (),
 ) -> jax.Array:
     """The ``(*lead, total_size)`` buffer of ``leaves`` (cast to ``dtype``), padding zero.
 
@@ -357,8 +371,15 @@ def gather_flat(local_buffers: Sequence[jax.Array], plan: Plan, how: Gather | No
     out: dict[int, jax.Array] = {}
     for bucket, local in zip(plan.buckets, local_buffers, strict=True):
         if bucket.layers is None:
-            gathered = gather_bucket(local, bucket, plan, precision=how.precision, vary_axes=how.replica_axes,
-                                     widen=how.widen, kernels_policy=how.kernels)
+            gathered = gather_bucket(
+                local,
+                bucket,
+                plan,
+                precision=how.precision,
+                vary_axes=how.replica_axes,
+                widen=how.widen,
+                kernels_policy=how.kernels,
+            )
             out.update(zip(bucket.leaves, gathered, strict=True))
     return out
 
@@ -414,10 +435,25 @@ def forwarded(residuals: Sequence[Any], inputs: Sequence[Any]) -> list[int | Non
 
 # Outputs of these primitives are copies or views of their inputs: under reshard-after-forward they are
 # recomputed in backward rather than saved, so no gathered parameter (or a transposed / cast view of one) is kept.
-_DATA_MOVEMENT = frozenset({
-    "all_gather", "broadcast_in_dim", "concatenate", "convert_element_type", "copy", "dynamic_slice", "expand_dims",
-    "name", "pcast", "pvary", "reduce_precision", "reshape", "slice", "squeeze", "transpose",
-})
+_DATA_MOVEMENT = frozenset(
+    {
+        "all_gather",
+        "broadcast_in_dim",
+        "concatenate",
+        "convert_element_type",
+        "copy",
+        "dynamic_slice",
+        "expand_dims",
+        "name",
+        "pcast",
+        "pvary",
+        "reduce_precision",
+        "reshape",
+        "slice",
+        "squeeze",
+        "transpose",
+    }
+)
 
 
 def save_policy(prim: Any, *_: Any, **__: Any) -> bool:
@@ -471,8 +507,9 @@ def reshard_after_forward(
     def run_bwd(saved, ct):
         buffers, vjp_fn = saved
         flat = gather_all(tie(buffers, ct))
-        vjp_fn = jax.tree.map(lambda r: flat[r.k] if isinstance(r, _Gathered) else r, vjp_fn,
-                              is_leaf=lambda r: isinstance(r, _Gathered))
+        vjp_fn = jax.tree.map(
+            lambda r: flat[r.k] if isinstance(r, _Gathered) else r, vjp_fn, is_leaf=lambda r: isinstance(r, _Gathered)
+        )
         d_flat, d_buffers, d_args = vjp_fn(ct)
         grads = dict(zip(keys, d_flat, strict=True))
         d_buffers = list(d_buffers)
@@ -510,8 +547,9 @@ def unpack_copies(copies: Sequence[jax.Array], plan: Plan, how: Gather) -> list[
     leaves: list[Any] = [None] * len(plan.leaves)
     for bucket, copy in zip(plan.buckets, copies, strict=True):
         shapes = [plan.leaves[i].shape for i in bucket.leaves]
-        for i, x in zip(bucket.leaves, unpack_differentiable(copy, bucket.layout, shapes, kernels_policy=how.kernels),
-                        strict=True):
+        for i, x in zip(
+            bucket.leaves, unpack_differentiable(copy, bucket.layout, shapes, kernels_policy=how.kernels), strict=True
+        ):
             leaves[i] = x
     return leaves
 

@@ -121,8 +121,9 @@ def _check_not_donated(params: ShardedParams, opt_state: Any, *rest: Any) -> Non
     trees = [("params", "these params", list(zip(names, params.buffers, strict=True)))]
     for what, tree in (("opt_state", opt_state), ("batch", rest[0] if rest else None), ("extra argument", rest[1:])):
         leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-        trees.append((what, f"this {what}", [(f"{what} leaf {jax.tree_util.keystr(p) or '<root>'}", x)
-                                             for p, x in leaves]))
+        trees.append(
+            (what, f"this {what}", [(f"{what} leaf {jax.tree_util.keystr(p) or '<root>'}", x) for p, x in leaves])
+        )
     for what, these, named in trees:
         for name, leaf in named:
             if isinstance(leaf, jax.Array) and leaf.is_deleted():
@@ -191,9 +192,18 @@ def _tree(plan: Plan, buffers: Sequence[jax.Array], gathered: dict[int, jax.Arra
     for bucket, local in zip(plan.buckets, buffers, strict=True):
         for i in bucket.leaves:
             leaves[i] = (
-                LayerShard(local, plan, i, opts.reshard_after_forward, opts.prefetch, opts.precision,
-                           opts.replica_axes, kernels=opts.kernels)
-                if bucket.layers is not None else gathered[i]
+                LayerShard(
+                    local,
+                    plan,
+                    i,
+                    opts.reshard_after_forward,
+                    opts.prefetch,
+                    opts.precision,
+                    opts.replica_axes,
+                    kernels=opts.kernels,
+                )
+                if bucket.layers is not None
+                else gathered[i]
             )
     return jax.tree_util.tree_unflatten(plan.treedef, leaves)
 
@@ -281,13 +291,15 @@ def apply(
     if opts.reshard_after_forward:
         local = collectives.reshard_after_forward(fn, plan, how, build)
     else:
+
         def local(buffers, *local_args):
             return fn(build(buffers, gather_flat(buffers, plan, how)), *local_args)
 
     specs = tuple(plan.partition_spec(b) for b in plan.buckets)
     # The Pallas interpreter's loops do not track varying mesh axes: the policy turns the check off then.
-    mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(specs, *in_specs), out_specs=out_specs,
-                           check_vma=opts.kernels.check_vma)
+    mapped = jax.shard_map(
+        local, mesh=plan.mesh, in_specs=(specs, *in_specs), out_specs=out_specs, check_vma=opts.kernels.check_vma
+    )
     return mapped(params.buffers, *args)
 
 
@@ -418,19 +430,29 @@ def place_batch(
     if not multi:
         _check_batch(shapes, size, axes, what=what)
     out = jax.tree_util.tree_map_with_path(
-        lambda path, x: device_place(path, x) if on_device(x) else host_place(x), batch)
+        lambda path, x: device_place(path, x) if on_device(x) else host_place(x), batch
+    )
     if multi:
-        _check_batch(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:2] if microbatches else x.shape[:1],
-                                                                 np.float32), out),
-                     size, axes, what=f"global {what} (all processes' parts)")
+        _check_batch(
+            jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape[1:2] if microbatches else x.shape[:1], np.float32), out
+            ),
+            size,
+            axes,
+            what=f"global {what} (all processes' parts)",
+        )
     return out
 
 
 def _has_sharding(x: jax.Array, sharding: NamedSharding) -> bool:
     """Whether ``x`` is laid out as ``sharding`` on its mesh (same mesh and axis types, equivalent spec)."""
     s = x.sharding
-    return (isinstance(s, NamedSharding) and s.mesh == sharding.mesh and x.ndim >= len(sharding.spec)
-            and s.is_equivalent_to(sharding, x.ndim))
+    return (
+        isinstance(s, NamedSharding)
+        and s.mesh == sharding.mesh
+        and x.ndim >= len(sharding.spec)
+        and s.is_equivalent_to(sharding, x.ndim)
+    )
 
 
 def _apply_gathered(fn, params, args, data_axes, in_specs, out_specs):
@@ -452,8 +474,9 @@ def _apply_gathered(fn, params, args, data_axes, in_specs, out_specs):
         return fn(jax.tree_util.tree_unflatten(plan.treedef, unpack_copies(copies, plan, how)), *local_args)
 
     specs = tuple(plan.partition_spec(b) for b in plan.buckets)
-    mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(specs, *in_specs), out_specs=out_specs,
-                           check_vma=how.kernels.check_vma)
+    mapped = jax.shard_map(
+        local, mesh=plan.mesh, in_specs=(specs, *in_specs), out_specs=out_specs, check_vma=how.kernels.check_vma
+    )
     return mapped(params.buffers, *args)
 
 
@@ -493,8 +516,13 @@ def _state_shardings(tree: Any, plan: Plan) -> Any:
     def one(x):
         if isinstance(x, ShardedParams):
             shardings = _bucket_shardings(x, plan)
-            return ShardedParams([b if not hasattr(b, "shape") else s or replicated  # an empty node stays empty
-                                  for b, s in zip(x.buffers, shardings, strict=True)], x.plan)
+            return ShardedParams(
+                [
+                    b if not hasattr(b, "shape") else s or replicated  # an empty node stays empty
+                    for b, s in zip(x.buffers, shardings, strict=True)
+                ],
+                x.plan,
+            )
         if isinstance(x, PerDevice):
             return x.replace(_per_device_sharding(x, plan) or replicated)
         return replicated
@@ -519,10 +547,14 @@ def init_opt_state(tx: Any, params: ShardedParams) -> Any:
         raise TypeError("vj.init_opt_state: the arguments are (tx, params); got the params first.")
     check_sharded_params(params, "vj.init_opt_state")
     if not callable(getattr(tx, "init", None)):
-        hint = (f"{getattr(tx, '__name__', tx)!r} looks like an optimizer factory: call it (e.g. optax.adamw(1e-3))"
-                if callable(tx) else "pass e.g. optax.adamw(1e-3) or vj.optim.muon(1e-3, plan=plan)")
-        raise TypeError(f"vj.init_opt_state: tx must be an optax.GradientTransformation, got "
-                        f"{type(tx).__name__}; {hint}.")
+        hint = (
+            f"{getattr(tx, '__name__', tx)!r} looks like an optimizer factory: call it (e.g. optax.adamw(1e-3))"
+            if callable(tx)
+            else "pass e.g. optax.adamw(1e-3) or vj.optim.muon(1e-3, plan=plan)"
+        )
+        raise TypeError(
+            f"vj.init_opt_state: tx must be an optax.GradientTransformation, got {type(tx).__name__}; {hint}."
+        )
     plan = params.plan
     shapes = jax.eval_shape(tx.init, params)
     with jax.set_mesh(plan.mesh):
@@ -584,13 +616,22 @@ def fsdp(
     if step is not None and not callable(step):
         raise TypeError(f"vj.fsdp: step must be the train-step function, got {type(step).__name__}.")
     if not isinstance(plan, Plan):
-        raise TypeError(f"vj.fsdp: plan= must be a vj.Plan (from vj.plan(params, mesh)), got {type(plan).__name__}; "
-                        "write @vj.fsdp(plan=plan) or vj.fsdp(step, plan=plan).")
+        raise TypeError(
+            f"vj.fsdp: plan= must be a vj.Plan (from vj.plan(params, mesh)), got {type(plan).__name__}; "
+            "write @vj.fsdp(plan=plan) or vj.fsdp(step, plan=plan)."
+        )
     microbatches = check_microbatches(microbatches, "vj.fsdp")
     if step is None:
         return functools.partial(
-            fsdp, plan=plan, data_axes=data_axes, reshard_after_forward=reshard_after_forward, prefetch=prefetch,
-            precision=precision, microbatches=microbatches, donate=donate, kernels=kernels,
+            fsdp,
+            plan=plan,
+            data_axes=data_axes,
+            reshard_after_forward=reshard_after_forward,
+            prefetch=prefetch,
+            precision=precision,
+            microbatches=microbatches,
+            donate=donate,
+            kernels=kernels,
         )
     axes = _axes(plan.axis if data_axes is None else data_axes)
     data_sharding(plan, axes)  # checks the axes
@@ -652,8 +693,9 @@ def _constrain_outputs(out: Any, plan: Plan) -> Any:
 
     def one(x):
         if isinstance(x, ShardedParams):
-            return ShardedParams([constrain(b, s) for b, s in zip(x.buffers, _bucket_shardings(x, plan), strict=True)],
-                                 x.plan)
+            return ShardedParams(
+                [constrain(b, s) for b, s in zip(x.buffers, _bucket_shardings(x, plan), strict=True)], x.plan
+            )
         if isinstance(x, PerDevice):
             return x.replace(constrain(x.value, _per_device_sharding(x, plan)))
         return x

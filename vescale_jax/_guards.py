@@ -27,10 +27,16 @@ class PerLeafOnBucketsError(TypeError):
 # optax module -> (what it is, the vescale_jax replacement)
 _REPLACEMENTS = (
     ("optax.contrib._muon", "optax.contrib.muon", "vj.optim.muon(learning_rate, plan=plan, ...)"),
-    ("optax.transforms._masking", "optax.masked (or the mask= of optax.adamw / add_decayed_weights / lamb)",
-     "vj.optim.masked(inner, mask), vj.optim.adamw(..., mask=mask) or vj.optim.add_decayed_weights(wd, mask)"),
-    ("optax.transforms._combining", "optax.partition / optax.multi_transform",
-     "vj.optim.partition(transforms, param_labels)"),
+    (
+        "optax.transforms._masking",
+        "optax.masked (or the mask= of optax.adamw / add_decayed_weights / lamb)",
+        "vj.optim.masked(inner, mask), vj.optim.adamw(..., mask=mask) or vj.optim.add_decayed_weights(wd, mask)",
+    ),
+    (
+        "optax.transforms._combining",
+        "optax.partition / optax.multi_transform",
+        "vj.optim.partition(transforms, param_labels)",
+    ),
 )
 
 
@@ -74,10 +80,15 @@ def check_children(plan: Any, children: Sequence[Any]) -> None:
             f"(same arguments where they overlap). [raised in {caller[0]}]"
         )
     where = f" (from {caller[1]}, {caller[0]})" if caller else ""
-    fix = caller[2] if caller else (
-        "vj.optim.masked(inner, mask) / vj.optim.partition(transforms, labels), which take a mask or labels "
-        "written over the plan's logical tree (a tree of bools/labels or a callable called on the logical "
-        "abstract tree) and apply them per element")
+    fix = (
+        caller[2]
+        if caller
+        else (
+            "vj.optim.masked(inner, mask) / vj.optim.partition(transforms, labels), which take a mask or labels "
+            "written over the plan's logical tree (a tree of bools/labels or a callable called on the logical "
+            "abstract tree) and apply them per element"
+        )
+    )
     raise PerLeafOnBucketsError(
         f"a per-leaf function was mapped over a vj.ShardedParams{where}: it was called on the flat bucket buffers, "
         f"not on the model's leaves (bucket (shape) -> result: {got}), so a shape-based mask or label would give "

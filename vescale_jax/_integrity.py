@@ -39,8 +39,9 @@ def stored_shapes(item_metadata: Any) -> dict[str, tuple[tuple[int, ...], str]]:
     """``{key path: (shape, dtype)}`` of an Orbax item's metadata tree."""
     tree = getattr(item_metadata, "tree", item_metadata)
     flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
-    return {raw_path(p): (tuple(int(d) for d in x.shape), np.dtype(x.dtype).name) for p, x in flat
-            if hasattr(x, "shape")}
+    return {
+        raw_path(p): (tuple(int(d) for d in x.shape), np.dtype(x.dtype).name) for p, x in flat if hasattr(x, "shape")
+    }
 
 
 def check_against(stored: Shapes, target: Any, *, item: str) -> None:

@@ -77,8 +77,15 @@ class LayerShard:
         self.kernels = kernels
 
     def tree_flatten(self):
-        aux = (self.plan, self.index, self.reshard_after_forward, self.prefetch, self.precision, self.replica_axes,
-               self.kernels)
+        aux = (
+            self.plan,
+            self.index,
+            self.reshard_after_forward,
+            self.prefetch,
+            self.precision,
+            self.replica_axes,
+            self.kernels,
+        )
         return (self.rows,), aux
 
     @classmethod
@@ -127,8 +134,13 @@ def _call(body: Callable, params: Any, carry: Any, x: Any, has_xs: bool) -> Any:
 
 
 def scan_layers(
-    body: Callable, layer_params: Any, carry: Any, xs: Any = None, *, unroll: int | bool = 1,
-    prefetch: bool | None = None
+    body: Callable,
+    layer_params: Any,
+    carry: Any,
+    xs: Any = None,
+    *,
+    unroll: int | bool = 1,
+    prefetch: bool | None = None,
 ) -> Any:
     """Applies ``body`` once per layer of a stacked layer group: ``carry = body(params_l, carry[, x_l])``.
 
@@ -158,6 +170,7 @@ def scan_layers(
     has_xs = xs is not None
     shards = [x for x in leaves if _is_shard(x)]
     if not shards:
+
         def step(c, px):
             p, x = px
             return _call(body, p, c, x, has_xs), None
@@ -181,8 +194,11 @@ def _carry_checked(body: Callable, carry: Any) -> Callable:
     def checked(*a):
         out = body(*a)
         if jax.tree.structure(out) != want:
-            extra = (" (it looks like lax.scan's (carry, y))" if isinstance(out, tuple) and len(out) == 2
-                     and jax.tree.structure(out[0]) == want else "")
+            extra = (
+                " (it looks like lax.scan's (carry, y))"
+                if isinstance(out, tuple) and len(out) == 2 and jax.tree.structure(out[0]) == want
+                else ""
+            )
             raise TypeError(
                 f"vj.scan_layers: body returned {jax.tree.structure(out)}{extra}, but it must return the new carry "
                 f"only, structured like the carry passed in ({want}); there are no per-layer outputs: return the "
@@ -230,9 +246,16 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
 
     # Example leaves with the right dtypes and varying-axes types (dead code once converted; no collective).
     example = tuple(
-        tuple(leaf.astype(how.leaf_dtype(r.dtype)) for leaf in kernels.unpack_reference(
-            jnp.tile(vary(r[0], how.replica_axes), bucket.layout.num_devices).astype(how.policy.gather_dtype(r.dtype)),
-            bucket.layout, [plan.layer_shape(plan.leaves[i]) for i in bucket.leaves]))
+        tuple(
+            leaf.astype(how.leaf_dtype(r.dtype))
+            for leaf in kernels.unpack_reference(
+                jnp.tile(vary(r[0], how.replica_axes), bucket.layout.num_devices).astype(
+                    how.policy.gather_dtype(r.dtype)
+                ),
+                bucket.layout,
+                [plan.layer_shape(plan.leaves[i]) for i in bucket.leaves],
+            )
+        )
         for r, bucket in zip(rows, buckets, strict=True)
     )
     x0 = jax.tree.map(lambda a: a[0], xs)
@@ -250,6 +273,7 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
     def forward(rows_, c, xs_, consts_, save):
         """Returns the output carry and, when saving, (carries into layers, gathered layers if keep)."""
         if not prefetch or num_layers == 1:
+
             def step(c, inp):
                 j, x = inp
                 g = gather(rows_, j)
@@ -309,6 +333,7 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
         rows_, xs_, consts_, (c_saved, g_saved) = saved
         zero_k = jax.tree.map(jnp.zeros_like, tuple(consts_))
         if not prefetch or num_layers == 1:
+
             def step(state, inp):
                 ct_, dk_acc = state
                 j, c_in, x_j, g_kept = inp
@@ -338,7 +363,10 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
         tail = jax.tree.map(lambda a: a[1:], xs_)
         d_rows = tuple(jnp.zeros_like(r) for r in rows_)  # filled in place, one layer per iteration
         (ct1, g_0, dk_acc, d_rows), dxd_hi = jax.lax.scan(
-            step, (ct, g_top, zero_k, d_rows), (jnp.arange(1, num_layers), c_stack, tail, g_stack), reverse=True,
+            step,
+            (ct, g_top, zero_k, d_rows),
+            (jnp.arange(1, num_layers), c_stack, tail, g_stack),
+            reverse=True,
             unroll=unroll,
         )
         d_row0, dc, dk0, dxd0 = layer_vjp(g_0, c0, x_at(0), consts_, ct1)

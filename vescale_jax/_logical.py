@@ -381,9 +381,7 @@ def from_logical(leaves: Sequence[jax.Array], plan: Plan) -> tuple[tuple[jax.Arr
     """
     # A parameter-shaped optimizer state may hold another dtype than the params (e.g. bf16 momentum): each
     # bucket takes its leaves' dtype.
-    dtypes = tuple(
-        np.dtype(leaves[b.leaves[0]].dtype).name if b.leaves else b.dtype for b in plan.buckets
-    )
+    dtypes = tuple(np.dtype(leaves[b.leaves[0]].dtype).name if b.leaves else b.dtype for b in plan.buckets)
     fn, in_shardings = _from_logical_fn(plan, dtypes)
     bufs, sums = fn(*[_relabel(x, s) for x, s in zip(leaves, in_shardings, strict=True)])
     out = tuple(_relabel(b, s) for b, s in zip(bufs, plan.shardings(), strict=True))

@@ -27,8 +27,15 @@ from vescale_jax._buffer import ShardedParams
 from vescale_jax._plan import Plan
 
 __all__ = [
-    "apply_updates", "global_norm", "has_padding", "leaf_runs", "local_leaf_ids", "local_padding_mask",
-    "padding_mask", "tree_map", "zero_padding",
+    "apply_updates",
+    "global_norm",
+    "has_padding",
+    "leaf_runs",
+    "local_leaf_ids",
+    "local_padding_mask",
+    "padding_mask",
+    "tree_map",
+    "zero_padding",
 ]
 
 
@@ -118,8 +125,7 @@ def padding_mask(plan: Plan) -> list[jax.Array]:
     def local():
         return tuple(jnp.broadcast_to(local_padding_mask(plan, b), plan.buckets[b].local_shape) for b in buckets)
 
-    return list(jax.shard_map(local, mesh=plan.mesh, in_specs=(), out_specs=_specs(plan, buckets),
-                              check_vma=False)())
+    return list(jax.shard_map(local, mesh=plan.mesh, in_specs=(), out_specs=_specs(plan, buckets), check_vma=False)())
 
 
 def _is_global_buffer(x: Any, bucket: Any) -> bool:
@@ -128,18 +134,23 @@ def _is_global_buffer(x: Any, bucket: Any) -> bool:
 
 def _zero_node(sp: ShardedParams) -> ShardedParams:
     plan = sp.plan
-    todo = [b for b, (bucket, x) in enumerate(zip(plan.buckets, sp.buffers, strict=True))
-            if _is_global_buffer(x, bucket) and has_padding(plan, b)]
+    todo = [
+        b
+        for b, (bucket, x) in enumerate(zip(plan.buckets, sp.buffers, strict=True))
+        if _is_global_buffer(x, bucket) and has_padding(plan, b)
+    ]
     if not todo:
         return sp
 
     def local(*shards):
-        return tuple(jnp.where(local_padding_mask(plan, b), x, jnp.zeros((), x.dtype)) for b, x in
-                     zip(todo, shards, strict=True))
+        return tuple(
+            jnp.where(local_padding_mask(plan, b), x, jnp.zeros((), x.dtype)) for b, x in zip(todo, shards, strict=True)
+        )
 
     specs = _specs(plan, todo)
     zeroed = jax.shard_map(local, mesh=plan.mesh, in_specs=specs, out_specs=specs, check_vma=False)(
-        *[sp.buffers[b] for b in todo])
+        *[sp.buffers[b] for b in todo]
+    )
     buffers = list(sp.buffers)
     for b, x in zip(todo, zeroed, strict=True):
         buffers[b] = x

@@ -315,8 +315,11 @@ def _call_user(fn: Callable[..., Any], name: str, path: KeyPath, leaf: Any) -> A
 
 def _resolve_granularity(granularity: GranularityArg, path: KeyPath, leaf: Any) -> Granularity:
     check_granularity_factory(granularity, "granularity")
-    g = (_call_user(granularity, "granularity", path, leaf)
-         if callable(granularity) and not isinstance(granularity, Granularity) else granularity)
+    g = (
+        _call_user(granularity, "granularity", path, leaf)
+        if callable(granularity) and not isinstance(granularity, Granularity)
+        else granularity
+    )
     check_granularity_factory(g, f"the granularity callable's result for leaf {jax.tree_util.keystr(path)}")
     if not isinstance(g, Granularity):
         raise TypeError(

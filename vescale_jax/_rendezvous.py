@@ -124,8 +124,10 @@ def _serve(address: str, port: int, n: int, deadline: float, timeout_s: float) -
             if problem:
                 _send(conn, "error " + problem)
                 conn.close()
-                raise ValueError(f"vj.distributed.initialize: {problem} (coordinator {address}); give every "
-                                 "process the same num_processes and a distinct process_id.")
+                raise ValueError(
+                    f"vj.distributed.initialize: {problem} (coordinator {address}); give every "
+                    "process the same num_processes and a distinct process_id."
+                )
             peers[pid] = conn
         for conn in peers.values():
             _send(conn, "go")

@@ -90,8 +90,9 @@ def abstract_logical(plan: Plan, buffers: Sequence[Any] | None = None) -> Any:
     """
     shardings = _logical.logical_shardings(plan)
     dtypes = [np.dtype(s.dtype if buffers is None else buffers[s.bucket].dtype) for s in plan.leaves]
-    leaves = [jax.ShapeDtypeStruct(s.shape, d, sharding=sh)
-              for s, d, sh in zip(plan.leaves, dtypes, shardings, strict=True)]
+    leaves = [
+        jax.ShapeDtypeStruct(s.shape, d, sharding=sh) for s, d, sh in zip(plan.leaves, dtypes, shardings, strict=True)
+    ]
     return jax.tree_util.tree_unflatten(plan.treedef, leaves)
 
 
@@ -100,15 +101,24 @@ def storable(tree: Any) -> Any:
     return jax.tree.map(lambda x: None if 0 in tuple(x.shape) else x, tree)
 
 
-def pack(tree: Any, plan: Plan, expected: Mapping[str, list[int]] | None = None, *, prefix: str = "",
-          item: str = "params", where: str = "", buffers: Sequence[Any] | None = None) -> ShardedParams:
+def pack(
+    tree: Any,
+    plan: Plan,
+    expected: Mapping[str, list[int]] | None = None,
+    *,
+    prefix: str = "",
+    item: str = "params",
+    where: str = "",
+    buffers: Sequence[Any] | None = None,
+) -> ShardedParams:
     """Packs restored logical leaves into ``plan``'s buckets, checking their checksums against ``expected``."""
     leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: x is None)
     if len(leaves) != len(plan.leaves):
         raise ValueError(f"vj.checkpoint: restored {len(leaves)} leaves for a plan of {len(plan.leaves)}.")
     dtypes = [s.dtype if buffers is None else buffers[s.bucket].dtype for s in plan.leaves]
-    leaves = [jax.numpy.zeros(s.shape, d) if x is None else x
-              for x, s, d in zip(leaves, plan.leaves, dtypes, strict=True)]
+    leaves = [
+        jax.numpy.zeros(s.shape, d) if x is None else x for x, s, d in zip(leaves, plan.leaves, dtypes, strict=True)
+    ]
     buffers, sums = _logical.from_logical(leaves, plan)
     if expected is not None:
         _integrity.compare(_named(plan, sums, prefix), expected, item=item, where=where)
@@ -138,8 +148,14 @@ def opt_state_items(opt_state: Any) -> tuple[dict[str, Any], list[dict[str, Any]
                 info.append({"path": name, "kind": "per_device_logical", "layout": type(layout).__name__})
             else:
                 value = node.value
-                info.append({"path": name, "kind": "per_device", "plan": node.plan.fingerprint(),
-                             "shape": list(node.value.shape)})
+                info.append(
+                    {
+                        "path": name,
+                        "kind": "per_device",
+                        "plan": node.plan.fingerprint(),
+                        "shape": list(node.value.shape),
+                    }
+                )
         else:
             # A process-local jax.Array (e.g. a scalar made outside jit) cannot be written as a global array in a
             # multi-process job: it is the same on every process, so store it as host data.
@@ -171,8 +187,10 @@ def opt_state_target(template: Any, saved: Mapping[str, dict[str, Any]], default
             )
         if isinstance(node, ShardedParams):
             if stored["kind"] != "sharded":
-                raise ValueError(f"vj.checkpoint: optimizer-state leaf {name!r} was saved as {stored['kind']}, the "
-                                 "template has parameter-shaped ShardedParams there; use the same optimizer.")
+                raise ValueError(
+                    f"vj.checkpoint: optimizer-state leaf {name!r} was saved as {stored['kind']}, the "
+                    "template has parameter-shaped ShardedParams there; use the same optimizer."
+                )
             items.append((parts, storable(abstract_logical(node.plan, node.buffers))))
             rebuild.append(("sharded", node))
         elif isinstance(node, PerDevice):
@@ -185,8 +203,12 @@ def opt_state_target(template: Any, saved: Mapping[str, dict[str, Any]], default
                         "saved plan, or re-initialise this state."
                     )
                 shapes = {
-                    k: _abstract(s, s.sharding if getattr(s, "sharding", None) is not None else
-                                 _logical.storage_sharding(s.shape, node.plan, stacked=False))
+                    k: _abstract(
+                        s,
+                        s.sharding
+                        if getattr(s, "sharding", None) is not None
+                        else _logical.storage_sharding(s.shape, node.plan, stacked=False),
+                    )
                     for k, s in layout.logical_shapes(node.value.dtype).items()
                 }
                 items.append((parts, shapes))
@@ -216,8 +238,9 @@ def opt_state_target(template: Any, saved: Mapping[str, dict[str, Any]], default
     return nest(items), rebuild
 
 
-def rebuild_state(template: Any, restored: dict[str, Any], rebuild: list, expected: Mapping[str, list[int]],
-             where: str) -> Any:
+def rebuild_state(
+    template: Any, restored: dict[str, Any], rebuild: list, expected: Mapping[str, list[int]], where: str
+) -> Any:
     flat, treedef = jax.tree_util.tree_flatten_with_path(template, is_leaf=is_node)
     out, others = [], []
     for (path, _), (kind, node) in zip(flat, rebuild, strict=True):
@@ -225,8 +248,17 @@ def rebuild_state(template: Any, restored: dict[str, Any], rebuild: list, expect
         for k in path:
             value = value[_name(k)]
         if kind == "sharded":
-            out.append(pack(value, node.plan, expected, prefix=_raw_path(path) + "/", item=OPT, where=where,
-                            buffers=node.buffers))
+            out.append(
+                pack(
+                    value,
+                    node.plan,
+                    expected,
+                    prefix=_raw_path(path) + "/",
+                    item=OPT,
+                    where=where,
+                    buffers=node.buffers,
+                )
+            )
             continue
         others.append(([_name(k) for k in path], value))
         if kind == "per_device_logical":
@@ -244,5 +276,6 @@ def first_plan(tree: Any) -> Plan:
     for node in jax.tree_util.tree_leaves(tree, is_leaf=is_node):
         if is_node(node):
             return node.plan
-    raise ValueError("vj.checkpoint: pass params= (the target plan) to place an optimizer state without "
-                     "ShardedParams in it.")
+    raise ValueError(
+        "vj.checkpoint: pass params= (the target plan) to place an optimizer state without ShardedParams in it."
+    )

@@ -99,8 +99,12 @@ def _eval(closed: Any, in_flat: Sequence[Any], wide: dict[int, tuple[Any, np.dty
             env[v] = in_flat[i]
     for eqn in jaxpr.eqns:
         src = eqn.invars[0] if eqn.invars else None
-        if (eqn.primitive.name == "convert_element_type" and not isinstance(src, jex_core.Literal)
-                and src in copies and np.dtype(eqn.params["new_dtype"]) == np.dtype(copies[src][0].dtype)):
+        if (
+            eqn.primitive.name == "convert_element_type"
+            and not isinstance(src, jex_core.Literal)
+            and src in copies
+            and np.dtype(eqn.params["new_dtype"]) == np.dtype(copies[src][0].dtype)
+        ):
             env[eqn.outvars[0]] = copies[src][0]  # astype(f32) of the leaf: its exact fp32 copy
             continue
         invals = [read(v) for v in eqn.invars]

@@ -51,8 +51,9 @@ def _target_plan(params: ShardedParams | Plan) -> Plan:
         return params
     if isinstance(params, ShardedParams):
         return params.plan
-    raise TypeError(f"vj.checkpoint: params= must be a vj.Plan or vj.ShardedParams (the target), got "
-                    f"{type(params).__name__}.")
+    raise TypeError(
+        f"vj.checkpoint: params= must be a vj.Plan or vj.ShardedParams (the target), got {type(params).__name__}."
+    )
 
 
 # ------------------------------------------------------------------------------------------ plain Orbax dirs
@@ -127,13 +128,27 @@ class Manager:
       only its devices' storage blocks (see :func:`logical_tree`).
     """
 
-    def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = None, async_save: bool = False,
-                 save_interval_steps: int = 1):
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        max_to_keep: int | None = None,
+        async_save: bool = False,
+        save_interval_steps: int = 1,
+    ):
         self.directory = os.path.abspath(os.fspath(directory))
-        options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
-                                               save_interval_steps=save_interval_steps, create=True)
-        handlers = {_PARAMS: ocp.StandardCheckpointHandler(), _OPT: ocp.StandardCheckpointHandler(),
-                    _VJ: ocp.JsonCheckpointHandler(), _META: ocp.JsonCheckpointHandler()}
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            enable_async_checkpointing=async_save,
+            save_interval_steps=save_interval_steps,
+            create=True,
+        )
+        handlers = {
+            _PARAMS: ocp.StandardCheckpointHandler(),
+            _OPT: ocp.StandardCheckpointHandler(),
+            _VJ: ocp.JsonCheckpointHandler(),
+            _META: ocp.JsonCheckpointHandler(),
+        }
         self._mngr = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     # -- lifecycle
@@ -158,8 +173,15 @@ class Manager:
         self.close()
 
     # -- save
-    def save(self, step: int, *, params: ShardedParams, opt_state: Any = None,
-             metadata: Mapping[str, Any] | None = None, force: bool = False) -> bool:
+    def save(
+        self,
+        step: int,
+        *,
+        params: ShardedParams,
+        opt_state: Any = None,
+        metadata: Mapping[str, Any] | None = None,
+        force: bool = False,
+    ) -> bool:
         """Saves one step.
 
         Args:
@@ -173,8 +195,10 @@ class Manager:
           Whether a save was started.
         """
         if not isinstance(params, ShardedParams):
-            raise TypeError(f"Manager.save: params must be vj.ShardedParams, got {type(params).__name__}; "
-                            "use ocp.StandardCheckpointer for a plain tree.")
+            raise TypeError(
+                f"Manager.save: params must be vj.ShardedParams, got {type(params).__name__}; "
+                "use ocp.StandardCheckpointer for a plain tree."
+            )
         if not force and not self._mngr.should_save(step):
             return False
         logical, param_sums = _stored.logical_and_sums(params)
@@ -184,8 +208,13 @@ class Manager:
         if opt_state is not None:
             tree, info, sums[_OPT] = _stored.opt_state_items(opt_state)
             items[_OPT] = ocp.args.StandardSave(tree)
-        description = {"format": FORMAT, "plan": params.plan.to_dict(), "opt_state": info,
-                       "has_opt_state": opt_state is not None, "checksums": sums}
+        description = {
+            "format": FORMAT,
+            "plan": params.plan.to_dict(),
+            "opt_state": info,
+            "has_opt_state": opt_state is not None,
+            "checksums": sums,
+        }
         items[_VJ] = ocp.args.JsonSave(description)
         items[_META] = ocp.args.JsonSave(dict(metadata or {}))
         return self._mngr.save(step, args=ocp.args.Composite(**items), force=force)
@@ -194,8 +223,10 @@ class Manager:
     def _description(self, step: int) -> dict[str, Any]:
         out = self._mngr.restore(step, args=ocp.args.Composite(**{_VJ: ocp.args.JsonRestore()}))[_VJ]
         if not isinstance(out, dict) or out.get("format") != FORMAT:
-            raise ValueError(f"vj.checkpoint: step {step} in {self.directory} was not written by "
-                             f"vj.checkpoint.Manager (format {getattr(out, 'get', lambda _: None)('format')!r}).")
+            raise ValueError(
+                f"vj.checkpoint: step {step} in {self.directory} was not written by "
+                f"vj.checkpoint.Manager (format {getattr(out, 'get', lambda _: None)('format')!r})."
+            )
         return out
 
     def metadata(self, step: int | None = None) -> dict[str, Any]:
@@ -213,12 +244,14 @@ class Manager:
             if step is None:
                 raise FileNotFoundError(f"vj.checkpoint: no finished checkpoint in {self.directory}.")
         if step not in self._mngr.all_steps():
-            raise FileNotFoundError(f"vj.checkpoint: no finished step {step} in {self.directory}; "
-                                    f"steps: {self.all_steps()}.")
+            raise FileNotFoundError(
+                f"vj.checkpoint: no finished step {step} in {self.directory}; steps: {self.all_steps()}."
+            )
         return step
 
-    def restore(self, step: int | None = None, *, params: ShardedParams | Plan | None,
-                opt_state: Any = None) -> Restored:
+    def restore(
+        self, step: int | None = None, *, params: ShardedParams | Plan | None, opt_state: Any = None
+    ) -> Restored:
         """Restores one step into the target plan (any device count, granularity, mesh or process count).
 
         Args:
@@ -248,8 +281,10 @@ class Manager:
         rebuild = None
         if opt_state is not None:
             if not desc.get("has_opt_state"):
-                raise ValueError(f"vj.checkpoint: step {step} has no optimizer state; pass opt_state=None and "
-                                 "initialise the optimizer.")
+                raise ValueError(
+                    f"vj.checkpoint: step {step} has no optimizer state; pass opt_state=None and "
+                    "initialise the optimizer."
+                )
             saved = {d["path"]: d for d in desc["opt_state"]}
             default = plan or _stored.first_plan(opt_state)
             target_opt, rebuild = _stored.opt_state_target(opt_state, saved, default)
@@ -260,9 +295,11 @@ class Manager:
             out = self._mngr.restore(step, args=ocp.args.Composite(**args))
         except Exception as e:  # TensorStore's errors are plain Exceptions
             first = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
-            raise ValueError(f"vj.checkpoint: reading step {step} from {where} failed, a file is missing, truncated "
-                             f"or corrupt ({first}); restore another step (Manager.all_steps()) or re-copy the "
-                             "checkpoint.") from e
+            raise ValueError(
+                f"vj.checkpoint: reading step {step} from {where} failed, a file is missing, truncated "
+                f"or corrupt ({first}); restore another step (Manager.all_steps()) or re-copy the "
+                "checkpoint."
+            ) from e
         sums = desc["checksums"]
         sp = _stored.pack(out[_PARAMS], plan, sums[_PARAMS], where=where) if plan is not None else None
         state = _stored.rebuild_state(opt_state, out[_OPT], rebuild, sums[_OPT], where) if rebuild is not None else None

@@ -79,8 +79,9 @@ def _job() -> _Setup:
     """The job ``jax.distributed`` was initialised with (however it was called)."""
     from jax._src.distributed import global_state  # private: no public coordinator address; process_count() starts XLA
 
-    return _Setup(global_state.coordinator_address, int(global_state.num_processes or 1),
-                  int(global_state.process_id or 0), None)
+    return _Setup(
+        global_state.coordinator_address, int(global_state.num_processes or 1), int(global_state.process_id or 0), None
+    )
 
 
 def detect_cluster() -> str | None:
@@ -218,19 +219,25 @@ def initialize(
         from vescale_jax._rendezvous import rendezvous
 
         rendezvous(coordinator_address, num_processes, process_id, timeout_s=timeout_s)
-    kwargs = _supported({
-        "coordinator_address": coordinator_address,
-        "num_processes": num_processes,
-        "process_id": process_id,
-        "local_device_ids": list(local_device_ids) if local_device_ids is not None else None,
-        "initialization_timeout": int(timeout_s),
-        "heartbeat_timeout_seconds": heartbeat_timeout_s,
-        "shutdown_timeout_seconds": shutdown_timeout_s,
-    })
+    kwargs = _supported(
+        {
+            "coordinator_address": coordinator_address,
+            "num_processes": num_processes,
+            "process_id": process_id,
+            "local_device_ids": list(local_device_ids) if local_device_ids is not None else None,
+            "initialization_timeout": int(timeout_s),
+            "heartbeat_timeout_seconds": heartbeat_timeout_s,
+            "shutdown_timeout_seconds": shutdown_timeout_s,
+        }
+    )
     jax.distributed.initialize(**kwargs)
     _SETUP = dataclasses.replace(_job(), local_device_count=local_device_count)
-    logger.info("vj.distributed.initialize: process %d of %d (coordinator %s)", _SETUP.process_id,
-                _SETUP.num_processes, _SETUP.coordinator_address)
+    logger.info(
+        "vj.distributed.initialize: process %d of %d (coordinator %s)",
+        _SETUP.process_id,
+        _SETUP.num_processes,
+        _SETUP.coordinator_address,
+    )
     return _SETUP.num_processes > 1
 
 
@@ -254,18 +261,24 @@ def _configure_cpu(local_device_count: int | None, cpu_collectives: str | None, 
         jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
 
 
-def _check_repeat(coordinator_address: str | None, num_processes: int | None, process_id: int | None,
-                  local_device_count: int | None) -> bool:
+def _check_repeat(
+    coordinator_address: str | None, num_processes: int | None, process_id: int | None, local_device_count: int | None
+) -> bool:
     global _SETUP
     if _SETUP is None:  # jax.distributed.initialize was called directly
         _SETUP = _job()
     if coordinator_address is not None:
         single = num_processes == 1 and _SETUP.num_processes == 1
         if not single and (coordinator_address, num_processes, process_id) != (
-            _SETUP.coordinator_address, _SETUP.num_processes, _SETUP.process_id
+            _SETUP.coordinator_address,
+            _SETUP.num_processes,
+            _SETUP.process_id,
         ):
-            have = (f"process {_SETUP.process_id} of {_SETUP.num_processes} (coordinator "
-                    f"{_SETUP.coordinator_address})" if _SETUP.num_processes > 1 else "a single process")
+            have = (
+                f"process {_SETUP.process_id} of {_SETUP.num_processes} (coordinator {_SETUP.coordinator_address})"
+                if _SETUP.num_processes > 1
+                else "a single process"
+            )
             raise ValueError(
                 f"vj.distributed.initialize was already called and set this process up as {have}; cannot "
                 f"re-initialise it as process {process_id} of {num_processes} (coordinator {coordinator_address})."

@@ -56,8 +56,9 @@ def nnx_apply(
             return model(*a)
         return getattr(model, method)(*a) if isinstance(method, str) else method(model, *a)
 
-    return apply(fn, params, *args, data_axes=data_axes, reshard_after_forward=reshard_after_forward,
-                 out_specs=out_specs)
+    return apply(
+        fn, params, *args, data_axes=data_axes, reshard_after_forward=reshard_after_forward, out_specs=out_specs
+    )
 
 
 def nnx_scan_layers(
@@ -124,5 +125,6 @@ def linen_apply(
     def fn(variables, *a):
         return model.apply(variables, *a, method=method, **kwargs)
 
-    return apply(fn, params, *args, data_axes=data_axes, reshard_after_forward=reshard_after_forward,
-                 out_specs=out_specs)
+    return apply(
+        fn, params, *args, data_axes=data_axes, reshard_after_forward=reshard_after_forward, out_specs=out_specs
+    )

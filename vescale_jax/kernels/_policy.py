@@ -98,5 +98,6 @@ class KernelPolicy:
             return "xla"
         if self.interprets(platform):
             return "interpret"
-        return choose_backend(layout, src_dtype, dst_dtype, platform=platform or jax.default_backend(),
-                              backend=self.backend)
+        return choose_backend(
+            layout, src_dtype, dst_dtype, platform=platform or jax.default_backend(), backend=self.backend
+        )

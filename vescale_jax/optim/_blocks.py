@@ -118,8 +118,11 @@ def build_blocks(
         bucket = plan.buckets[spec.bucket]
         s, offset = bucket.layout.shard_size, bucket.layout.offsets[spec.slot]
         r_total, c_total = views[index]
-        bi, bj = np.meshgrid(np.arange(0, r_total, block_size, dtype=np.int64),
-                             np.arange(0, c_total, block_size, dtype=np.int64), indexing="ij")
+        bi, bj = np.meshgrid(
+            np.arange(0, r_total, block_size, dtype=np.int64),
+            np.arange(0, c_total, block_size, dtype=np.int64),
+            indexing="ij",
+        )
         bi, bj = bi.reshape(-1), bj.reshape(-1)
         r, c = np.minimum(block_size, r_total - bi), np.minimum(block_size, c_total - bj)
         first = offset + bi * c_total + bj
@@ -136,8 +139,9 @@ def build_blocks(
         nl = bucket.layers or 1
         local = (bases[spec.bucket] + np.arange(nl, dtype=np.int64)[:, None] * s + first % s).reshape(-1)
         n = len(local)
-        cols_of.append((np.tile(first // s, nl), local, np.full(n, c_total), np.tile(r, nl), np.tile(c, nl),
-                        np.full(n, index)))
+        cols_of.append(
+            (np.tile(first // s, nl), local, np.full(n, c_total), np.tile(r, nl), np.tile(c, nl), np.full(n, index))
+        )
 
     num_leaves = len(plan.leaves)
     if cols_of:
@@ -158,7 +162,16 @@ def build_blocks(
     if cursor >= 2**31:
         raise ValueError(f"vj.optim.{what}: {cursor} local elements do not fit int32 block tables")
     return BlockTables(
-        block_size, buckets, cursor, slots, tuple(int(x) for x in counts), base, stride, rows, cols, leaf,
+        block_size,
+        buckets,
+        cursor,
+        slots,
+        tuple(int(x) for x in counts),
+        base,
+        stride,
+        rows,
+        cols,
+        leaf,
         tuple(matrix),
     )
 

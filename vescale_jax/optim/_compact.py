@@ -77,7 +77,7 @@ def build_compact(plan: Plan, chosen: Sequence[bool]) -> CompactTables:
         for j, (st, ln) in enumerate(rs):
             start[k, j], length[k, j], position[k, j] = st, ln, pos
             pos += ln
-        position[k, len(rs):] = pos
+        position[k, len(rs) :] = pos
         counts.append(pos)
     return CompactTables(max(counts, default=0), tuple(counts), start, length, position, cursor)
 
@@ -166,7 +166,8 @@ def on_leaves(tx: optax.GradientTransformation, plan: Plan, chosen: Sequence[boo
 
     def update_fn(updates, state, params=None, **extra_args):
         u, state = optax.with_extra_args_support(tx).update(
-            wrap(updates.buffers), state, None if params is None else wrap(params.buffers), **extra_args)
+            wrap(updates.buffers), state, None if params is None else wrap(params.buffers), **extra_args
+        )
         return ShardedParams(expand(u.value, updates.buffers, plan, tables), plan), state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -22,8 +22,9 @@ from vescale_jax._layout import RaggedShard
 __all__ = ["exchange", "schedule"]
 
 
-def schedule(moves: Sequence[tuple[RaggedShard, RaggedShard]], src_at: Sequence[np.ndarray],
-             out_at: Sequence[np.ndarray], m: int) -> list[tuple[Any, ...]]:
+def schedule(
+    moves: Sequence[tuple[RaggedShard, RaggedShard]], src_at: Sequence[np.ndarray], out_at: Sequence[np.ndarray], m: int
+) -> list[tuple[Any, ...]]:
     """Static schedule of :func:`exchange`: per round, its ``(sender, receiver)`` pairs and per-device segment
     tables ``(src offset, dst offset, message offset, length)``, one column per segment index, and widths."""
     segments: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
@@ -36,8 +37,12 @@ def schedule(moves: Sequence[tuple[RaggedShard, RaggedShard]], src_at: Sequence[
                     continue
                 for layer in range(src_at[e].shape[1]):
                     segments.setdefault((s, d), []).append(
-                        (int(src_at[e][s, layer]) + lo - a.starts[s], int(out_at[e][d, layer]) + lo - b.starts[d],
-                         hi - lo))
+                        (
+                            int(src_at[e][s, layer]) + lo - a.starts[s],
+                            int(out_at[e][d, layer]) + lo - b.starts[d],
+                            hi - lo,
+                        )
+                    )
     for pair, segs in segments.items():  # a run contiguous on both sides is one segment (fewer ops)
         merged: list[tuple[int, int, int]] = []
         for so, do, n in sorted(segs):
@@ -78,8 +83,15 @@ def schedule(moves: Sequence[tuple[RaggedShard, RaggedShard]], src_at: Sequence[
     return out
 
 
-def exchange(src: jax.Array, src_at: Sequence[np.ndarray], out: jax.Array, out_at: Sequence[np.ndarray],
-              moves: Sequence[tuple[RaggedShard, RaggedShard]], axis: Any, m: int) -> jax.Array:
+def exchange(
+    src: jax.Array,
+    src_at: Sequence[np.ndarray],
+    out: jax.Array,
+    out_at: Sequence[np.ndarray],
+    moves: Sequence[tuple[RaggedShard, RaggedShard]],
+    axis: Any,
+    m: int,
+) -> jax.Array:
     """Moves many ragged tensors at once between two flat local buffers (inside ``shard_map``).
 
     Tensor ``e`` has ``L_e`` layers, each placed by ``moves[e][0]`` in ``src`` (device ``k``'s piece of layer

@@ -19,8 +19,18 @@ from vescale_jax._buffer import ShardedParams
 from vescale_jax._plan import Plan
 
 __all__ = [
-    "abstract_params", "check_sharded", "is_placeholder", "leaf_mask", "local_vector", "masked_decay", "per_element",
-    "place_state", "prefix_per_leaf", "split_local", "state_sharding", "static_int",
+    "abstract_params",
+    "check_sharded",
+    "is_placeholder",
+    "leaf_mask",
+    "local_vector",
+    "masked_decay",
+    "per_element",
+    "place_state",
+    "prefix_per_leaf",
+    "split_local",
+    "state_sharding",
+    "static_int",
 ]
 
 
@@ -121,8 +131,11 @@ def leaf_mask(plan: Plan, mask: Any, default: bool = True) -> np.ndarray:
     else:
         abstract = abstract_params(plan)
         tree = mask(abstract) if callable(mask) else mask
-        values = [True] * len(plan.leaves) if isinstance(tree, bool) else prefix_per_leaf(
-            tree, abstract, lambda x: isinstance(x, bool | np.bool_))
+        values = (
+            [True] * len(plan.leaves)
+            if isinstance(tree, bool)
+            else prefix_per_leaf(tree, abstract, lambda x: isinstance(x, bool | np.bool_))
+        )
     return np.array([*map(bool, values), False])
 
 
@@ -150,8 +163,10 @@ def masked_decay(plan: Plan, weight_decay: Any, table: np.ndarray) -> optax.Grad
             raise ValueError("weight decay needs the params: call tx.update(grads, state, params).")
         on = per_element(plan, updates.buffers, table)
         decay = jnp.asarray(weight_decay)
-        out = [jnp.where(o, u + decay.astype(p.dtype) * p, u)
-               for u, p, o in zip(updates.buffers, params.buffers, on, strict=True)]
+        out = [
+            jnp.where(o, u + decay.astype(p.dtype) * p, u)
+            for u, p, o in zip(updates.buffers, params.buffers, on, strict=True)
+        ]
         return ShardedParams(out, plan), state
 
     return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
@@ -171,7 +186,7 @@ def split_local(x: jax.Array, shards: Sequence[jax.Array], buckets: Sequence[int
     for i, s in enumerate(shards):
         if i in buckets:
             n = math.prod(s.shape)
-            out.append(jnp.reshape(x[base: base + n], s.shape).astype(s.dtype))
+            out.append(jnp.reshape(x[base : base + n], s.shape).astype(s.dtype))
             base += n
         else:
             out.append(jnp.zeros_like(s))

@@ -125,8 +125,7 @@ def leaf_labels(plan: Plan, param_labels: Any, *, what: str = "partition") -> li
     as one label per leaf of the plan (flattening order)."""
 
     def is_label(x):  # a pytree leaf that can key ``transforms``
-        return (x is not None and jax.tree_util.all_leaves([x]) and isinstance(x, Hashable)
-                and not _is_struct(x))
+        return x is not None and jax.tree_util.all_leaves([x]) and isinstance(x, Hashable) and not _is_struct(x)
 
     return _resolve(plan, param_labels, is_label, what, "label")
 
@@ -150,8 +149,11 @@ def select_leaves(plan: Plan, table: np.ndarray, on: Sequence[Any], off: Sequenc
     Sharding:
       A ``shard_map``: each device looks up its elements' leaves locally.
     """
-    live = [b for b, x in enumerate(on) if isinstance(x, jax.Array | np.ndarray)
-            and (off is None or isinstance(off[b], jax.Array | np.ndarray))]
+    live = [
+        b
+        for b, x in enumerate(on)
+        if isinstance(x, jax.Array | np.ndarray) and (off is None or isinstance(off[b], jax.Array | np.ndarray))
+    ]
     if not live:
         return list(on)
     specs = tuple(plan.partition_spec(plan.buckets[b]) for b in live)
@@ -159,7 +161,7 @@ def select_leaves(plan: Plan, table: np.ndarray, on: Sequence[Any], off: Sequenc
 
     def local(*shards):
         t = jnp.asarray(table)  # a constant of the manual region (closing over a traced array is not allowed)
-        ons, offs = shards[:len(live)], shards[len(live):]
+        ons, offs = shards[: len(live)], shards[len(live) :]
         out = []
         for j, b in enumerate(live):
             keep = jnp.take(t, local_leaf_ids(plan, b))
@@ -169,8 +171,9 @@ def select_leaves(plan: Plan, table: np.ndarray, on: Sequence[Any], off: Sequenc
         return tuple(out)
 
     args = [on[b] for b in live] + ([] if off is None else [off[b] for b in live])
-    mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=specs * (2 if off is not None else 1), out_specs=specs,
-                           check_vma=False)
+    mapped = jax.shard_map(
+        local, mesh=plan.mesh, in_specs=specs * (2 if off is not None else 1), out_specs=specs, check_vma=False
+    )
     result = list(on)
     for b, x in zip(live, mapped(*args), strict=True):
         result[b] = x
@@ -230,11 +233,15 @@ def masked(
             new, inner_state = on_leaves(inner, p, table[:-1]).update(updates, state.inner_state, params)
         else:
             if mask_compatible_extra_args:
-                extra_args = {k: _mask_tree(p, table, v) if isinstance(v, ShardedParams) and v.plan == p else v
-                              for k, v in extra_args.items()}
+                extra_args = {
+                    k: _mask_tree(p, table, v) if isinstance(v, ShardedParams) and v.plan == p else v
+                    for k, v in extra_args.items()
+                }
             new, inner_state = inner.update(
-                _mask_tree(p, table, updates), state.inner_state,
-                None if params is None else _mask_tree(p, table, params), **extra_args,
+                _mask_tree(p, table, updates),
+                state.inner_state,
+                None if params is None else _mask_tree(p, table, params),
+                **extra_args,
             )
         out = select_leaves(p, table, new.buffers, updates.buffers)
         return ShardedParams(out, p), optax.MaskedState(inner_state=inner_state)
@@ -269,8 +276,16 @@ def partition(
     Sharding:
       Per element, on each device's own shard.
     """
-    parts = {k: masked(v, _LabelMask(param_labels, k), mask_compatible_extra_args=mask_compatible_extra_args,
-                       plan=plan, compact=compact) for k, v in transforms.items()}
+    parts = {
+        k: masked(
+            v,
+            _LabelMask(param_labels, k),
+            mask_compatible_extra_args=mask_compatible_extra_args,
+            plan=plan,
+            compact=compact,
+        )
+        for k, v in transforms.items()
+    }
 
     def check(tree):
         p = _plan_of(tree, plan, "partition")

@@ -49,7 +49,12 @@ from vescale_jax.optim._owners import route_newton_schulz
 from vescale_jax.optim._routing import Routing, build_routing
 
 __all__ = [
-    "MuonDimensionNumbers", "MuonState", "muon", "muon_routing", "newton_schulz", "scale_by_muon",
+    "MuonDimensionNumbers",
+    "MuonState",
+    "muon",
+    "muon_routing",
+    "newton_schulz",
+    "scale_by_muon",
     "scale_by_shape",
 ]
 
@@ -224,10 +229,13 @@ def scale_by_muon(
         if is_placeholder(params):  # optax.tree.map_params
             return MuonState(count=jnp.zeros([], jnp.int32), mu=params)
         check_sharded(params, plan, "scale_by_muon")
-        return place_state(MuonState(
-            count=jnp.zeros([], jnp.int32),
-            mu=optax.tree.zeros_like(params, dtype=mu_dtype),
-        ), plan)
+        return place_state(
+            MuonState(
+                count=jnp.zeros([], jnp.int32),
+                mu=optax.tree.zeros_like(params, dtype=mu_dtype),
+            ),
+            plan,
+        )
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
@@ -242,9 +250,15 @@ def scale_by_muon(
             )
         else:
             mu_hat = optax.tree.bias_correction(mu, beta, count_inc)
-        out = route_newton_schulz(mu_hat.buffers, plan, routing, orthogonalize,
-                                  orthogonalize_split=orthogonalize_split, adaptive=adaptive,
-                                  operands=(jnp.asarray(eps, jnp.float32),))
+        out = route_newton_schulz(
+            mu_hat.buffers,
+            plan,
+            routing,
+            orthogonalize,
+            orthogonalize_split=orthogonalize_split,
+            adaptive=adaptive,
+            operands=(jnp.asarray(eps, jnp.float32),),
+        )
         mu = optax.tree.cast(mu, mu_dtype)
         return ShardedParams(out, plan), MuonState(count=count_inc, mu=mu)
 
@@ -343,15 +357,35 @@ def muon(
     dims = resolve_dimension_numbers(plan, muon_weight_dimension_numbers)
     is_muon = np.array([d is not None for d in dims] + [False])
     muon_tx = optax.chain(
-        scale_by_muon(ns_coeffs, ns_steps, beta, eps, mu_dtype, plan=plan, nesterov=nesterov, adaptive=adaptive,
-                      preconditioning=preconditioning, weight_dimension_numbers=muon_weight_dimension_numbers,
-                      ns_unroll=ns_unroll),
-        scale_by_shape(plan=plan, weight_dimension_numbers=muon_weight_dimension_numbers,
-                       consistent_rms=consistent_rms),
-        optax.identity() if _is_zero(weight_decay)
+        scale_by_muon(
+            ns_coeffs,
+            ns_steps,
+            beta,
+            eps,
+            mu_dtype,
+            plan=plan,
+            nesterov=nesterov,
+            adaptive=adaptive,
+            preconditioning=preconditioning,
+            weight_dimension_numbers=muon_weight_dimension_numbers,
+            ns_unroll=ns_unroll,
+        ),
+        scale_by_shape(
+            plan=plan, weight_dimension_numbers=muon_weight_dimension_numbers, consistent_rms=consistent_rms
+        ),
+        optax.identity()
+        if _is_zero(weight_decay)
         else masked_decay(plan, weight_decay, leaf_mask(plan, weight_decay_mask) & is_muon),
         optax.scale_by_learning_rate(learning_rate),
     )
-    adam_tx = optax.adamw(adam_learning_rate, b1=adam_b1, b2=adam_b2, eps=eps, eps_root=adam_eps_root,
-                          weight_decay=adam_weight_decay, mu_dtype=mu_dtype, nesterov=nesterov)
+    adam_tx = optax.adamw(
+        adam_learning_rate,
+        b1=adam_b1,
+        b2=adam_b2,
+        eps=eps,
+        eps_root=adam_eps_root,
+        weight_decay=adam_weight_decay,
+        mu_dtype=mu_dtype,
+        nesterov=nesterov,
+    )
     return split_leaves(muon_tx, adam_tx, plan=plan, main_leaves=is_muon[:-1], state=SelectState, what="muon")

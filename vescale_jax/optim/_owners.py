@@ -69,7 +69,7 @@ def route_newton_schulz(
     n_ops = len(operands)
 
     def local(*args):
-        shards, ops = args[: len(args) - n_ops], args[len(args) - n_ops:]
+        shards, ops = args[: len(args) - n_ops], args[len(args) - n_ops :]
         k = jax.lax.axis_index(axis)
         zero = jnp.zeros((1,), dtype)
         x = jnp.concatenate([local_vector(shards, rt.buckets, dtype), zero])

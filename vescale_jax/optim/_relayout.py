@@ -197,8 +197,10 @@ class _Relayout:
             x, want = arrays[e.key], self._sharding(e)
             sharding = getattr(x, "sharding", None)
             if not isinstance(x, _TRACER) and not (
-                    isinstance(sharding, jax.sharding.Sharding) and sharding.device_set == want.device_set
-                    and sharding.is_equivalent_to(want, len(e.shape))):
+                isinstance(sharding, jax.sharding.Sharding)
+                and sharding.device_set == want.device_set
+                and sharding.is_equivalent_to(want, len(e.shape))
+            ):
                 x = jax.device_put(x, want)
             placed.append(x)
         dtype = dtypes.pop() if dtypes else jnp.dtype(self.default_dtype())
@@ -232,7 +234,7 @@ def _moves(entries: Sequence[_Entry], axis: Any, m: int):
             for layer in range(layers):
                 owner = tuple(size if k == layer // per else 0 for k in range(m))
                 moves.append((e.rs, RaggedShard(e.rs.shape, 1, owner)))
-                value_at.append(e.start[:, layer: layer + 1])
+                value_at.append(e.start[:, layer : layer + 1])
                 logical_at.append(np.full((m, 1), cursor + (layer % per) * size, np.int64))
             shares[i] = (cursor, (per, *e.rs.shape))
             cursor += per * size
@@ -280,7 +282,7 @@ def _to_logical_fn(layout: _Relayout):
                 out.append(x[0] if e.layers is None else x)
             else:
                 lo, shape = shares_of[i]
-                out.append(jnp.reshape(shares[lo: lo + math.prod(shape)], shape))
+                out.append(jnp.reshape(shares[lo : lo + math.prod(shape)], shape))
         return tuple(out)
 
     specs = tuple(e.spec(axis, m) for e in tables.entries)
@@ -395,10 +397,12 @@ class BlockLayout(_Relayout):
                 counts = [len(x) for x in per_device]
                 for k, x in enumerate(per_device):
                     slots, idx = [s for s, _ in x], [j for _, j in x]
-                    if x and (slots != list(range(slots[0], slots[0] + len(x)))
-                              or idx != list(range(idx[0], idx[0] + len(x)))):
-                        raise AssertionError(f"BlockLayout: {spec.path} layer {layer}: device {k}'s blocks are not "
-                                             "one run of slots")
+                    if x and (
+                        slots != list(range(slots[0], slots[0] + len(x))) or idx != list(range(idx[0], idx[0] + len(x)))
+                    ):
+                        raise AssertionError(
+                            f"BlockLayout: {spec.path} layer {layer}: device {k}'s blocks are not one run of slots"
+                        )
                     start[k, layer] = slots[0] * bb if x else 0
                 _check_pieces("BlockLayout", spec.path, counts, [x[0][1] if x else 0 for x in per_device])
                 if units is None:

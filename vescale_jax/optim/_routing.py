@@ -119,7 +119,6 @@ class Routing:
         return "\n".join(lines)
 
 
-
 def _element_positions(plan: Plan, leaf: int, bases: dict[int, int]) -> tuple[np.ndarray, np.ndarray]:
     """For every logical flat element of a leaf: (device, index in that device's local vector X)."""
     spec = plan.leaves[leaf]
@@ -326,6 +325,20 @@ def build_routing(
     back_gather = _runs(src_dev[by_pos], src_pos[by_pos], index[by_pos], m)
 
     return Routing(
-        buckets, local_size, tuple(classes), tuple(splits), work_size, width, send, gather, back_send, back_gather,
-        matrix_leaf, tuple(routes), tuple(loads), slot_cost, sum(cost), num_leaves,
+        buckets,
+        local_size,
+        tuple(classes),
+        tuple(splits),
+        work_size,
+        width,
+        send,
+        gather,
+        back_send,
+        back_gather,
+        matrix_leaf,
+        tuple(routes),
+        tuple(loads),
+        slot_cost,
+        sum(cost),
+        num_leaves,
     )

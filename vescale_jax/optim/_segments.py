@@ -24,14 +24,24 @@ from vescale_jax._plan import Plan
 from vescale_jax.optim._logical import _plan_of, add_decayed_weights, masked
 
 __all__ = [
-    "clip_by_block_rms", "clip_by_global_norm", "lamb", "lars", "leaf_norms", "leaf_sums", "scale_by_param_block_norm",
-    "scale_by_param_block_rms", "scale_by_trust_ratio", "scale_leaves",
+    "clip_by_block_rms",
+    "clip_by_global_norm",
+    "lamb",
+    "lars",
+    "leaf_norms",
+    "leaf_sums",
+    "scale_by_param_block_norm",
+    "scale_by_param_block_rms",
+    "scale_by_trust_ratio",
+    "scale_leaves",
 ]
 
 
 def _no_params(name: str) -> str:
-    return (f"vj.optim.{name} needs the current parameters: pass them as the third argument of update, "
-            "tx.update(updates, state, params).")
+    return (
+        f"vj.optim.{name} needs the current parameters: pass them as the third argument of update, "
+        "tx.update(updates, state, params)."
+    )
 
 
 def _acc_dtype(dtype: Any) -> Any:
@@ -74,8 +84,9 @@ def leaf_sums(tree: ShardedParams, fn: Callable[[jax.Array], jax.Array] = _abs_s
         return jax.lax.psum(acc, plan.axis)[:n]
 
     specs = tuple(plan.partition_spec(plan.buckets[b]) for b in live)
-    mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=specs, out_specs=jax.sharding.PartitionSpec(),
-                           check_vma=False)
+    mapped = jax.shard_map(
+        local, mesh=plan.mesh, in_specs=specs, out_specs=jax.sharding.PartitionSpec(), check_vma=False
+    )
     return mapped(*[tree.buffers[b] for b in live])
 
 
@@ -110,8 +121,9 @@ def scale_leaves(tree: ShardedParams, scale: jax.Array) -> ShardedParams:
         return tuple(out)
 
     specs = tuple(plan.partition_spec(plan.buckets[b]) for b in live)
-    mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(jax.sharding.PartitionSpec(), *specs),
-                           out_specs=specs, check_vma=False)
+    mapped = jax.shard_map(
+        local, mesh=plan.mesh, in_specs=(jax.sharding.PartitionSpec(), *specs), out_specs=specs, check_vma=False
+    )
     buffers = list(tree.buffers)
     for b, x in zip(live, mapped(table, *[tree.buffers[b] for b in live]), strict=True):
         buffers[b] = x
@@ -209,8 +221,9 @@ def lars(
     """
     return optax.chain(
         add_decayed_weights(weight_decay, weight_decay_mask, plan=plan),
-        masked(scale_by_trust_ratio(trust_coefficient=trust_coefficient, eps=eps, plan=plan), trust_ratio_mask,
-               plan=plan),
+        masked(
+            scale_by_trust_ratio(trust_coefficient=trust_coefficient, eps=eps, plan=plan), trust_ratio_mask, plan=plan
+        ),
         optax.scale_by_learning_rate(learning_rate),
         optax.trace(decay=momentum, nesterov=nesterov),
     )

@@ -173,13 +173,17 @@ def scale_by_shampoo(
         raise ValueError(f"vj.optim.shampoo: graft_type must be one of {GRAFT_TYPES}, got {graft_type!r}")
     block_size = static_int(block_size, "block_size", "scale_by_shampoo")
     if _concrete(preconditioning_compute_steps) and preconditioning_compute_steps < 1:
-        raise ValueError(f"vj.optim.shampoo: preconditioning_compute_steps must be >= 1, got "
-                         f"{preconditioning_compute_steps}")
+        raise ValueError(
+            f"vj.optim.shampoo: preconditioning_compute_steps must be >= 1, got {preconditioning_compute_steps}"
+        )
     tables = shampoo_blocks(plan, block_size)
     b, m = tables.block_size, plan.num_devices
     # Numeric hyperparameters may be traced (optax.inject_hyperparams); only block_size fixes shapes.
-    exponent = (float(exponent_override or 4) if _concrete(exponent_override)
-                else jnp.where(exponent_override == 0, 4.0, exponent_override).astype(jnp.float32))
+    exponent = (
+        float(exponent_override or 4)
+        if _concrete(exponent_override)
+        else jnp.where(exponent_override == 0, 4.0, exponent_override).astype(jnp.float32)
+    )
     gb2 = beta2 if graft_beta2 is None else graft_beta2
     axis = plan.axis
     P = jax.sharding.PartitionSpec
@@ -191,22 +195,27 @@ def scale_by_shampoo(
     def init_fn(params):
         if is_placeholder(params):  # optax.tree.map_params: the structure, block slots abstract
             slots = jax.ShapeDtypeStruct((m * tables.slots, b, b), jnp.float32)
-            return ShampooState(jnp.zeros([], jnp.int32), () if graft_type == "sgd" else params,
-                                *(per_device(slots) for _ in range(4)))
+            return ShampooState(
+                jnp.zeros([], jnp.int32), () if graft_type == "sgd" else params, *(per_device(slots) for _ in range(4))
+            )
         check_sharded(params, plan, "scale_by_shampoo")
         zeros = jnp.zeros((m * tables.slots, b, b), jnp.float32)
         eye = jnp.where(used[:, None, None], jnp.eye(b, dtype=jnp.float32), zeros)
         graft = () if graft_type == "sgd" else optax.tree.zeros_like(params, dtype=jnp.float32)
-        return place_state(ShampooState(jnp.zeros([], jnp.int32), graft, per_device(zeros), per_device(zeros),
-                                        per_device(eye), per_device(eye)), plan)
+        return place_state(
+            ShampooState(
+                jnp.zeros([], jnp.int32), graft, per_device(zeros), per_device(zeros), per_device(eye), per_device(eye)
+            ),
+            plan,
+        )
 
     def blocks(grads, graft, state, refresh, use):
         specs = tuple(plan.partition_spec(bk) for bk in plan.buckets)
         n = len(specs)
 
         def local(*args):
-            g_shards, d_shards = args[:n], args[n:2 * n]
-            left, right, root_l, root_r, refresh, use, beta2, matrix_epsilon, exponent = args[2 * n:]
+            g_shards, d_shards = args[:n], args[n : 2 * n]
+            left, right, root_l, root_r, refresh, use, beta2, matrix_epsilon, exponent = args[2 * n :]
             k = jax.lax.axis_index(axis)
             g = gather_blocks(local_vector(g_shards, tables.buckets, jnp.float32), tables, k)
             d = gather_blocks(local_vector(d_shards, tables.buckets, jnp.float32), tables, k)
@@ -217,8 +226,10 @@ def scale_by_shampoo(
             real = (jnp.asarray(tables.rows)[k] > 0)[:, None, None]
             root_l, root_r = jax.lax.cond(
                 refresh,
-                lambda: (jnp.where(real, inverse_root(left, exponent=exponent, epsilon=matrix_epsilon), 0.0),
-                         jnp.where(real, inverse_root(right, exponent=exponent, epsilon=matrix_epsilon), 0.0)),
+                lambda: (
+                    jnp.where(real, inverse_root(left, exponent=exponent, epsilon=matrix_epsilon), 0.0),
+                    jnp.where(real, inverse_root(right, exponent=exponent, epsilon=matrix_epsilon), 0.0),
+                ),
                 lambda: (root_l, root_r),
             )
             pre = jnp.matmul(jnp.matmul(root_l, g, precision=_HIGHEST), root_r, precision=_HIGHEST)
@@ -230,13 +241,25 @@ def scale_by_shampoo(
 
         blocked = P(axis)
         mapped = jax.shard_map(
-            local, mesh=plan.mesh, in_specs=(*specs, *specs, blocked, blocked, blocked, blocked, *[P()] * 5),
-            out_specs=(*specs, blocked, blocked, blocked, blocked), check_vma=False,
+            local,
+            mesh=plan.mesh,
+            in_specs=(*specs, *specs, blocked, blocked, blocked, blocked, *[P()] * 5),
+            out_specs=(*specs, blocked, blocked, blocked, blocked),
+            check_vma=False,
         )
         # Hyperparameters are operands, not closures: they may be traced (optax.inject_hyperparams).
         hyper = [jnp.asarray(v, jnp.float32) for v in (beta2, matrix_epsilon, exponent)]
-        out = mapped(*grads, *graft, state.stats_left.value, state.stats_right.value, state.root_left.value,
-                     state.root_right.value, refresh, use, *hyper)
+        out = mapped(
+            *grads,
+            *graft,
+            state.stats_left.value,
+            state.stats_right.value,
+            state.root_left.value,
+            state.root_right.value,
+            refresh,
+            use,
+            *hyper,
+        )
         return list(out[:n]), [per_device(x) for x in out[n:]]
 
     def update_fn(updates, state, params=None, **extra_args):
@@ -244,15 +267,17 @@ def scale_by_shampoo(
         check_sharded(updates, plan, "scale_by_shampoo")
         t = optax.safe_increment(state.count)
         moments = [None] * len(updates.buffers) if graft_type == "sgd" else state.graft.buffers
-        pairs = [_graft(graft_type, g, v, t, gb2, diagonal_epsilon)
-                 for g, v in zip(updates.buffers, moments, strict=True)]
+        pairs = [
+            _graft(graft_type, g, v, t, gb2, diagonal_epsilon) for g, v in zip(updates.buffers, moments, strict=True)
+        ]
         direction = [d for d, _ in pairs]
         graft = () if graft_type == "sgd" else ShardedParams([v for _, v in pairs], plan)
         if tables.slots == 0:
             out = [jnp.zeros_like(g) for g in updates.buffers]
             return ShardedParams(out, plan), ShampooState(t, graft, *state[2:])
         refresh = (t >= start_preconditioning_step) & (
-            (t - start_preconditioning_step) % preconditioning_compute_steps == 0)
+            (t - start_preconditioning_step) % preconditioning_compute_steps == 0
+        )
         use = t >= start_preconditioning_step
         out, stats = blocks(updates.buffers, direction, state, refresh, use)
         return ShardedParams(out, plan), ShampooState(t, graft, *stats)
@@ -345,12 +370,21 @@ def shampoo(
     tables = shampoo_blocks(plan, block_size)
     is_matrix = np.array([*tables.matrix_leaves, False])
     branch = optax.chain(
-        scale_by_shampoo(plan=plan, block_size=block_size, beta2=beta2, diagonal_epsilon=diagonal_epsilon,
-                         matrix_epsilon=matrix_epsilon, start_preconditioning_step=start_preconditioning_step,
-                         preconditioning_compute_steps=preconditioning_compute_steps, graft_type=graft_type,
-                         graft_beta2=graft_beta2, exponent_override=exponent_override),
+        scale_by_shampoo(
+            plan=plan,
+            block_size=block_size,
+            beta2=beta2,
+            diagonal_epsilon=diagonal_epsilon,
+            matrix_epsilon=matrix_epsilon,
+            start_preconditioning_step=start_preconditioning_step,
+            preconditioning_compute_steps=preconditioning_compute_steps,
+            graft_type=graft_type,
+            graft_beta2=graft_beta2,
+            exponent_override=exponent_override,
+        ),
         _momentum(beta1, nesterov),
-        optax.identity() if isinstance(weight_decay, int | float) and weight_decay == 0
+        optax.identity()
+        if isinstance(weight_decay, int | float) and weight_decay == 0
         else masked_decay(plan, weight_decay, is_matrix),
         optax.scale_by_learning_rate(learning_rate),
     )
