@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+# private: optax.tree.map_params hands init this placeholder, and optax exports no type to test for it.
 from optax.tree_utils import _state_utils as optax_state_utils
 
 from vescale_jax._buffer import ShardedParams

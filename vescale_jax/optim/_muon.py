@@ -28,6 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+# private: optax publishes no table of its Newton–Schulz presets and default; reading them keeps
+# ns_coeffs="standard" / "dion" and the default identical to the installed optax.contrib.muon's.
 from optax.contrib import _muon as optax_muon
 
 from vescale_jax._buffer import ShardedParams
@@ -58,7 +61,7 @@ __all__ = [
     "scale_by_shape",
 ]
 
-MuonDimensionNumbers = optax_muon.MuonDimensionNumbers
+MuonDimensionNumbers = optax.contrib.MuonDimensionNumbers
 _is_dims = lambda x: x is None or isinstance(x, MuonDimensionNumbers)
 
 
@@ -207,7 +210,7 @@ def scale_by_muon(
     Sharding:
       Momentum is sharded like the params. Newton–Schulz work per device is its owned matrices only.
     """
-    mu_dtype = optax_muon.utils.canonicalize_dtype(mu_dtype)
+    mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
     ns_steps = static_int(ns_steps, "ns_steps", "scale_by_muon")
     coeffs = _coeffs(ns_coeffs, ns_steps)
     if preconditioning not in optax_muon._PRECONDITIONINGS:
