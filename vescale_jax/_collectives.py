@@ -506,7 +506,8 @@ def reshard_after_forward(
 
     def run_bwd(saved, ct):
         buffers, vjp_fn = saved
-        flat = gather_all(tie(buffers, ct))
+        tied = dict(zip(flat_buckets, tie([buffers[b] for b in flat_buckets], ct), strict=True))
+        flat = gather_all(tied)
         vjp_fn = jax.tree.map(
             lambda r: flat[r.k] if isinstance(r, _Gathered) else r, vjp_fn, is_leaf=lambda r: isinstance(r, _Gathered)
         )
