@@ -173,6 +173,22 @@ def muon_dimension_numbers(params: nnx.State) -> nnx.State:
 TEXT = np.frombuffer(inspect.getsource(inspect).encode()[:100_000], np.uint8).astype(np.int32)
 
 
+def edge_block_params(seed: int = 0) -> dict[str, Any]:
+    """A small fp32 tree with edge blocks everywhere (37, 11, 5, 6*4, 20, 52 are not multiples of 4), a
+    stacked group ``layers`` with a matrix and a vector leaf, an N-D leaf (viewed as 24 x 5), a small square
+    matrix and vectors: the blocked optimizers' and relayouts' test tree."""
+    rng = np.random.default_rng(seed)
+    shapes = {
+        "a": {"w": (37, 11), "b": (11,)},
+        "b": {"w": (11, 5), "v": (6, 4, 5)},
+        "layers": {"w": (3, 20, 52), "b": (3, 52)},
+        "head": {"w": (4, 4)},
+    }
+    return jax.tree.map(
+        lambda s: jnp.asarray(rng.standard_normal(s), jnp.float32), shapes, is_leaf=lambda x: isinstance(x, tuple)
+    )
+
+
 def batches(n: int = 20, batch: int = 24, seq: int = 16, seed: int = 0) -> Iterator[dict[str, np.ndarray]]:
     """``n`` next-token batches ``{"x", "y"}`` of ``(batch, seq)`` windows of :data:`TEXT` (the same for a seed)."""
     rng = np.random.default_rng(seed)

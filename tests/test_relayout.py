@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import make_mesh
-from helpers import assert_trees_equal
+from helpers import assert_trees_equal, edge_block_params
 
 import vescale_jax as vj
 import vescale_jax.optim as vjo
@@ -28,18 +28,7 @@ def standard_promotion():
         yield
 
 
-def make_params():
-    """Edge blocks (37, 11, 5, 24, 52 are not multiples of 4), a stacked group, an N-D leaf and vectors."""
-    rng = np.random.default_rng(0)
-    shapes = {
-        "a": {"w": (37, 11), "b": (11,)},
-        "b": {"w": (11, 5), "v": (6, 4, 5)},
-        "layers": {"w": (3, 20, 52), "b": (3, 52)},
-        "head": {"w": (4, 4)},
-    }
-    return jax.tree.map(
-        lambda s: jnp.asarray(rng.standard_normal(s), jnp.float32), shapes, is_leaf=lambda x: isinstance(x, tuple)
-    )
+make_params = edge_block_params
 
 
 PARAMS = make_params()

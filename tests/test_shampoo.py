@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import make_mesh
-from helpers import ROOT, assert_trees_close, child_pythonpath
+from helpers import ROOT, assert_trees_close, child_pythonpath, edge_block_params
 from shampoo_reference import reference_shampoo
 
 import vescale_jax as vj
@@ -27,19 +27,7 @@ def standard_promotion():
         yield
 
 
-def make_params(seed=0):
-    """Edge blocks everywhere (37, 11, 5, 6*4, 20, 52 are not multiples of 4), a stacked group with a matrix
-    and a vector leaf, an N-D leaf (viewed as 24 x 5), a whole-block matrix and vectors."""
-    rng = np.random.default_rng(seed)
-    shapes = {
-        "a": {"w": (37, 11), "b": (11,)},
-        "b": {"w": (11, 5), "v": (6, 4, 5)},
-        "layers": {"w": (3, 20, 52), "b": (3, 52)},
-        "head": {"w": (4, 4)},
-    }
-    return jax.tree.map(
-        lambda s: jnp.asarray(rng.standard_normal(s), jnp.float32), shapes, is_leaf=lambda x: isinstance(x, tuple)
-    )
+make_params = edge_block_params
 
 
 def grads_seq(params, n=STEPS, seed=1):

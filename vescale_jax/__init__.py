@@ -8,8 +8,9 @@ between placements) and ``vj.testing`` (HLO census and memory estimates). Every 
 
 from vescale_jax import checkpoint, distributed, flax, kernels, optim, redistribute, testing
 from vescale_jax._accumulate import accumulate
+from vescale_jax._batch import data_sharding, place_batch
 from vescale_jax._buffer import PerDevice, ShardedParams, init_sharded, shard, unshard
-from vescale_jax._fsdp import apply, data_sharding, fsdp, init_opt_state, place_batch
+from vescale_jax._fsdp import apply, fsdp
 from vescale_jax._granularity import Granularity, element, rows, whole
 from vescale_jax._guards import PerLeafOnBucketsError
 from vescale_jax._layers import LayerShard, scan_layers
@@ -19,6 +20,7 @@ from vescale_jax._plan import Bucket, LeafSpec, Plan, plan
 from vescale_jax._plan import path_str as plan_path
 from vescale_jax._planner import BucketLayout, plan_bucket
 from vescale_jax._precision import MixedPrecision
+from vescale_jax._state import init_opt_state
 
 __all__ = [
     "Bucket",

@@ -118,8 +118,10 @@ def _gather_options() -> Gather:
     return Gather(opts.precision, (), opts.kernels)
 
 
-def _specs(plan: Any) -> tuple[Any, ...]:
-    return tuple(plan.partition_spec(b) for b in plan.buckets)
+def _on_devices(fn: Callable[..., Any], plan: Any, how: Gather) -> Callable[..., Any]:
+    """``fn(buffers)`` under ``shard_map`` over the plan's mesh, every buffer with its bucket's spec."""
+    specs = tuple(plan.partition_spec(b) for b in plan.buckets)
+    return jax.shard_map(fn, mesh=plan.mesh, in_specs=(specs,), out_specs=specs, check_vma=how.kernels.check_vma)
 
 
 def gather_copies(params: ShardedParams) -> GatheredParams:
@@ -127,26 +129,13 @@ def gather_copies(params: ShardedParams) -> GatheredParams:
     if not isinstance(params, ShardedParams):
         raise TypeError(f"vj.accumulate(reduce='once'): params must be a vj.ShardedParams, got {type(params)}.")
     plan, how = params.plan, _gather_options()
-    specs = _specs(plan)
-    mapped = jax.shard_map(
-        lambda bufs: collectives.gather_copies(bufs, plan, how),
-        mesh=plan.mesh,
-        in_specs=(specs,),
-        out_specs=specs,
-        check_vma=how.kernels.check_vma,
-    )
-    return GatheredParams(mapped(params.buffers), plan)
+    copies = _on_devices(lambda bufs: collectives.gather_copies(bufs, plan, how), plan, how)(params.buffers)
+    return GatheredParams(copies, plan)
 
 
 def reduce_copies(grads: GatheredParams, like: ShardedParams) -> ShardedParams:
     """Reduce-scatters full per-device gradients into the plan's shards (in the policy's reduce dtype)."""
     plan, how = like.plan, _gather_options()
-    specs = _specs(plan)
-    mapped = jax.shard_map(
-        lambda gs: collectives.reduce_copies(gs, plan, how),
-        mesh=plan.mesh,
-        in_specs=(specs,),
-        out_specs=specs,
-        check_vma=how.kernels.check_vma,
+    return ShardedParams(
+        _on_devices(lambda gs: collectives.reduce_copies(gs, plan, how), plan, how)(grads.buffers), plan
     )
-    return ShardedParams(mapped(grads.buffers), plan)

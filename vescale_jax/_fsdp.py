@@ -1,4 +1,4 @@
-"""The FSDP train-step transform: ``vj.fsdp``, ``vj.apply`` and ``vj.init_opt_state``.
+"""The FSDP train-step transform: ``vj.fsdp`` and ``vj.apply``.
 
 A ``vj.fsdp`` step is traced at the global level: parameters (:class:`ShardedParams`) and optimizer state are
 flat buffers sharded over the plan's axis, so element-wise Optax transforms run on the shards unchanged and
@@ -27,13 +27,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from vescale_jax import _collectives as collectives
-from vescale_jax._buffer import GatheredParams, PerDevice, ShardedParams
+from vescale_jax._batch import _axes, _check_batch, _check_placed, _data_size, data_sharding, place_batch
+from vescale_jax._buffer import GatheredParams, ShardedParams
 from vescale_jax._checks import (
-    check_axes,
     check_kernel_policy,
     check_microbatches,
     check_precision_type,
@@ -49,10 +48,11 @@ from vescale_jax._layers import LayerShard
 from vescale_jax._padding import zero_padding
 from vescale_jax._plan import Plan
 from vescale_jax._precision import MixedPrecision
+from vescale_jax._state import _constrain_outputs
 from vescale_jax._widen import widened
 from vescale_jax.kernels import KernelPolicy
 
-__all__ = ["apply", "data_sharding", "fsdp", "init_opt_state", "place_batch"]
+__all__ = ["apply", "fsdp"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,26 +76,6 @@ def _options(opts: _Options):
         yield
     finally:
         _OPTIONS.reset(token)
-
-
-def _axes(axis: str | Sequence[str]) -> tuple[str, ...]:
-    return (axis,) if isinstance(axis, str) else tuple(axis)
-
-
-def _data_size(mesh: jax.sharding.Mesh, data_axes: tuple[str, ...]) -> int:
-    return int(np.prod([mesh.shape[a] for a in data_axes]))
-
-
-def data_sharding(plan: Plan, data_axes: str | Sequence[str] | None = None) -> NamedSharding:
-    """The sharding of a batch: dim 0 split over the data axes (default: the plan's axis)."""
-    axes = _axes(plan.axis if data_axes is None else data_axes)
-    if not axes:
-        raise ValueError(
-            f"vj.fsdp: data_axes=() names no mesh axis; the batch's dim 0 is split over the data axes (default: the "
-            f"plan's axis {plan.axis!r}). Leave data_axes unset, or name mesh axes of {dict(plan.mesh.shape)}."
-        )
-    check_axes(axes, plan.mesh, "vj.fsdp: data_axes")
-    return NamedSharding(plan.mesh, P(axes))
 
 
 def _check_params(params: Any, plan: Plan, what: str = "params", fn: str = "vj.fsdp") -> None:
@@ -158,27 +138,6 @@ def _check_precision(precision: MixedPrecision | None, plan: Plan, fn: str = "vj
                 f"{precision.master_dtype}; plan and shard the parameters in {precision.master_dtype} "
                 "(e.g. jax.tree.map(lambda x: x.astype(...), params) before vj.plan)."
             )
-
-
-def _check_batch(batch: Any, size: int, data_axes: tuple[str, ...], what: str = "batch") -> None:
-    for path, leaf in jax.tree_util.tree_flatten_with_path(batch)[0]:
-        shape = tuple(np.shape(leaf))
-        if not shape:
-            raise _scalar_leaf(f"{what} leaf {jax.tree_util.keystr(path) or '<root>'}", leaf, data_axes)
-        if shape[0] % size:
-            raise ValueError(
-                f"vj.fsdp: {what} leaf {jax.tree_util.keystr(path) or '<root>'} has shape {shape}; its leading "
-                f"(batch) dim must be divisible by the data-parallel size {size} (mesh axes {data_axes}). Use a "
-                f"batch size that is a multiple of {size}."
-            )
-
-
-def _scalar_leaf(name: str, leaf: Any, data_axes: tuple[str, ...]) -> ValueError:
-    return ValueError(
-        f"vj.fsdp: {name} is a scalar ({leaf!r:.40}); every batch leaf needs a leading batch dim to split over "
-        f"{data_axes}. Give it one (e.g. x[None] repeated per example), or pass per-step constants as later step "
-        "arguments / close over them."
-    )
 
 
 def _gather(plan: Plan, opts: _Options) -> Gather:
@@ -303,32 +262,6 @@ def apply(
     return mapped(params.buffers, *args)
 
 
-def _check_placed(args: Any, plan: Plan, axes: tuple[str, ...]) -> None:
-    """On Explicit mesh axes a batch must already carry dim 0 over the data axes (shard_map does not move it)."""
-    types = dict(zip(plan.mesh.axis_names, plan.mesh.axis_types, strict=True))
-    explicit = [a for a in axes if types[a] == jax.sharding.AxisType.Explicit]
-    if not explicit or _data_size(plan.mesh, axes) == 1:
-        return
-    for path, leaf in jax.tree_util.tree_flatten_with_path(args)[0]:
-        sharding = getattr(jax.typeof(leaf), "sharding", None)
-        spec = tuple(getattr(sharding, "spec", ()) or ())
-        dim0 = _axes(spec[0]) if spec and spec[0] is not None else ()
-        if dim0 != axes:
-            where = f"batch argument {path[0].idx}" + jax.tree_util.keystr(path[1:]) if path else "batch argument"
-            if len(spec) > 1 and spec[1] is not None and _axes(spec[1]) == axes:
-                raise ValueError(
-                    f"vj.apply: {where} (shape {tuple(np.shape(leaf))}) still has its leading micro-batch dim (the "
-                    "step was compiled with microbatches=); compute the loss through vj.accumulate(loss_fn, params, "
-                    "batch), which hands vj.apply one micro-batch at a time."
-                )
-            raise ValueError(
-                f"vj.apply: {where} (shape {tuple(np.shape(leaf))}) has dim 0 sharded as {spec[:1] or '(unplaced)'}, "
-                f"but the mesh's axes are Explicit and the batch must be split over {axes}; place it first: "
-                "batch = vj.place_batch(batch, plan) (a vj.fsdp step does this), or "
-                "jax.device_put(x, vj.data_sharding(plan))."
-            )
-
-
 def _per_example_outputs(fn: Callable[..., Any], axes: tuple[str, ...]) -> Callable[..., Any]:
     """Wraps ``fn`` to check its outputs have a batch dim (the default ``out_specs`` splits dim 0)."""
 
@@ -346,113 +279,6 @@ def _per_example_outputs(fn: Callable[..., Any], axes: tuple[str, ...]) -> Calla
         return out
 
     return checked
-
-
-def place_batch(
-    batch: Any, plan: Plan, data_axes: str | Sequence[str] | None = None, *, microbatches: int | None = None
-) -> Any:
-    """Puts a batch on the mesh with dim 0 split over the data axes.
-
-    In a single-process job ``batch`` is the global batch. In a multi-process job each process passes only its
-    own part (the rows for its devices, in process order) and the global batch is assembled without copying
-    through one host (``jax.make_array_from_process_local_data``).
-
-    Leaves that are already global ``jax.Array``s with the target sharding pass through as they are (with
-    ``microbatches``: ``(k, B/k, ...)`` arrays with dim 1 split, i.e. a batch this function placed). Other device
-    arrays (on one device, replicated, split otherwise) are resharded and, for ``microbatches``, split on device,
-    never copied through the host; shapes are checked from ``.shape`` alone. In a multi-process job a fully
-    addressable array is taken as the process's own part.
-
-    Args:
-      batch: a pytree of arrays with a leading batch dim.
-      plan: the plan (its mesh).
-      data_axes: mesh axes dim 0 is split over (default: the plan's axis).
-      microbatches: split dim 0 into this many micro-batches: leaves become ``(k, B/k, ...)`` (micro-batch ``i``
-        is rows ``[i·B/k, (i+1)·B/k)`` of each process's part) with dim 1 split over the data axes.
-
-    Returns:
-      The batch as global arrays with :func:`data_sharding` (dim 1 of it with ``microbatches``).
-    """
-    axes = _axes(plan.axis if data_axes is None else data_axes)
-    flat = data_sharding(plan, axes)
-    microbatches = check_microbatches(microbatches, "vj.place_batch")
-    size = _data_size(plan.mesh, axes)
-    k = microbatches or 1
-    sharding = NamedSharding(plan.mesh, P(None, axes)) if microbatches else flat
-    multi = jax.process_count() > 1
-    what = "micro-batch" if microbatches else "batch"
-
-    def on_device(x):  # a global array (any array in a single-process job): placed on device, never via the host
-        return isinstance(x, jax.Array) and not (multi and x.is_fully_addressable)
-
-    def split_already(x):  # already (k, B/k, ...) with dim 1 split: a batch placed with these micro-batches
-        return microbatches and x.ndim >= 2 and x.shape[0] == k and _has_sharding(x, sharding)
-
-    def placed_shape(path, x):  # checks a leaf from its shape alone; the shape of its micro-batch (or batch)
-        name = jax.tree_util.keystr(path) or "<root>"
-        shape = tuple(x.shape) if isinstance(x, jax.Array) else np.shape(x)
-        if not shape:
-            raise _scalar_leaf(f"batch leaf {name}", x, axes)
-        if on_device(x) and split_already(x):
-            return jax.ShapeDtypeStruct(shape[1:], x.dtype)
-        if shape[0] % k:
-            raise ValueError(
-                f"vj.fsdp: batch leaf {name} has shape {shape}: its leading dim {shape[0]} does not split into "
-                f"{k} micro-batches (microbatches={k}); use a batch size that is a multiple of {k}."
-            )
-        return jax.ShapeDtypeStruct((shape[0] // k, *shape[1:]) if microbatches else shape, np.float32)
-
-    def device_place(path, x):
-        if _has_sharding(x, sharding) and (not microbatches or split_already(x)):
-            return x
-        if not microbatches:
-            return jax.device_put(x, sharding)  # device to device (a reshard), or onto the mesh
-        if multi:
-            raise ValueError(
-                f"vj.place_batch: batch leaf {jax.tree_util.keystr(path) or '<root>'} is a global array of shape "
-                f"{tuple(x.shape)}; with microbatches={k} in a multi-process job pass each process's own part "
-                "(micro-batch i is rows [i·b/k, (i+1)·b/k) of every part), or an array placed by "
-                f"vj.place_batch(..., microbatches={k})."
-            )
-        x = x if _has_sharding(x, flat) else jax.device_put(x, flat)
-        shape = (k, x.shape[0] // k, *x.shape[1:])
-        types = dict(zip(plan.mesh.axis_names, plan.mesh.axis_types, strict=True))
-        explicit = any(types[a] == jax.sharding.AxisType.Explicit for a in axes)  # the split dim's sharding is typed
-        y = jnp.reshape(x, shape, out_sharding=sharding) if explicit else jnp.reshape(x, shape)
-        return jax.device_put(y, sharding)  # the spec as placing host data spells it (one jit cache entry)
-
-    def host_place(x):  # host data (a process's own part in a multi-process job)
-        x = np.asarray(x)
-        x = x.reshape(k, x.shape[0] // k, *x.shape[1:]) if microbatches else x
-        return jax.make_array_from_process_local_data(sharding, x) if multi else jax.device_put(x, sharding)
-
-    shapes = jax.tree_util.tree_map_with_path(placed_shape, batch)
-    if not multi:
-        _check_batch(shapes, size, axes, what=what)
-    out = jax.tree_util.tree_map_with_path(
-        lambda path, x: device_place(path, x) if on_device(x) else host_place(x), batch
-    )
-    if multi:
-        _check_batch(
-            jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape[1:2] if microbatches else x.shape[:1], np.float32), out
-            ),
-            size,
-            axes,
-            what=f"global {what} (all processes' parts)",
-        )
-    return out
-
-
-def _has_sharding(x: jax.Array, sharding: NamedSharding) -> bool:
-    """Whether ``x`` is laid out as ``sharding`` on its mesh (same mesh and axis types, equivalent spec)."""
-    s = x.sharding
-    return (
-        isinstance(s, NamedSharding)
-        and s.mesh == sharding.mesh
-        and x.ndim >= len(sharding.spec)
-        and s.is_equivalent_to(sharding, x.ndim)
-    )
 
 
 def _apply_gathered(fn, params, args, data_axes, in_specs, out_specs):
@@ -478,87 +304,6 @@ def _apply_gathered(fn, params, args, data_axes, in_specs, out_specs):
         local, mesh=plan.mesh, in_specs=(specs, *in_specs), out_specs=out_specs, check_vma=how.kernels.check_vma
     )
     return mapped(params.buffers, *args)
-
-
-def _is_node(x: Any) -> bool:
-    return isinstance(x, ShardedParams | PerDevice)
-
-
-def _bucket_shardings(node: ShardedParams, plan: Plan) -> list[NamedSharding | None]:
-    """Per child of a ``ShardedParams`` of ``plan``: its bucket's sharding where the bucket's spec fits the
-    child's shape (dim and divisibility), else ``None``. Nodes of other plans get ``None`` everywhere."""
-    if node.plan != plan:
-        return [None] * len(node.buffers)
-    m = plan.num_devices
-    out = []
-    for bucket, x in zip(plan.buckets, node.buffers, strict=True):
-        shape = getattr(x, "shape", None)
-        fits = shape is not None and len(shape) == len(bucket.shape) and shape[-1] % m == 0
-        out.append(NamedSharding(plan.mesh, plan.partition_spec(bucket)) if fits else None)
-    return out
-
-
-def _per_device_sharding(node: PerDevice, plan: Plan) -> NamedSharding | None:
-    """``P(axis, None, ...)`` on the value of a ``PerDevice`` of ``plan`` (the full spec, as shard_map outputs
-    carry it: no recompilation), else ``None``."""
-    shape = tuple(getattr(node.value, "shape", None) or ())
-    if node.plan != plan or not shape or shape[0] % plan.num_devices:
-        return None
-    return NamedSharding(plan.mesh, P(plan.axis, *[None] * (len(shape) - 1)))
-
-
-def _state_shardings(tree: Any, plan: Plan) -> Any:
-    """The ``out_shardings`` of an optimizer state, by type: children of a ``ShardedParams`` of ``plan`` like
-    their bucket, ``PerDevice`` values split on dim 0, everything else (counts, scalars, any other array,
-    whatever its shape) replicated."""
-    replicated = NamedSharding(plan.mesh, P())
-
-    def one(x):
-        if isinstance(x, ShardedParams):
-            shardings = _bucket_shardings(x, plan)
-            return ShardedParams(
-                [
-                    b if not hasattr(b, "shape") else s or replicated  # an empty node stays empty
-                    for b, s in zip(x.buffers, shardings, strict=True)
-                ],
-                x.plan,
-            )
-        if isinstance(x, PerDevice):
-            return x.replace(_per_device_sharding(x, plan) or replicated)
-        return replicated
-
-    return jax.tree.map(one, tree, is_leaf=_is_node)
-
-
-def init_opt_state(tx: Any, params: ShardedParams) -> Any:
-    """``tx.init(params)`` jitted so every parameter-like state (a ``ShardedParams``) is sharded like the buckets.
-
-    Args:
-      tx: an ``optax.GradientTransformation``.
-      params: the sharded parameters.
-
-    Returns:
-      The optimizer state. Placement goes by type, not shape: the children of each :class:`ShardedParams` carry
-      their bucket's ``NamedSharding``, :class:`vescale_jax.PerDevice` values are split over the plan's
-      axis on dim 0, and every other leaf (counts, scalars, any other array, even one shaped like a bucket) is
-      replicated.
-    """
-    if isinstance(tx, ShardedParams) and not isinstance(params, ShardedParams):
-        raise TypeError("vj.init_opt_state: the arguments are (tx, params); got the params first.")
-    check_sharded_params(params, "vj.init_opt_state")
-    if not callable(getattr(tx, "init", None)):
-        hint = (
-            f"{getattr(tx, '__name__', tx)!r} looks like an optimizer factory: call it (e.g. optax.adamw(1e-3))"
-            if callable(tx)
-            else "pass e.g. optax.adamw(1e-3) or vj.optim.muon(1e-3, plan=plan)"
-        )
-        raise TypeError(
-            f"vj.init_opt_state: tx must be an optax.GradientTransformation, got {type(tx).__name__}; {hint}."
-        )
-    plan = params.plan
-    shapes = jax.eval_shape(tx.init, params)
-    with jax.set_mesh(plan.mesh):
-        return jax.jit(tx.init, out_shardings=_state_shardings(shapes, plan))(params)
 
 
 def fsdp(
@@ -681,23 +426,3 @@ def fsdp(
     run.lower = lower
     run.plan = plan
     return run
-
-
-def _constrain_outputs(out: Any, plan: Plan) -> Any:
-    """Sharding hints on a step's outputs, by type: children of a ``ShardedParams`` of ``plan`` like their
-    bucket, ``PerDevice`` values split on dim 0; any other output keeps the sharding its computation gives it
-    (even one shaped like a bucket)."""
-
-    def constrain(x, sharding):
-        return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
-
-    def one(x):
-        if isinstance(x, ShardedParams):
-            return ShardedParams(
-                [constrain(b, s) for b, s in zip(x.buffers, _bucket_shardings(x, plan), strict=True)], x.plan
-            )
-        if isinstance(x, PerDevice):
-            return x.replace(constrain(x.value, _per_device_sharding(x, plan)))
-        return x
-
-    return jax.tree.map(one, out, is_leaf=_is_node)
