@@ -140,3 +140,22 @@ def test_hsdp_replica_sum_does_not_depend_on_the_varying_axes_check():
         assert policy.check_vma == (mode == "xla")
         got = grad_step(plan, loss, data_axes=("replica", "fsdp"), kernels=policy)(vj.shard(params, plan), None, batch)
         assert_close_trees(vj.unshard(got), ref)
+
+
+def test_apply_on_gathered_copies_takes_the_kernel_policy(monkeypatch):
+    """vj.apply on the full copies of vj.accumulate(reduce="once") honours kernels= as on shards."""
+    from vescale_jax import _accumulate
+
+    params = tiny_params()
+    plan = vj.plan(params, make_mesh(2), stacked=("blocks",))
+    copies = _accumulate.gather_copies(vj.shard(params, plan))
+    tok = vj.place_batch(tokens(4), plan)
+    calls = []
+    real = vj.kernels.unpack
+    monkeypatch.setattr(vj.kernels, "unpack", lambda *a, **k: calls.append(1) or real(*a, **k))
+    outs = {
+        mode: vj.apply(tiny_model, copies, tok, kernels=vj.kernels.KernelPolicy(mode=mode))
+        for mode in ("xla", "pallas")
+    }
+    assert calls
+    np.testing.assert_array_equal(np.asarray(outs["xla"]), np.asarray(outs["pallas"]))

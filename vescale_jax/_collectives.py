@@ -346,7 +346,13 @@ def gather_bucket(
             f"got {tuple(local.shape)}; pass one layer's row for a stacked bucket, inside shard_map over "
             f"{plan.axis!r}."
         )
-    how = Gather(precision, tuple(vary_axes), kernels_policy or KernelPolicy(), widen)
+    return _gather_bucket(
+        local, bucket, plan, Gather(precision, tuple(vary_axes), kernels_policy or DEFAULT_KERNELS, widen)
+    )
+
+
+def _gather_bucket(local: jax.Array, bucket: Bucket, plan: Plan, how: Gather) -> list[jax.Array]:
+    """:func:`gather_leaves` with :func:`scatter_leaves` as its VJP (:func:`gather_bucket` after its checks)."""
     if not bucket.layout.total_size:  # zero-size leaves: nothing to gather or reduce, plain autodiff
         return gather_leaves(local, bucket, plan, how)
     like_axes = varying_axes(local)
@@ -371,16 +377,7 @@ def gather_flat(local_buffers: Sequence[jax.Array], plan: Plan, how: Gather | No
     out: dict[int, jax.Array] = {}
     for bucket, local in zip(plan.buckets, local_buffers, strict=True):
         if bucket.layers is None:
-            gathered = gather_bucket(
-                local,
-                bucket,
-                plan,
-                precision=how.precision,
-                vary_axes=how.replica_axes,
-                widen=how.widen,
-                kernels_policy=how.kernels,
-            )
-            out.update(zip(bucket.leaves, gathered, strict=True))
+            out.update(zip(bucket.leaves, _gather_bucket(local, bucket, plan, how), strict=True))
     return out
 
 

@@ -216,7 +216,7 @@ def apply(
       reshard-after-forward); its gradient is reduce-scattered back into the bucket's layout.
     """
     if isinstance(params, GatheredParams):
-        return _apply_gathered(fn, params, args, data_axes, in_specs, out_specs)
+        return _apply_gathered(fn, params, args, data_axes, in_specs, out_specs, kernels)
     if not callable(fn):
         raise TypeError(
             f"vj.apply: the first argument must be the model function (params_tree, *args) -> outputs, got "
@@ -236,13 +236,7 @@ def apply(
         tuple(a for a in axes if a not in _axes(plan.axis)),
         kernels=outer.kernels if kernels is None else check_kernel_policy(kernels, "vj.apply"),
     )
-    if in_specs is None:
-        _check_batch(args, _data_size(plan.mesh, axes), axes, what="vj.apply argument")
-        _check_placed(args, plan, axes)
-        in_specs = tuple(P(axes) for _ in args)
-    if out_specs is None:
-        out_specs = P(axes)
-        fn = _per_example_outputs(fn, axes)
+    fn, in_specs, out_specs = _batch_specs(fn, args, plan, axes, in_specs, out_specs)
 
     how = _gather(plan, opts)
     fn = widened(fn, _narrow_leaves(plan, how), is_leaf=lambda x: isinstance(x, LayerShard))
@@ -260,6 +254,19 @@ def apply(
         local, mesh=plan.mesh, in_specs=(specs, *in_specs), out_specs=out_specs, check_vma=opts.kernels.check_vma
     )
     return mapped(params.buffers, *args)
+
+
+def _batch_specs(fn, args, plan: Plan, axes: tuple[str, ...], in_specs: Any, out_specs: Any):
+    """``(fn, in_specs, out_specs)`` with the defaults filled in: arguments split on dim 0 over ``axes``
+    (checked and, on Explicit axes, required to be placed so), per-example outputs (checked)."""
+    if in_specs is None:
+        _check_batch(args, _data_size(plan.mesh, axes), axes, what="vj.apply argument")
+        _check_placed(args, plan, axes)
+        in_specs = tuple(P(axes) for _ in args)
+    if out_specs is None:
+        out_specs = P(axes)
+        fn = _per_example_outputs(fn, axes)
+    return fn, in_specs, out_specs
 
 
 def _per_example_outputs(fn: Callable[..., Any], axes: tuple[str, ...]) -> Callable[..., Any]:
@@ -281,20 +288,16 @@ def _per_example_outputs(fn: Callable[..., Any], axes: tuple[str, ...]) -> Calla
     return checked
 
 
-def _apply_gathered(fn, params, args, data_axes, in_specs, out_specs):
+def _apply_gathered(fn, params, args, data_axes, in_specs, out_specs, kernels):
     """``vj.apply`` on full per-device copies (``vj.accumulate(..., reduce="once")``): no collective at all."""
     plan = params.plan
     outer = _OPTIONS.get()
     axes = _axes(data_axes) if data_axes is not None else (outer.data_axes if outer else _axes(plan.axis))
     data_sharding(plan, axes)  # checks the axes
-    if in_specs is None:
-        _check_batch(args, _data_size(plan.mesh, axes), axes, what="vj.apply argument")
-        _check_placed(args, plan, axes)
-        in_specs = tuple(P(axes) for _ in args)
-    if out_specs is None:
-        out_specs = P(axes)
-        fn = _per_example_outputs(fn, axes)
-    how = Gather(kernels=outer.kernels if outer else KernelPolicy.from_env())
+    fn, in_specs, out_specs = _batch_specs(fn, args, plan, axes, in_specs, out_specs)
+    if kernels is None:
+        kernels = outer.kernels if outer else KernelPolicy.from_env()
+    how = Gather(kernels=check_kernel_policy(kernels, "vj.apply"))
 
     def local(copies, *local_args):
         return fn(jax.tree_util.tree_unflatten(plan.treedef, unpack_copies(copies, plan, how)), *local_args)
