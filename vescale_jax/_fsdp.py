@@ -43,12 +43,13 @@ from vescale_jax._checks import (
     plan_difference,
     plan_states,
 )
-from vescale_jax._collectives import Gather, gather_flat, unpack_copies
+from vescale_jax._collectives import Gather, unpack_copies
 from vescale_jax._layers import LayerShard
 from vescale_jax._padding import zero_padding
 from vescale_jax._plan import Plan
 from vescale_jax._precision import MixedPrecision
 from vescale_jax._state import _constrain_outputs
+from vescale_jax._uses import at_point_of_use
 from vescale_jax._widen import widened
 from vescale_jax.kernels import KernelPolicy
 
@@ -241,12 +242,7 @@ def apply(
     how = _gather(plan, opts)
     fn = widened(fn, _narrow_leaves(plan, how), is_leaf=lambda x: isinstance(x, LayerShard))
     build = lambda buffers, gathered: _tree(plan, buffers, gathered, opts)
-    if opts.reshard_after_forward:
-        local = collectives.reshard_after_forward(fn, plan, how, build)
-    else:
-
-        def local(buffers, *local_args):
-            return fn(build(buffers, gather_flat(buffers, plan, how)), *local_args)
+    local = at_point_of_use(fn, plan, how, build, keep=not opts.reshard_after_forward)
 
     specs = tuple(plan.partition_spec(b) for b in plan.buckets)
     # The Pallas interpreter's loops do not track varying mesh axes: the policy turns the check off then.

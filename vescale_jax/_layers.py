@@ -30,7 +30,7 @@ import numpy as np
 
 from vescale_jax import _collectives as collectives
 from vescale_jax import kernels
-from vescale_jax._collectives import Gather, gather_leaves, scatter_leaves, vary, varying_axes
+from vescale_jax._collectives import Gather, gather_leaves, scatter_leaves, tie, vary, varying_axes
 from vescale_jax._plan import Plan
 from vescale_jax._precision import MixedPrecision
 from vescale_jax._widen import widened
@@ -332,16 +332,25 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
     def run_bwd(saved, ct):
         rows_, xs_, consts_, (c_saved, g_saved) = saved
         zero_k = jax.tree.map(jnp.zeros_like, tuple(consts_))
+        # The gradient rows are filled in place, one layer per iteration, in a buffer tied to the cotangent: as a
+        # scan output (or untied) XLA may allocate it at the start of the step, alive through the whole forward.
+        # (Under HSDP the cotangent varies over the replica axes too, which the rows must not: left untied there.)
+        d_rows = tuple(
+            tie([jnp.zeros_like(r)], ct)[0] if _axes_of(ct) <= varying_axes(r) else jnp.zeros_like(r) for r in rows_
+        )
         if not prefetch or num_layers == 1:
 
             def step(state, inp):
-                ct_, dk_acc = state
+                ct_, dk_acc, d_rows = state
                 j, c_in, x_j, g_kept = inp
                 d_row, dc_, dk_, dxd_ = layer_vjp(g_kept if keep else gather(rows_, j), c_in, x_j, consts_, ct_)
-                return (dc_, jax.tree.map(jnp.add, dk_acc, dk_)), (d_row, dxd_)
+                d_rows = tuple(
+                    jax.lax.dynamic_update_index_in_dim(a, r, j, 0) for a, r in zip(d_rows, d_row, strict=True)
+                )
+                return (dc_, jax.tree.map(jnp.add, dk_acc, dk_), d_rows), dxd_
 
-            (dc, dk), (d_rows, dxd) = jax.lax.scan(
-                step, (ct, zero_k), (jnp.arange(num_layers), c_saved, xs_, g_saved), reverse=True, unroll=unroll
+            (dc, dk, d_rows), dxd = jax.lax.scan(
+                step, (ct, zero_k, d_rows), (jnp.arange(num_layers), c_saved, xs_, g_saved), reverse=True, unroll=unroll
             )
             return d_rows, dc, full_dx(xs_, dxd), list(dk)
 
@@ -361,7 +370,6 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
 
         g_top = g0 if keep else gather(rows_, num_layers - 1)
         tail = jax.tree.map(lambda a: a[1:], xs_)
-        d_rows = tuple(jnp.zeros_like(r) for r in rows_)  # filled in place, one layer per iteration
         (ct1, g_0, dk_acc, d_rows), dxd_hi = jax.lax.scan(
             step,
             (ct, g_top, zero_k, d_rows),
@@ -377,6 +385,10 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
 
     run.defvjp(run_fwd, run_bwd)
     return run(rows, carry, xs, list(consts))
+
+
+def _axes_of(tree: Any) -> frozenset[str]:
+    return frozenset().union(*(varying_axes(x) for x in jax.tree.leaves(tree)))
 
 
 def _zero_cotangent(x):

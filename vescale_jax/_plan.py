@@ -338,6 +338,7 @@ def plan(
     units: UnitsArg = None,
     stacked: Collection[str] | Callable[[str], bool] = (),
     align_bytes: int = 16,
+    split: str = "auto",
 ) -> Plan:
     """Plans the flat, sharded buckets for a parameter tree.
 
@@ -352,6 +353,13 @@ def plan(
       stacked: unit names (or a predicate on the unit name) that are scanned layer groups; their leaves share
         a leading layer dim and get a per-layer layout and a buffer of shape ``(L, m*S)``.
       align_bytes: offsets and ``S`` are multiples of ``align_bytes // itemsize`` elements.
+      split: how a unit is cut into buckets (each bucket is gathered and reduce-scattered as one):
+        ``"none"``: one bucket per unit and dtype; ``"leaves"``: every leaf of at least 1 MiB per layer its own
+        bucket, the unit's smaller leaves one bucket together; ``"auto"`` (default): ``"leaves"`` for a unit
+        of at least 4 MiB per layer, if that pads no more than 0.5 % of the unit more than one bucket would,
+        else ``"none"``. The rule trades launches for memory: a step holds about one gathered bucket and its
+        gradient at a time (and copies a multi-leaf bucket's leaves out of it), so a large unit is worth a
+        few more collectives, while a small one costs more in launches than it saves.
 
     Returns:
       A hashable, deterministic :class:`Plan`.
@@ -399,6 +407,8 @@ def plan(
                 "module by default, or as units= groups them)."
             )
 
+    if split not in _SPLITS:
+        raise ValueError(f"vj.plan: split={split!r}; use one of {_SPLITS}.")
     specs: list[LeafSpec | None] = [None] * len(flat)
     buckets = []
     for (unit, dtype_name), indices in groups.items():
@@ -418,23 +428,63 @@ def plan(
                     f"has shape {infos[indices[0]][1]}); build it with at least one layer, or drop the unit from the "
                     "tree and from stacked=."
                 )
-        per_layer = [infos[i][1][1:] if layers is not None else infos[i][1] for i in indices]
-        sizes = [math.prod(s) for s in per_layer]
-        grans = [infos[i][4] for i in indices]
-        blocks = [g.block(s) for g, s in zip(grans, per_layer, strict=True)]
         align = max(1, align_bytes // np.dtype(dtype_name).itemsize)
-        layout = plan_bucket(sizes, blocks, m, align=align)
-        # vj.whole(max_padding=x): release the largest such leaves to element() until the bucket fits.
-        soft = sorted((j for j, g in enumerate(grans) if g.max_padding is not None), key=lambda j: -sizes[j])
-        budget = min((grans[j].max_padding for j in soft), default=1.0)
-        for j in soft:
-            if layout.padding_fraction <= budget:
-                break
-            grans[j], blocks[j] = element(), 1
-            layout = plan_bucket(sizes, blocks, m, align=align)
-        b = len(buckets)
-        buckets.append(Bucket(f"{unit}:{dtype_name}", unit, dtype_name, layout, tuple(indices), layers))
-        for slot, i in enumerate(indices):
-            path, shape = infos[i][:2]
-            specs[i] = LeafSpec(path_str(path), shape, dtype_name, b, slot, grans[slot])
+        itemsize = np.dtype(dtype_name).itemsize
+
+        def lay(idx, layers=layers, align=align):
+            per_layer = [infos[i][1][1:] if layers is not None else infos[i][1] for i in idx]
+            return _layout(per_layer, [infos[i][4] for i in idx], m, align)
+
+        parts = [("", indices, lay(indices))]
+        cut = _split_leaves(indices, infos, layers, itemsize, split)
+        if cut is not None:
+            split_parts = [(name, idx, lay(idx)) for name, idx in cut]
+            padded = lambda ps: sum(layout.total_size - sum(layout.sizes) for _, _, (layout, _) in ps)
+            unit_size = sum(parts[0][2][0].sizes)
+            if split == "leaves" or padded(split_parts) - padded(parts) <= 0.005 * unit_size:
+                parts = split_parts
+        for name, idx, (layout, grans) in parts:
+            b = len(buckets)
+            label = f"{unit}/{name}:{dtype_name}" if name else f"{unit}:{dtype_name}"
+            buckets.append(Bucket(label, unit, dtype_name, layout, tuple(idx), layers))
+            for slot, i in enumerate(idx):
+                path, shape = infos[i][:2]
+                specs[i] = LeafSpec(path_str(path), shape, dtype_name, b, slot, grans[slot])
     return Plan(treedef, tuple(specs), tuple(buckets), mesh, axis)
+
+
+_SPLITS = ("auto", "leaves", "none")
+_LEAF_BYTES = 1 << 20  # a leaf of at least this many bytes per layer gets its own bucket when a unit is split
+_UNIT_BYTES = 4 << 20  # "auto" splits units of at least this many bytes per layer
+
+
+def _layout(per_layer: Sequence[tuple[int, ...]], grans: Sequence[Granularity], m: int, align: int):
+    """``(BucketLayout, granularities)`` of one bucket's leaves; ``vj.whole(max_padding=x)`` leaves are
+    released to ``element()``, the largest first, until the bucket's padding fits the smallest such budget."""
+    sizes = [math.prod(s) for s in per_layer]
+    grans = list(grans)
+    blocks = [g.block(s) for g, s in zip(grans, per_layer, strict=True)]
+    layout = plan_bucket(sizes, blocks, m, align=align)
+    soft = sorted((j for j, g in enumerate(grans) if g.max_padding is not None), key=lambda j: -sizes[j])
+    budget = min((grans[j].max_padding for j in soft), default=1.0)
+    for j in soft:
+        if layout.padding_fraction <= budget:
+            break
+        grans[j], blocks[j] = element(), 1
+        layout = plan_bucket(sizes, blocks, m, align=align)
+    return layout, grans
+
+
+def _split_leaves(indices, infos, layers, itemsize, split) -> list[tuple[str, list[int]]] | None:
+    """The sub-buckets ``split`` cuts a unit's leaves into (``[(name, leaf indices)]``), or None for one."""
+    if split == "none" or len(indices) < 2:
+        return None
+    nbytes = {i: math.prod(infos[i][1][1:] if layers is not None else infos[i][1]) * itemsize for i in indices}
+    if split == "auto" and sum(nbytes.values()) < _UNIT_BYTES:
+        return None
+    big = [i for i in indices if nbytes[i] >= _LEAF_BYTES]
+    rest = [i for i in indices if nbytes[i] < _LEAF_BYTES]
+    if not big or (len(big) == 1 and not rest):
+        return None
+    names = [path_str(infos[i][0]).split("/", 1)[-1] for i in big]
+    return [*zip(names, ([i] for i in big), strict=True), *([("rest", rest)] if rest else [])]
