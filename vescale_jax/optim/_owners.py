@@ -2,6 +2,11 @@
 
 :func:`route_newton_schulz` is one ``shard_map`` with at most two padded all-to-alls (there and back) around batched
 Newton–Schulz on the owners, driven by the static tables of a :class:`~vescale_jax.optim._routing.Routing`.
+
+Memory: every gather (the outgoing messages, the work arrays of each shape class, each bucket's result) is a loop over
+chunks reading the pieces where they lie (:func:`~vescale_jax.optim._runs.run_gather`): no index array, no
+concatenation of the local vector and what arrived, no copy of the all-to-all's operands. At its peak a device holds
+about three arrays of its owned work's size (e.g. the local vector, what arrived and the work arrays).
 """
 
 from __future__ import annotations
@@ -72,13 +77,16 @@ def route_newton_schulz(
     sizes = [math.prod(plan.buckets[b].local_shape) for b in rt.buckets]
     bases = np.cumsum([0, *sizes]).tolist()
 
-    def exchange(name, k, sources):
+    def exchange(name, k, sources, first):
         """Each owner's message ``(m, W)`` gathered from ``sources``, through one all-to-all: what arrived,
-        one ``(W,)`` array per source device (the messages are never copied into one buffer)."""
+        one ``(W,)`` array per source device (the messages are never copied into one buffer). Message ``d``
+        is seeded from message ``d - 1`` (a loop's result), the first from ``first`` (see ``run_gather``)."""
         if not rt.width:
             return []
         w = rt.width
-        rows = [run_gather(lookups[name], k, d * w, w, sources, dtype) for d in range(m)]
+        rows = []
+        for d in range(m):
+            rows.append(run_gather(lookups[name], k, d * w, w, sources, dtype, after=rows[-1] if rows else first))
         got = jax.lax.all_to_all(jnp.stack(rows), axis, 0, 0, tiled=False)
         return [got[d] for d in range(m)]
 
@@ -87,7 +95,9 @@ def route_newton_schulz(
         k = jax.lax.axis_index(axis)
         # X in pieces (one per routed bucket), then what arrives: every gather reads them where they lie.
         x = [jnp.ravel(shards[b]).astype(dtype) for b in rt.buckets]
-        src = x + exchange("send", k, x)
+        # The first message starts from zeros: X is an element-wise expression (e.g. Nesterov momentum) that XLA
+        # would fuse into a read of its element, keeping that expression's inputs alive next to X.
+        src = x + exchange("send", k, x, False)
         outs, base = [], 0
         for p, q, kc in rt.classes:
             w_in = jnp.reshape(run_gather(lookups["gather"], k, base, kc * p * q, src, dtype), (kc, p, q))
@@ -115,7 +125,7 @@ def route_newton_schulz(
                 results.append(b * factor[n0 : n0 + kc, None, None])
                 n0 += kc
         results = [jnp.ravel(b) for b in results]
-        src = results + exchange("back_send", k, results)
+        src = results + exchange("back_send", k, results, None)
         out = [jnp.zeros_like(s) for s in shards]
         for i, b in enumerate(rt.buckets):
             back = run_gather(lookups["back_gather"], k, bases[i], sizes[i], src, dtype)

@@ -187,7 +187,14 @@ def run_indices(lookup: RunLookup, k: jax.Array, n: int, after: jax.Array) -> ja
 
 
 def run_gather(
-    lookup: RunLookup, k: jax.Array, start: int, n: int, sources: Sequence[jax.Array], dtype: Any
+    lookup: RunLookup,
+    k: jax.Array,
+    start: int,
+    n: int,
+    sources: Sequence[jax.Array],
+    dtype: Any,
+    *,
+    after: jax.Array | bool | None = None,
 ) -> jax.Array:
     """``concatenate(sources + [0])[indices]`` for device ``k``'s positions ``start .. start + n - 1`` of a run
     table, without building the concatenation or the index array.
@@ -203,6 +210,10 @@ def run_gather(
       start, n: the positions.
       sources: 1-D arrays, the index space in order.
       dtype: the result's dtype (the sources are cast to it).
+      after: the result's buffer is seeded from this array's first element (default: the last source's), so
+        that it is allocated only once that exists; ``False``: from zeros (no dependency). Seed from an
+        array that is not an element-wise expression XLA can fuse through, or the seed's read keeps that
+        expression's own inputs alive.
 
     Returns:
       ``(n,)`` of ``dtype``.
@@ -211,11 +222,15 @@ def run_gather(
     offsets = np.cumsum([0] + [x.size for x in sources]).tolist()
     if n == 0 or not sources:
         return jnp.zeros((n,), dtype)
-    # The loop's buffer starts from the last source's first element (every entry is overwritten) so that it
-    # cannot be allocated before the data it gathers exists; and the loop takes at least two steps, so that
-    # XLA keeps it a loop (a one-step loop is inlined and fused with the sources' producers, which then keep
-    # their own inputs alive instead of the sources).
-    out = jnp.broadcast_to(jnp.real(sources[-1][0]).astype(dtype), (n,))
+    # The loop's buffer starts from a seed's first element (every entry is overwritten) so that it cannot be
+    # allocated before that exists; and the loop takes at least two steps, so that XLA keeps it a loop (a
+    # one-step loop is inlined and fused with the sources' producers, which then keep their own inputs alive
+    # instead of the sources).
+    seed = sources[-1] if after is None else after
+    if seed is False or not seed.size:
+        out = jnp.zeros((n,), dtype)
+    else:
+        out = jnp.broadcast_to(jnp.real(jnp.ravel(seed)[0]).astype(dtype), (n,))
     chunk = min(max(_CHUNK, -(-n // 32)), max(-(-n // 2), 1))
 
     def step(i, out):
