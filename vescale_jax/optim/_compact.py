@@ -175,14 +175,14 @@ def on_leaves(tx: optax.GradientTransformation, plan: Plan, chosen: Sequence[boo
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _after(buffers: Sequence[jax.Array], anchor: jax.Array, plan: Plan) -> list[jax.Array]:
-    """``buffers`` (bucket buffers) unchanged bit for bit, computed after ``anchor`` (a bucket buffer): each
-    device ties its shards to its own shard of ``anchor`` (no communication)."""
+def _after(buffers: Sequence[jax.Array], anchors: Sequence[jax.Array], plan: Plan) -> list[jax.Array]:
+    """``buffers`` (bucket buffers) unchanged bit for bit, computed after the largest of ``anchors`` (bucket
+    buffers too): each device ties its shards to its own shard of that one (no communication)."""
     specs = tuple(plan.partition_spec(b) for b in plan.buckets)
-    spec = next(s for b, s in zip(plan.buckets, specs, strict=True) if tuple(b.shape) == tuple(anchor.shape))
+    i = max(range(len(anchors)), key=lambda j: anchors[j].size)
     local = lambda a, *shards: tuple(tie(shards, a))
-    mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(spec, *specs), out_specs=specs, check_vma=False)
-    return list(mapped(anchor, *buffers))
+    mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(specs[i], *specs), out_specs=specs, check_vma=False)
+    return list(mapped(anchors[i], *buffers))
 
 
 def split_leaves(
@@ -226,7 +226,7 @@ def split_leaves(
         if other:
             # After the main branch (tied to its largest output, bit for bit): the other branch's full-size
             # updates then never sit beside the main branch's temporaries.
-            later = ShardedParams(_after(updates.buffers, max(u.buffers, key=lambda b: b.size), plan), plan)
+            later = ShardedParams(_after(updates.buffers, u.buffers, plan), plan)
             v, s_other = other.update(later, s_other, params, **extra_args)
             out = [a + b for a, b in zip(out, v.buffers, strict=True)]  # disjoint supports
         out = [x.astype(g.dtype) for x, g in zip(out, updates.buffers, strict=True)]
