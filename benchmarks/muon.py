@@ -7,7 +7,9 @@ Static figures from the compiled optimizer update (per device): FLOPs (``cost_an
 device count (else replicates) and runs optax.contrib.muon under ``jax.jit``: XLA gathers every matrix and runs
 Newton–Schulz on sharded matrices (partial Gram products and all-reduces). The total is optax.contrib.muon's
 update compiled for one device. Exits non-zero if the per-device NS FLOPs (compiled, and by the cost model of
-vescale_jax.optim.owners, padding slots included) exceed 1.25x the total / m.
+vescale_jax.optim.owners, padding slots included) exceed 1.25x the total / m, or if the update's temp memory
+at m = 8 exceeds the baseline's, or does not fall as 1/m (temp(m=2) / temp(m=8) below 3, or temp above 5x the
+owned Newton–Schulz work at m = 2, 4 or 8).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import vescale_jax.optim as vjo
 from vescale_jax import testing
 
 D, F, V, L, M = 256, 1024, 1024, 8, 8
+TEMP_PER_OWNED = 5.0  # bound on update temp / owned Newton-Schulz work, per device
 
 
 def model():
@@ -70,13 +73,14 @@ def per_device_bytes(tree):
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
-def compile_pair(m, *, ns_unroll=False, states=False):
-    """(routing, compiled vj update, compiled optax baseline) with the plan on the first m devices."""
+def compile_pair(m, *, ns_unroll=False, states=False, abstract=None, dims=DIMS):
+    """(routing, compiled vj update, compiled optax baseline) with the plan on the first m devices (``abstract``:
+    the tree, default :func:`model`; ``dims``: its Muon dimension numbers)."""
     mesh = jax.make_mesh((m,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:m])
-    abstract = model()
+    abstract = model() if abstract is None else abstract
     plan = vj.plan(abstract, mesh, stacked=["layers"])
-    routing = vjo.muon_routing(plan, DIMS)
-    tx = vjo.muon(1e-3, plan=plan, muon_weight_dimension_numbers=DIMS, ns_unroll=ns_unroll)
+    routing = vjo.muon_routing(plan, dims)
+    tx = vjo.muon(1e-3, plan=plan, muon_weight_dimension_numbers=dims, ns_unroll=ns_unroll)
     sp = jax.tree.map(
         lambda s, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
         vj.ShardedParams(plan.shardings(), plan),
@@ -99,7 +103,7 @@ def compile_pair(m, *, ns_unroll=False, states=False):
         )
         ours = jax.jit(tx.update, donate_argnums=(1,)).lower(sp, state, sp).compile()
 
-        base_tx = optax.contrib.muon(1e-3, muon_weight_dimension_numbers=DIMS)
+        base_tx = optax.contrib.muon(1e-3, muon_weight_dimension_numbers=dims)
         ap = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, even_spec(x.shape, m))),
             abstract,
@@ -149,17 +153,34 @@ def main() -> int:
         print("  ".join(x.ljust(21) for x in r))
     print("temp memory as the device count grows; 'owned' = one device's Newton-Schulz work arrays (the matrices")
     print("it owns plus its column pieces of split ones):")
+    temps, owned = {}, {}
     for m, (rt, o, b) in ((2, compile_pair(2)), (4, compile_pair(4)), (M, (routing, ours, base))):
-        owned, temp, base_temp = rt.work_size * 4 / 2**20, figures(o)[2] / 2**20, figures(b)[2] / 2**20
+        owned[m], temps[m], base_temp = rt.work_size * 4 / 2**20, figures(o)[2] / 2**20, figures(b)[2] / 2**20
+        temps[("base", m)] = base_temp
         print(
-            f"  m={m}: owned {owned:.2f} MiB; vj.optim.muon temp {temp:.2f} MiB ({temp / owned:.1f}x owned); "
-            f"optax muon (JAX FSDP) temp {base_temp:.2f} MiB"
+            f"  m={m}: owned {owned[m]:.2f} MiB; vj.optim.muon temp {temps[m]:.2f} MiB "
+            f"({temps[m] / owned[m]:.1f}x owned); optax muon (JAX FSDP) temp {base_temp:.2f} MiB"
         )
     ok = ratio <= 1.25 and routing.balance <= 1.25
     print(
         f"per-device NS FLOPs / (total / m) = {ratio:.3f} compiled, {routing.balance:.3f} by the model "
         f"(bound 1.25): {'ok' if ok else 'BROKEN'}"
     )
+    # Temp memory: at most the baseline's at m = M, and falling as 1/m (temp(2) / temp(M) at least 3/4 of M / 2,
+    # and at most TEMP_PER_OWNED x the owned work at every m: per-device temp follows what a device owns).
+    falls = temps[2] / temps[M]
+    temp_ok = (
+        temps[M] <= temps[("base", M)]
+        and falls >= 0.75 * M / 2
+        and all(temps[m] <= TEMP_PER_OWNED * owned[m] for m in owned)
+    )
+    print(
+        f"update temp at m={M}: {temps[M]:.2f} MiB vs optax muon (JAX FSDP) {temps[('base', M)]:.2f} MiB (bound: <=); "
+        f"temp(m=2) / temp(m={M}) = {falls:.2f} (bound >= {0.75 * M / 2:.2f}); temp / owned "
+        + ", ".join(f"{temps[m] / owned[m]:.1f}" for m in owned)
+        + f" (bound <= {TEMP_PER_OWNED}): {'ok' if temp_ok else 'BROKEN'}"
+    )
+    ok = ok and temp_ok
     return 0 if ok else 1
 
 

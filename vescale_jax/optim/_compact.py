@@ -21,6 +21,7 @@ import numpy as np
 import optax
 
 from vescale_jax._buffer import PerDevice, ShardedParams
+from vescale_jax._collectives import tie
 from vescale_jax._plan import Plan
 from vescale_jax.optim._leaves import check_sharded, is_placeholder, local_vector, place_state, split_local
 from vescale_jax.optim._relayout import CompactLayout
@@ -119,7 +120,8 @@ def expand(values: jax.Array, like: Sequence[jax.Array], plan: Plan, tables: Com
 
     def local(v, *shards):
         k = jax.lax.axis_index(plan.axis)
-        x = jnp.zeros((tables.local_size,), v.dtype).at[_source_index(tables, k)].set(v, mode="drop")
+        # tie: the full-size buffer is allocated only once ``v`` exists (a constant would be placed at the start).
+        x = tie([jnp.zeros((tables.local_size,), v.dtype)], v)[0].at[_source_index(tables, k)].set(v, mode="drop")
         return tuple(split_local(x, shards, range(len(shards))))
 
     return list(_mapped(plan, tables, local, 1, 1, False)(values, *like))
@@ -173,6 +175,16 @@ def on_leaves(tx: optax.GradientTransformation, plan: Plan, chosen: Sequence[boo
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+def _after(buffers: Sequence[jax.Array], anchors: Sequence[jax.Array], plan: Plan) -> list[jax.Array]:
+    """``buffers`` (bucket buffers) unchanged bit for bit, computed after the largest of ``anchors`` (bucket
+    buffers too): each device ties its shards to its own shard of that one (no communication)."""
+    specs = tuple(plan.partition_spec(b) for b in plan.buckets)
+    i = max(range(len(anchors)), key=lambda j: anchors[j].size)
+    local = lambda a, *shards: tuple(tie(shards, a))
+    mapped = jax.shard_map(local, mesh=plan.mesh, in_specs=(specs[i], *specs), out_specs=specs, check_vma=False)
+    return list(mapped(anchors[i], *buffers))
+
+
 def split_leaves(
     main: optax.GradientTransformation,
     other: optax.GradientTransformation,
@@ -212,7 +224,10 @@ def split_leaves(
         u, s_main = main.update(updates, opt_state[0], params, **extra_args)
         out, s_other = list(u.buffers), opt_state[1]
         if other:
-            v, s_other = other.update(updates, s_other, params, **extra_args)
+            # After the main branch (tied to its largest output, bit for bit): the other branch's full-size
+            # updates then never sit beside the main branch's temporaries.
+            later = ShardedParams(_after(updates.buffers, u.buffers, plan), plan)
+            v, s_other = other.update(later, s_other, params, **extra_args)
             out = [a + b for a, b in zip(out, v.buffers, strict=True)]  # disjoint supports
         out = [x.astype(g.dtype) for x, g in zip(out, updates.buffers, strict=True)]
         return ShardedParams(out, plan), state(s_main, s_other)

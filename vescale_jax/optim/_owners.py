@@ -2,11 +2,17 @@
 
 :func:`route_newton_schulz` is one ``shard_map`` with at most two padded all-to-alls (there and back) around batched
 Newton–Schulz on the owners, driven by the static tables of a :class:`~vescale_jax.optim._routing.Routing`.
+
+Memory: every gather (the outgoing messages, the work arrays of each shape class, each bucket's result) is a loop over
+chunks reading the pieces where they lie (:func:`~vescale_jax.optim._runs.run_gather`): no index array, no
+concatenation of the local vector and what arrived, no copy of the all-to-all's operands. At its peak a device holds
+about three arrays of its owned work's size (e.g. the local vector, what arrived and the work arrays).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,9 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from vescale_jax._plan import Plan
-from vescale_jax.optim._leaves import local_vector, split_local
 from vescale_jax.optim._routing import Routing
-from vescale_jax.optim._runs import run_indices
+from vescale_jax.optim._runs import run_gather
 
 __all__ = ["route_newton_schulz"]
 
@@ -68,50 +73,64 @@ def route_newton_schulz(
 
     n_ops = len(operands)
 
+    trivial = leaf_scale is None and not adaptive  # every factor is 1 (padding slots are never read back)
+    sizes = [math.prod(plan.buckets[b].local_shape) for b in rt.buckets]
+    bases = np.cumsum([0, *sizes]).tolist()
+
+    def exchange(name, k, sources, first):
+        """Each owner's message ``(m, W)`` gathered from ``sources``, through one all-to-all: what arrived,
+        one ``(W,)`` array per source device (the messages are never copied into one buffer). Message ``d``
+        is seeded from message ``d - 1`` (a loop's result), the first from ``first`` (see ``run_gather``)."""
+        if not rt.width:
+            return []
+        w = rt.width
+        rows = []
+        for d in range(m):
+            rows.append(run_gather(lookups[name], k, d * w, w, sources, dtype, after=rows[-1] if rows else first))
+        got = jax.lax.all_to_all(jnp.stack(rows), axis, 0, 0, tiled=False)
+        return [got[d] for d in range(m)]
+
     def local(*args):
         shards, ops = args[: len(args) - n_ops], args[len(args) - n_ops :]
         k = jax.lax.axis_index(axis)
-        zero = jnp.zeros((1,), dtype)
-        x = jnp.concatenate([local_vector(shards, rt.buckets, dtype), zero])
-        parts = [x[:-1]]
-        if rt.width:
-            idx = run_indices(lookups["send"], k, m * rt.width, shards[rt.buckets[0]])
-            rows = jnp.reshape(jnp.take(x, idx, axis=0), (m, rt.width))
-            parts.append(jnp.reshape(jax.lax.all_to_all(rows, axis, 0, 0, tiled=False), (-1,)))
-        src = jnp.concatenate([*parts, zero])
-        work = jnp.take(src, run_indices(lookups["gather"], k, rt.work_size, parts[-1]), axis=0)
+        # X in pieces (one per routed bucket), then what arrives: every gather reads them where they lie.
+        x = [jnp.ravel(shards[b]).astype(dtype) for b in rt.buckets]
+        # The first message starts from zeros: X is an element-wise expression (e.g. Nesterov momentum) that XLA
+        # would fuse into a read of its element, keeping that expression's inputs alive next to X.
+        src = x + exchange("send", k, x, False)
         outs, base = [], 0
         for p, q, kc in rt.classes:
-            w_in = jnp.reshape(work[base : base + kc * p * q], (kc, p, q))
-            w_out = orthogonalize(w_in, *ops)
-            outs.append((w_in, w_out))
+            w_in = jnp.reshape(run_gather(lookups["gather"], k, base, kc * p * q, src, dtype), (kc, p, q))
+            outs.append((w_in, orthogonalize(w_in, *ops)))
             base += kc * p * q
         for p, q, r in rt.splits:
             qs = -(-q // m)
-            w_in = jnp.reshape(work[base : base + r * p * qs], (r, p, qs))
+            w_in = jnp.reshape(run_gather(lookups["gather"], k, base, r * p * qs, src, dtype), (r, p, qs))
             outs.append((w_in, orthogonalize_split(w_in, axis, *ops)))
             base += r * p * qs
-        leaf_of = jnp.asarray(rt.matrix_leaf)[k]
-        factor = jnp.take(jnp.asarray(scale).astype(dtype), leaf_of)
-        if adaptive:
-            dots = [jnp.sum(jnp.conj(a) * b, axis=(1, 2)) for a, b in outs]  # <input, result>, conj for complex
-            dots = jnp.concatenate(dots) if outs else jnp.zeros((0,), dtype)
-            per_leaf = jax.ops.segment_sum(dots, leaf_of, num_segments=rt.num_leaves + 1)
-            per_leaf = jax.lax.psum(per_leaf, axis)
-            factor = factor * jnp.take(per_leaf, leaf_of)
-        scaled, n0 = [], 0
-        for (_, _, kc), (_, b) in zip(rt.classes + rt.splits, outs, strict=True):
-            scaled.append(jnp.reshape(b * factor[n0 : n0 + kc, None, None], (-1,)))
-            n0 += kc
-        result = jnp.concatenate([*scaled, zero])
-        parts = [result[:-1]]
-        if rt.width:
-            idx = run_indices(lookups["back_send"], k, m * rt.width, outs[-1][1])
-            rows = jnp.reshape(jnp.take(result, idx, axis=0), (m, rt.width))
-            parts.append(jnp.reshape(jax.lax.all_to_all(rows, axis, 0, 0, tiled=False), (-1,)))
-        idx = run_indices(lookups["back_gather"], k, rt.local_size, parts[-1])
-        back = jnp.take(jnp.concatenate([*parts, zero]), idx, axis=0)
-        return tuple(split_local(back, shards, rt.buckets))
+        del src, x
+        if trivial:
+            results = [b for _, b in outs]
+        else:
+            leaf_of = jnp.asarray(rt.matrix_leaf)[k]
+            factor = jnp.take(jnp.asarray(scale).astype(dtype), leaf_of)
+            if adaptive:
+                dots = [jnp.sum(jnp.conj(a) * b, axis=(1, 2)) for a, b in outs]  # <input, result>, conj for complex
+                dots = jnp.concatenate(dots) if outs else jnp.zeros((0,), dtype)
+                per_leaf = jax.ops.segment_sum(dots, leaf_of, num_segments=rt.num_leaves + 1)
+                per_leaf = jax.lax.psum(per_leaf, axis)
+                factor = factor * jnp.take(per_leaf, leaf_of)
+            results, n0 = [], 0
+            for (_, _, kc), (_, b) in zip(rt.classes + rt.splits, outs, strict=True):
+                results.append(b * factor[n0 : n0 + kc, None, None])
+                n0 += kc
+        results = [jnp.ravel(b) for b in results]
+        src = results + exchange("back_send", k, results, None)
+        out = [jnp.zeros_like(s) for s in shards]
+        for i, b in enumerate(rt.buckets):
+            back = run_gather(lookups["back_gather"], k, bases[i], sizes[i], src, dtype)
+            out[b] = jnp.reshape(back, shards[b].shape).astype(shards[b].dtype)
+        return tuple(out)
 
     specs = tuple(plan.partition_spec(b) for b in plan.buckets)
     ops_specs = (jax.sharding.PartitionSpec(),) * n_ops

@@ -7,7 +7,7 @@ as it is, the stored row length or the original's for a transposed one). A run t
 ``O(m * rows)`` instead of the ``O(m * elements)`` of dense index tables. What is baked into the update is their
 :class:`RunLookup` form (segments covering every position plus a block table); each device expands its row into the
 index array of one gather just before that gather (:func:`run_indices`: a short loop over chunks, ``probes + 3``
-small-table lookups per position).
+small-table lookups per position), or gathers chunk by chunk without any index array (:func:`run_gather`).
 """
 
 from __future__ import annotations
@@ -15,12 +15,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["RunLookup", "expand_runs", "run_indices"]
+__all__ = ["RunLookup", "expand_runs", "run_gather", "run_indices"]
 
 
 _NO_RUN = np.iinfo(np.int32).max  # start of the padding runs (after every position)
@@ -182,3 +184,62 @@ def run_indices(lookup: RunLookup, k: jax.Array, n: int, after: jax.Array) -> ja
         return jax.lax.dynamic_update_slice(out, idx, (at,))
 
     return jax.lax.fori_loop(0, -(-n // chunk), step, init)
+
+
+def run_gather(
+    lookup: RunLookup,
+    k: jax.Array,
+    start: int,
+    n: int,
+    sources: Sequence[jax.Array],
+    dtype: Any,
+    *,
+    after: jax.Array | bool | None = None,
+) -> jax.Array:
+    """``concatenate(sources + [0])[indices]`` for device ``k``'s positions ``start .. start + n - 1`` of a run
+    table, without building the concatenation or the index array.
+
+    A loop over chunks (as :func:`run_indices`) that expands one chunk of indices and picks each element from
+    the source its index falls in: the temporaries are one chunk, and the sources are read where they lie (a
+    concatenation of them would be one more copy of everything). Indices past the last source (the sentinel)
+    give zero.
+
+    Args:
+      lookup: the run table.
+      k: the device.
+      start, n: the positions.
+      sources: 1-D arrays, the index space in order.
+      dtype: the result's dtype (the sources are cast to it).
+      after: the result's buffer is seeded from this array's first element (default: the last source's), so
+        that it is allocated only once that exists; ``False``: from zeros (no dependency). Seed from an
+        array that is not an element-wise expression XLA can fuse through, or the seed's read keeps that
+        expression's own inputs alive.
+
+    Returns:
+      ``(n,)`` of ``dtype``.
+    """
+    sources = [jnp.ravel(x) for x in sources if x.size]
+    offsets = np.cumsum([0] + [x.size for x in sources]).tolist()
+    if n == 0 or not sources:
+        return jnp.zeros((n,), dtype)
+    # The loop's buffer starts from a seed's first element (every entry is overwritten) so that it cannot be
+    # allocated before that exists; and the loop takes at least two steps, so that XLA keeps it a loop (a
+    # one-step loop is inlined and fused with the sources' producers, which then keep their own inputs alive
+    # instead of the sources).
+    seed = sources[-1] if after is None else after
+    if seed is False or not seed.size:
+        out = jnp.zeros((n,), dtype)
+    else:
+        out = jnp.broadcast_to(jnp.real(jnp.ravel(seed)[0]).astype(dtype), (n,))
+    chunk = min(max(_CHUNK, -(-n // 32)), max(-(-n // 2), 1))
+
+    def step(i, out):
+        at = jnp.minimum(i * chunk, n - chunk)  # the last chunk overlaps the one before
+        idx = expand_runs(lookup, k, start + at + jax.lax.iota(jnp.int32, chunk))
+        val = jnp.zeros((chunk,), dtype)
+        for x, lo, hi in zip(sources, offsets[:-1], offsets[1:], strict=True):
+            hit = (idx >= lo) & (idx < hi)
+            val = jnp.where(hit, jnp.take(x, idx - lo, mode="clip").astype(dtype), val)
+        return jax.lax.dynamic_update_slice(out, val, (at,))
+
+    return jax.lax.fori_loop(0, -(-n // chunk), step, out)
