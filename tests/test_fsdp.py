@@ -70,12 +70,15 @@ def nnx_reference():
     return params, ref, losses
 
 
+@pytest.mark.parametrize("split", ["auto", "leaves"])
 @pytest.mark.parametrize("m", DEVICE_COUNTS, ids=lambda m: f"m{m}")
-def test_nnx_matches_unsharded(m, nnx_reference):
+def test_nnx_matches_unsharded(m, split, nnx_reference):
     params, ref, ref_losses = nnx_reference
     mesh = make_mesh(m)
     graphdef, shapes = abstract_model(CFG)
-    plan = vj.plan(shapes, mesh, stacked=("blocks",))
+    plan = vj.plan(shapes, mesh, stacked=("blocks",), split=split)
+    if split == "leaves":  # every matrix of the stacked layer its own bucket, the norms and biases one more
+        assert len([b for b in plan.buckets if b.layers]) > 1
     tx = make_tx()
     step = fsdp_step(plan, lambda p, x: vj.flax.nnx_apply(graphdef, p, x), tx)
     sp, opt_state, losses = run_fsdp(vj.shard(params, plan), step, tx, batches())

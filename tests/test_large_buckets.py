@@ -22,7 +22,7 @@ def huge_plan(m):
             "v": jax.ShapeDtypeStruct((3, 5), jnp.float32),
         }
     }
-    return vj.plan(tree, make_mesh(m), units=lambda path, leaf: "layer")
+    return vj.plan(tree, make_mesh(m), units=lambda path, leaf: "layer", split="none")
 
 
 def reference_leaf(plan, bucket, k, positions):

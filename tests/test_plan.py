@@ -298,3 +298,44 @@ def test_error_tree_does_not_match_plan():
         vj.shard({"w": jnp.ones((4, 3))}, plan)
     with pytest.raises(ValueError, match="dtype bfloat16"):
         vj.shard({"w": jnp.ones((4, 3), jnp.bfloat16), "b": jnp.ones(3)}, plan)
+
+
+def test_split_cuts_large_units_into_per_leaf_buckets(mesh):
+    big = {
+        "layers": {
+            "w1": jax.ShapeDtypeStruct((2, 512, 1024), jnp.float32),  # 2 MiB per layer
+            "w2": jax.ShapeDtypeStruct((2, 1024, 512), jnp.float32),
+            "b": jax.ShapeDtypeStruct((2, 512), jnp.float32),
+        },
+        "small": {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32), "b": jax.ShapeDtypeStruct((8,), jnp.float32)},
+    }
+    auto = vj.plan(big, mesh, stacked=("layers",))
+    # the 4 MiB-per-layer unit is cut (each matrix alone, the bias with the rest); the small unit stays whole
+    assert sorted(b.name for b in auto.buckets) == [
+        "layers/rest:float32",
+        "layers/w1:float32",
+        "layers/w2:float32",
+        "small:float32",
+    ]
+    assert {b.unit for b in auto.buckets} == {"layers", "small"}
+    none = vj.plan(big, mesh, stacked=("layers",), split="none")
+    assert sorted(b.name for b in none.buckets) == ["layers:float32", "small:float32"]
+    leaves = vj.plan(big, mesh, stacked=("layers",), split="leaves")
+    assert len(leaves.buckets) == 5  # every matrix alone, the vectors of each unit together
+    rng = np.random.default_rng(0)
+    tree = jax.tree.map(lambda s: jnp.asarray(rng.standard_normal(s.shape), s.dtype), big)
+    for p in (auto, none, leaves):
+        assert_trees_equal(vj.unshard(vj.shard(tree, p)), tree)
+    with pytest.raises(ValueError, match="split="):
+        vj.plan(big, mesh, split="matrices")
+
+
+def test_auto_split_keeps_a_unit_whole_when_cutting_it_would_pad_more():
+    # rows(128) blocks: alone, a 3-block matrix pads to one block per device; together two fill 6 of 8 slots
+    shape = jax.ShapeDtypeStruct((384, 2048), jnp.float32)
+    tree = {"u": {"a": shape, "b": shape}}
+    mesh = make_mesh(8)
+    plan = vj.plan(tree, mesh, granularity=vj.rows(128))
+    assert [b.name for b in plan.buckets] == ["u:float32"]
+    cut = vj.plan(tree, mesh, granularity=vj.rows(128), split="leaves")
+    assert len(cut.buckets) == 2 and cut.padding_fraction > plan.padding_fraction

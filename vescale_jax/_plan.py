@@ -354,11 +354,12 @@ def plan(
         a leading layer dim and get a per-layer layout and a buffer of shape ``(L, m*S)``.
       align_bytes: offsets and ``S`` are multiples of ``align_bytes // itemsize`` elements.
       split: how a unit is cut into buckets (each bucket is gathered and reduce-scattered as one):
-        ``"none"``: one bucket per unit and dtype; ``"leaves"``: every leaf of at least 1 MiB per layer its own
-        bucket, the unit's smaller leaves one bucket together; ``"auto"`` (default): ``"leaves"`` for a unit
-        of at least 4 MiB per layer, if that pads no more than 0.5 % of the unit more than one bucket would,
-        else ``"none"``. The rule trades launches for memory: a step holds about one gathered bucket and its
-        gradient at a time (and copies a multi-leaf bucket's leaves out of it), so a large unit is worth a
+        ``"none"``: one bucket per unit and dtype; ``"leaves"``: every matrix (a leaf of two or more dims per
+        layer) its own bucket, the unit's vectors one bucket together; ``"auto"`` (default): a unit of at least
+        4 MiB per layer gets one bucket per leaf of at least 1 MiB per layer and one for the rest, if that pads
+        no more than 0.5 % of the unit more than one bucket would; smaller units stay whole. The rule trades
+        launches for memory: a step holds about one gathered bucket and its gradient at a time (and copies a
+        multi-leaf bucket's leaves out of it, where a one-leaf bucket is its leaf), so a large unit is worth a
         few more collectives, while a small one costs more in launches than it saves.
 
     Returns:
@@ -482,8 +483,12 @@ def _split_leaves(indices, infos, layers, itemsize, split) -> list[tuple[str, li
     nbytes = {i: math.prod(infos[i][1][1:] if layers is not None else infos[i][1]) * itemsize for i in indices}
     if split == "auto" and sum(nbytes.values()) < _UNIT_BYTES:
         return None
-    big = [i for i in indices if nbytes[i] >= _LEAF_BYTES]
-    rest = [i for i in indices if nbytes[i] < _LEAF_BYTES]
+    if split == "leaves":  # every matrix its own bucket
+        own = lambda i: len(infos[i][1]) - (layers is not None) >= 2
+    else:
+        own = lambda i: nbytes[i] >= _LEAF_BYTES
+    big = [i for i in indices if own(i)]
+    rest = [i for i in indices if not own(i)]
     if not big or (len(big) == 1 and not rest):
         return None
     names = [path_str(infos[i][0]).split("/", 1)[-1] for i in big]

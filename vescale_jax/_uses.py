@@ -65,6 +65,25 @@ _LINEAR: dict[str, tuple[int, ...] | None] = {
     "select_n": None,  # the predicate (operand 0) is checked separately
     "div": (0,),
 }
+# Outputs that are copies or views of operand 0.
+_VIEWS = frozenset(
+    {
+        "broadcast_in_dim",
+        "convert_element_type",
+        "copy",
+        "copy_p",
+        "dynamic_slice",
+        "expand_dims",
+        "pcast",
+        "pvary",
+        "reduce_precision",
+        "reshape",
+        "rev",
+        "slice",
+        "squeeze",
+        "transpose",
+    }
+)
 # Linear in each operand separately: at most one operand may depend on the leaves.
 _BILINEAR = frozenset({"mul", "dot_general", "conv_general_dilated"})
 
@@ -122,13 +141,19 @@ def _segments(jaxpr: Any, leaf_vars: dict[Any, int]) -> tuple[list[_Segment], se
     the buckets that cannot have one (a leaf returned as an output: gathered up front)."""
     first: dict[int, int] = {}
     last: dict[int, int] = {}
+    # A copy or view of a leaf (a cast, reshape, transpose, broadcast, slice) stands for the leaf: its reads are
+    # reads of the bucket, so the segment reaches the matmul that reads a leaf's fp32 cast.
+    like = dict(leaf_vars)
     for k, eqn in enumerate(jaxpr.eqns):
         for v in eqn.invars:
-            if not isinstance(v, jex_core.Literal) and v in leaf_vars:
-                b = leaf_vars[v]
+            if not isinstance(v, jex_core.Literal) and v in like:
+                b = like[v]
                 first.setdefault(b, k)
                 last[b] = k
-    upfront = {leaf_vars[v] for v in jaxpr.outvars if not isinstance(v, jex_core.Literal) and v in leaf_vars}
+        src = eqn.invars[0] if eqn.invars else None
+        if eqn.primitive.name in _VIEWS and not isinstance(src, jex_core.Literal) and src in like:
+            like.update((v, like[src]) for v in eqn.outvars)
+    upfront = {like[v] for v in jaxpr.outvars if not isinstance(v, jex_core.Literal) and v in like}
     spans = sorted((first[b], last[b] + 1, b) for b in first if b not in upfront)
     merged: list[list[Any]] = []
     for lo, hi, b in spans:
