@@ -105,3 +105,20 @@ def test_bad_inputs_raise():
 
     with pytest.raises(ValueError, match="live-range"):
         vt.peak_account(NoDump())
+
+
+def test_an_unparsable_live_line_is_unaccounted_not_lost():
+    from vescale_jax.testing._peak import _parse_live
+
+    text = """HloLiveRange (max 4):
+  Live ranges at 3 (peak):
+    all_gather.3{}: 4096 bytes (cumulative: 4096 bytes)
+    some new format we do not know (cumulative: 4196 bytes)
+    param.2{}: 1000 bytes (cumulative: 5196 bytes)
+  Stack trace breakdown for peak usage: 5196 bytes
+"""
+    position, live = _parse_live(text, "x.txt")
+    assert position == 3
+    assert live == [("all_gather.3{}", 4096), ("<unparsed>", 100), ("param.2{}", 1000)]
+    with pytest.raises(ValueError, match="peak"):
+        _parse_live("HloLiveRange (max 4):\n", "x.txt")

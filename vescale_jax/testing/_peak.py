@@ -34,6 +34,7 @@ __all__ = ["LiveBuffer", "PeakAccount", "default_category", "peak_account"]
 
 _PEAK = re.compile(r"^\s*Live ranges at (\d+) \(peak\):")
 _LIVE = re.compile(r"^\s+(\S+?): (\d+) bytes")
+_CUMULATIVE = re.compile(r"\(cumulative: (\d+) bytes\)")
 _VALUE_NAME = re.compile(r"^([\w.\-]+)\{([\d,\s]*)\}$")
 _OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
 _QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"')
@@ -372,17 +373,28 @@ class _Resolver:
 
 
 def _parse_live(text: str, path: str) -> tuple[int, list[tuple[str, int]]]:
+    """The peak's schedule position and its live ``(buffer name, bytes)``; a line of the section that does not parse
+    becomes an ``"<unparsed>"`` entry, sized from the running ``cumulative`` total where it can be."""
     lines = text.splitlines()
     found = next(((i, m) for i, m in enumerate(map(_PEAK.match, lines)) if m), None)
     if found is None:
         raise ValueError(f"{path} has no 'Live ranges at N (peak):' section; the XLA version writes another format")
     i, m = found
-    live = []
+    indent = len(lines[i]) - len(lines[i].lstrip())
+    live, total, cumulative = [], 0, None
     for line in lines[i + 1 :]:
-        lm = _LIVE.match(line)
-        if lm is None:
+        if not line.strip() or len(line) - len(line.lstrip()) <= indent:
             break
-        live.append((lm.group(1), int(lm.group(2))))
+        lm = _LIVE.match(line)
+        cm = _CUMULATIVE.search(line)
+        if lm is not None:
+            live.append((lm.group(1), int(lm.group(2))))
+            total += int(lm.group(2))
+        if cm is not None:
+            cumulative = int(cm.group(1))
+        if (lm is None or cm is not None) and cumulative is not None and cumulative != total:
+            live.append(("<unparsed>", cumulative - total))
+            total = cumulative
     return int(m.group(1)), live
 
 
