@@ -326,6 +326,9 @@ class _Resolver:
 
     def __init__(self, instrs: dict[str, _Ins]):
         self.instrs = instrs
+        self.by_computation: dict[str, list[_Ins]] = {}
+        for ins in instrs.values():
+            self.by_computation.setdefault(ins.computation, []).append(ins)
         self.callers: dict[str, list[tuple[str, _Ins]]] = {}
         for ins in instrs.values():
             for attr, callee in ins.calls:
@@ -365,8 +368,12 @@ class _Resolver:
             nxt = (ins.operands[0], (ins.tuple_index, *index))
         elif ins.opcode == "tuple" and index and index[0] < len(ins.operands):
             nxt = (ins.operands[index[0]], index[1:])
-        elif not ins.op_name and ins.opcode in ("copy", "bitcast", "copy-start", "copy-done") and ins.operands:
+        elif not ins.op_name and ins.opcode in ("copy", "bitcast", "copy-start", "copy-done", "while") and ins.operands:
             nxt = (ins.operands[0], index)
+        elif not ins.op_name and ins.opcode == "fusion":  # XLA may drop a fusion's metadata: name it by its body
+            body = next((c for a, c in ins.calls if a == "calls"), None)
+            named = [i.op_name for i in self.by_computation.get(body, ()) if i.op_name]
+            return named[-1] if named else ""
         if nxt is not None and nxt[0] in self.instrs:
             return self.op_name(self.instrs[nxt[0]], nxt[1], depth + 1)
         return ins.op_name
