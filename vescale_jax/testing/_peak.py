@@ -84,6 +84,9 @@ class LiveBuffer:
         param_shaped: whether its dims equal those of an argument (other than ``batch``), an all-gather result, a
             slice of one or a reduce-scatter operand (how the default categoriser tells a gradient from an
             activation).
+        shared: bytes of its memory that a larger (or earlier listed) live buffer also occupies: XLA lists both
+            values of an in-place update (a donated argument and the new value written over it) as live; the
+            account counts those bytes once, for the other buffer.
     """
 
     name: str
@@ -96,6 +99,12 @@ class LiveBuffer:
     operands: tuple[str, ...] = ()
     in_loop: bool = False
     param_shaped: bool = False
+    shared: int = 0
+
+    @property
+    def counted(self) -> int:
+        """The bytes the account counts for it: ``bytes − shared``."""
+        return self.bytes - self.shared
 
 
 def default_category(buffer: LiveBuffer) -> str:
@@ -150,11 +159,12 @@ class PeakAccount:
     categorize: Callable[[LiveBuffer], str] = dataclasses.field(default=default_category, compare=False)
 
     def _live(self, *allocations: str) -> int:
-        return sum(b.bytes for b in self.buffers if b.allocation in allocations)
+        return sum(b.counted for b in self.buffers if b.allocation in allocations)
 
     @property
     def live_bytes(self) -> int:
-        """Bytes of the live buffers that ``memory_analysis()`` counts (argument, output and temp allocations)."""
+        """Bytes of the live buffers that ``memory_analysis()`` counts (argument, output and temp allocations), each
+        byte once (see :attr:`LiveBuffer.shared`)."""
         return self._live(*_COUNTED, "unknown")
 
     @property
@@ -173,7 +183,7 @@ class PeakAccount:
     def unaccounted(self) -> int:
         """Bytes of live buffers that could not be joined with an instruction or an allocation (0 when the dump
         parsed)."""
-        return sum(b.bytes for b in self.buffers if b.allocation == "unknown" or not b.opcode)
+        return sum(b.counted for b in self.buffers if b.allocation == "unknown" or not b.opcode)
 
     @property
     def uncounted(self) -> int:
@@ -191,7 +201,7 @@ class PeakAccount:
             if b.allocation not in (*_COUNTED, "unknown"):
                 continue
             key = "unaccounted" if b.allocation == "unknown" or not b.opcode else self.categorize(b)
-            out[key] = out.get(key, 0) + b.bytes
+            out[key] = out.get(key, 0) + b.counted
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
     def rows(self) -> dict[str, int]:
@@ -236,7 +246,8 @@ class PeakAccount:
         if self.uncounted:
             lines.append(f"(live constants / thread-local, outside memory_analysis: {self.uncounted} bytes)")
         for b in self.largest(buffers):
-            lines.append(f"  {b.bytes / _MIB:9.3f} MiB  {b.name}  {b.opcode} {b.shape}  {b.op_name}")
+            note = f"  (shares {b.shared / _MIB:.3f} MiB with a larger live buffer)" if b.shared else ""
+            lines.append(f"  {b.bytes / _MIB:9.3f} MiB  {b.name}  {b.opcode} {b.shape}  {b.op_name}{note}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -405,15 +416,22 @@ def _parse_live(text: str, path: str) -> tuple[int, list[tuple[str, int]]]:
     return int(m.group(1)), live
 
 
-def _parse_assignment(text: str) -> tuple[dict[tuple[str, str], str], dict[tuple[str, str], int | None]]:
-    """``(name, "{index}") -> allocation kind`` and ``-> entry parameter number`` for argument allocations."""
-    kinds: dict[tuple[str, str], str] = {}
-    params: dict[tuple[str, str], int | None] = {}
-    kind, number = None, None
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    kind: str  # argument / output / temp / constant / thread-local
+    allocation: int
+    offset: int
+    parameter: int | None  # the entry parameter of an argument allocation
+
+
+def _parse_assignment(text: str) -> dict[tuple[str, str], _Slot]:
+    """``(name, "{index}") -> _Slot``: where the buffer assignment put each value."""
+    slots: dict[tuple[str, str], _Slot] = {}
+    kind, number, index = None, None, -1
     for line in text.splitlines():
         am = _ALLOCATION.match(line)
         if am:
-            header = am.group(3)
+            index, header = int(am.group(1)), am.group(3)
             pm = _PARAM_NUMBER.search(header)
             number = int(pm.group(1)) if pm else None
             if pm:
@@ -429,11 +447,17 @@ def _parse_assignment(text: str) -> tuple[dict[tuple[str, str], str], dict[tuple
             continue
         vm = _ALLOC_VALUE.match(line)
         if vm and kind is not None:
+            om = re.search(r"offset=(\d+)", line)
             key = (vm.group(1), (vm.group(2) or "{}").replace(" ", ""))
-            kinds[key], params[key] = kind, number
+            slots[key] = _Slot(kind, index, int(om.group(1)) if om else 0, number)
         elif not line.startswith(" "):
             kind = None
-    return kinds, params
+    return slots
+
+
+def _overlap(covered: list[tuple[int, int]], lo: int, hi: int) -> int:
+    """Bytes of ``[lo, hi)`` already in the disjoint intervals ``covered``."""
+    return sum(max(0, min(hi, b) - max(lo, a)) for a, b in covered)
 
 
 def _module_files(directory: str, module_name: str | None) -> tuple[str, str, str | None]:
@@ -493,7 +517,7 @@ def peak_account(
         live_path, hlo_path, assignment_path = _module_files(directory, m.group(1) if m else None)
         position, live = _parse_live(_read(live_path), os.path.basename(live_path))
         hlo = _read(hlo_path) if os.path.exists(hlo_path) else text
-        kinds, numbers = _parse_assignment(_read(assignment_path)) if assignment_path else ({}, {})
+        slots = _parse_assignment(_read(assignment_path)) if assignment_path else {}
         module = os.path.basename(live_path).split(".")[1]
     instrs = _parse_hlo(hlo)
     resolver = _Resolver(instrs)
@@ -509,19 +533,27 @@ def peak_account(
     dims.discard(None)
 
     buffers = []
-    for name, size in live:
+    covered: dict[int, list[tuple[int, int]]] = {}  # allocation -> byte ranges of the live buffers seen so far
+    for name, size in sorted(live, key=lambda nl: -nl[1]):
         vm = _VALUE_NAME.match(name)
         ins = instrs.get(vm.group(1)) if vm else None
         key = (vm.group(1), "{" + vm.group(2).replace(" ", "") + "}") if vm else (name, "{}")
-        kind = kinds.get(key, "unknown")
-        if not kinds and ins is not None:  # no buffer assignment: entry parameters are arguments, the rest temps
+        slot = slots.get(key)
+        kind = slot.kind if slot else "unknown"
+        if not slots and ins is not None:  # no buffer assignment: entry parameters are arguments, the rest temps
             kind = "argument" if ins.opcode == "parameter" and ins.entry else "temp"
+        shared = 0
+        if slot is not None:  # two live values in the same bytes (an in-place update) occupy them once
+            ranges = covered.setdefault(slot.allocation, [])
+            shared = _overlap(ranges, slot.offset, slot.offset + size)
+            ranges.append((slot.offset, slot.offset + size))
+            ranges[:] = _merge(ranges)
         if ins is None:
-            buffers.append(LiveBuffer(name, size, "", "", "", kind))
+            buffers.append(LiveBuffer(name, size, "", "", "", kind, shared=shared))
             continue
         index = tuple(int(x) for x in vm.group(2).split(",") if x.strip())
         shape = _element(ins.shape, index)
-        number = numbers.get(key)
+        number = slot.parameter if slot else None
         if number is None and ins.opcode == "parameter" and ins.entry:
             number = ins.parameter
         argument = entry_params[number].op_name if kind == "argument" and number in entry_params else ""
@@ -538,10 +570,20 @@ def peak_account(
                 operands=operands,
                 in_loop=resolver.in_loop(ins),
                 param_shaped=_dims(shape) in dims,
+                shared=shared,
             )
         )
-    buffers.sort(key=lambda b: -b.bytes)
     return PeakAccount(memory(compiled), tuple(buffers), module, position, categorize or default_category)
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(ranges):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
 
 
 def _dims(shape: str) -> tuple[int, ...] | None:
