@@ -14,6 +14,10 @@ the live buffers by category so that, with two computed remainders, the lines ad
   packs temps at offsets in one block sized by the largest offset + size over the whole schedule, so the block
   can exceed what is live at the schedule's peak (fragmentation: a hole left by a freed buffer too small for the
   next one).
+
+The account is of the schedule position the live-range dump names as the peak. Where XLA lists two values of the
+same bytes as live (an in-place update over a donated argument), those bytes are counted once
+(:attr:`LiveBuffer.shared`).
 """
 
 from __future__ import annotations
