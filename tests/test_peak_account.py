@@ -139,3 +139,17 @@ def test_a_donated_argument_updated_in_place_is_counted_once():
     cats = account.by_category()
     assert cats["params"] <= 512 * 512 * 4 and cats.get("opt_state", 0) <= 512 * 512 * 4
     assert sum(b.counted for b in account.buffers if b.allocation == "argument") <= account.memory.argument
+
+
+def test_the_accounted_position_has_the_most_distinct_bytes():
+    from vescale_jax.testing._peak import _physical_peak, _Slot
+
+    # t=1: a (arg, 100 B) + tmp (temp, 60 B) = 160 B distinct. t=2: a and its in-place update b share the same
+    # 100 bytes (naive sum 200 B, distinct 100 B).
+    ranges = {"a{}": (0, 2), "tmp{}": (1, 1), "b{}": (2, 3)}
+    slots = {
+        ("a", "{}"): _Slot("argument", 0, 0, 100, 0),
+        ("b", "{}"): _Slot("argument", 0, 0, 100, 0),
+        ("tmp", "{}"): _Slot("temp", 1, 0, 60, None),
+    }
+    assert _physical_peak(ranges, slots) == 1

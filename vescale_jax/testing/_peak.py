@@ -32,12 +32,13 @@ from typing import Any
 
 from vescale_jax.testing._hlo import _COMPUTATION, _INSTRUCTION, _split_shape
 from vescale_jax.testing._memory import Memory, memory
-from vescale_jax.testing._shapes import _COMMENT, _MIB, _split_top, _strip_layout, _tuple_elements
+from vescale_jax.testing._shapes import _COMMENT, _MIB, _split_top, _strip_layout, _tuple_elements, shape_bytes
 
 __all__ = ["LiveBuffer", "PeakAccount", "default_category", "peak_account"]
 
 _PEAK = re.compile(r"^\s*Live ranges at (\d+) \(peak\):")
 _LIVE = re.compile(r"^\s+(\S+?): (\d+) bytes")
+_RANGE = re.compile(r"^\s+(\S+?):(\d+)-(\d+)\s*$")
 _CUMULATIVE = re.compile(r"\(cumulative: (\d+) bytes\)")
 _VALUE_NAME = re.compile(r"^([\w.\-]+)\{([\d,\s]*)\}$")
 _OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
@@ -152,7 +153,9 @@ class PeakAccount:
             adds up to.
         buffers: every buffer live at the peak, largest first.
         module: the dumped HLO module the account was read from.
-        peak_position: the schedule position of the peak.
+        peak_position: the schedule position accounted for: where the most distinct bytes of argument, output and
+            temp allocations are live (XLA's own "(peak)" line, used when the dump has no buffer assignment, sums
+            value sizes and so counts an in-place update's bytes twice).
         categorize: the ``(LiveBuffer) -> str`` categoriser :meth:`by_category` uses.
     """
 
@@ -425,6 +428,7 @@ class _Slot:
     kind: str  # argument / output / temp / constant / thread-local
     allocation: int
     offset: int
+    size: int
     parameter: int | None  # the entry parameter of an argument allocation
 
 
@@ -452,11 +456,69 @@ def _parse_assignment(text: str) -> dict[tuple[str, str], _Slot]:
         vm = _ALLOC_VALUE.match(line)
         if vm and kind is not None:
             om = re.search(r"offset=(\d+)", line)
+            sm = re.search(r"size=(\d+)", line)
             key = (vm.group(1), (vm.group(2) or "{}").replace(" ", ""))
-            slots[key] = _Slot(kind, index, int(om.group(1)) if om else 0, number)
+            slots[key] = _Slot(kind, index, int(om.group(1)) if om else 0, int(sm.group(1)) if sm else 0, number)
         elif not line.startswith(" "):
             kind = None
     return slots
+
+
+def _key(name: str) -> tuple[str, str]:
+    vm = _VALUE_NAME.match(name)
+    return (vm.group(1), "{" + vm.group(2).replace(" ", "") + "}") if vm else (name, "{}")
+
+
+def _parse_ranges(text: str) -> dict[str, tuple[int, int]]:
+    """``BufferLiveRange:`` of the live-range dump: value name -> (first, last) schedule position, inclusive."""
+    ranges: dict[str, tuple[int, int]] = {}
+    inside = False
+    for line in text.splitlines():
+        if line.strip() == "BufferLiveRange:":
+            inside = True
+            continue
+        if inside:
+            rm = _RANGE.match(line)
+            if rm is None:
+                break
+            ranges[rm.group(1)] = (int(rm.group(2)), int(rm.group(3)))
+    return ranges
+
+
+def _distinct(values: list[tuple[_Slot, int]]) -> int:
+    """Bytes the values occupy, each byte of an allocation once."""
+    by_allocation: dict[int, list[tuple[int, int]]] = {}
+    for slot, size in values:
+        by_allocation.setdefault(slot.allocation, []).append((slot.offset, slot.offset + size))
+    return sum(b - a for ranges in by_allocation.values() for a, b in _merge(ranges))
+
+
+def _physical_peak(ranges: dict[str, tuple[int, int]], slots: dict[tuple[str, str], _Slot]) -> int | None:
+    """The schedule position where the most distinct bytes of counted (argument, output, temp) allocations are live.
+
+    XLA's own "(peak)" line sums value sizes, so it counts twice the bytes of an in-place update (the old and the new
+    value of a donated argument); this position counts them once."""
+    counted = [(s, e, slot) for n, (s, e) in ranges.items() if (slot := slots.get(_key(n))) and slot.kind in _COUNTED]
+    if not counted:
+        return None
+    delta: dict[int, int] = {}
+    for s, e, slot in counted:
+        delta[s] = delta.get(s, 0) + slot.size
+        delta[e + 1] = delta.get(e + 1, 0) - slot.size
+    naive, running = {}, 0
+    starts = {s for s, _, _ in counted}
+    for t in sorted(delta):
+        running += delta[t]
+        if t in starts:
+            naive[t] = running
+    best, position = -1, None
+    for t in sorted(naive, key=lambda t: (-naive[t], t)):
+        if naive[t] <= best:  # a position's distinct bytes never exceed its summed sizes
+            break
+        here = _distinct([(slot, slot.size) for s, e, slot in counted if s <= t <= e])
+        if here > best:
+            best, position = here, t
+    return position
 
 
 def _overlap(covered: list[tuple[int, int]], lo: int, hi: int) -> int:
@@ -519,11 +581,21 @@ def peak_account(
         text = "\n".join(text) if isinstance(text, list | tuple) else text
         m = re.match(r"\s*HloModule\s+([\w.\-]+)", text or "")
         live_path, hlo_path, assignment_path = _module_files(directory, m.group(1) if m else None)
-        position, live = _parse_live(_read(live_path), os.path.basename(live_path))
+        live_text = _read(live_path)
+        position, live = _parse_live(live_text, os.path.basename(live_path))
         hlo = _read(hlo_path) if os.path.exists(hlo_path) else text
         slots = _parse_assignment(_read(assignment_path)) if assignment_path else {}
         module = os.path.basename(live_path).split(".")[1]
     instrs = _parse_hlo(hlo)
+    ranges = _parse_ranges(live_text)
+    physical = _physical_peak(ranges, slots)
+    if physical is not None:  # the live set at the position with the most distinct bytes, sized as assigned
+        position = physical
+        live = []
+        for name, (s, e) in ranges.items():
+            if s <= position <= e:
+                slot = slots.get(_key(name))
+                live.append((name, slot.size if slot else _value_bytes(instrs, name)))
     resolver = _Resolver(instrs)
     entry_params = {i.parameter: i for i in instrs.values() if i.opcode == "parameter" and i.entry}
     dims = {_dims(i.shape) for i in entry_params.values() if not i.op_name.startswith("batch")}
@@ -578,6 +650,19 @@ def peak_account(
             )
         )
     return PeakAccount(memory(compiled), tuple(buffers), module, position, categorize or default_category)
+
+
+def _value_bytes(instrs: dict[str, _Ins], name: str) -> int:
+    """Bytes of a value from its instruction's shape (for a value the buffer assignment does not list)."""
+    vm = _VALUE_NAME.match(name)
+    ins = instrs.get(vm.group(1)) if vm else None
+    if ins is None:
+        return 0
+    try:
+        elements = _element(ins.shape, tuple(int(x) for x in vm.group(2).split(",") if x.strip()))
+        return 0 if _tuple_elements(elements) is not None else shape_bytes(elements)
+    except ValueError:
+        return 0
 
 
 def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
