@@ -1,12 +1,12 @@
 """What is live at a compiled step's memory peak, buffer by buffer, and a per-MiB account of that peak.
 
-XLA's dump of an optimised module holds the exact answer: ``*after_optimizations-live-range.txt`` lists every
-buffer live at the peak of the schedule ("Live ranges at N (peak):"), ``*after_optimizations.txt`` the instruction
-that defines each buffer (opcode, shape, the JAX ``op_name`` with its named scopes) and
-``*after_optimizations-buffer-assignment.txt`` the allocation each buffer lives in (an argument, an output, the
-temp block, a constant). :func:`peak_account` compiles with a temporary dump directory, joins the three and sums
-the live buffers by category so that, with two computed remainders, the lines add up to the peak of
-:func:`vescale_jax.testing.memory` exactly:
+XLA's dump of an optimised module holds the exact answer: ``*after_optimizations-live-range.txt`` gives every
+buffer's live range over the schedule, ``*after_optimizations.txt`` the instruction that defines each buffer
+(opcode, shape, the JAX ``op_name`` with its named scopes) and ``*after_optimizations-buffer-assignment.txt`` the
+allocation and offset each buffer lives at (an argument, an output, the temp block, a constant).
+:func:`peak_account` compiles with a temporary dump directory, joins the three and sums the live buffers by
+category so that, with two computed remainders, the lines add up to the peak of :func:`vescale_jax.testing.memory`
+exactly:
 
 - *not live at the peak*: argument and output allocations that hold no live value at the peak (e.g. an output
   written after it, an argument last read before it);
@@ -15,9 +15,10 @@ the live buffers by category so that, with two computed remainders, the lines ad
   can exceed what is live at the schedule's peak (fragmentation: a hole left by a freed buffer too small for the
   next one).
 
-The account is of the schedule position the live-range dump names as the peak. Where XLA lists two values of the
-same bytes as live (an in-place update over a donated argument), those bytes are counted once
-(:attr:`LiveBuffer.shared`).
+The account is of the schedule position where the most distinct bytes are live. XLA's own "Live ranges at N
+(peak)" line sums value sizes, so it counts twice the bytes of an in-place update (the old and the new value of
+a donated argument, both listed as live); here bytes of one allocation at one offset count once
+(:attr:`LiveBuffer.shared`). Without a buffer assignment in the dump, XLA's line is used.
 """
 
 from __future__ import annotations
@@ -613,17 +614,15 @@ def peak_account(
     for name, size in sorted(live, key=lambda nl: -nl[1]):
         vm = _VALUE_NAME.match(name)
         ins = instrs.get(vm.group(1)) if vm else None
-        key = (vm.group(1), "{" + vm.group(2).replace(" ", "") + "}") if vm else (name, "{}")
-        slot = slots.get(key)
+        slot = slots.get(_key(name))
         kind = slot.kind if slot else "unknown"
         if not slots and ins is not None:  # no buffer assignment: entry parameters are arguments, the rest temps
             kind = "argument" if ins.opcode == "parameter" and ins.entry else "temp"
         shared = 0
         if slot is not None:  # two live values in the same bytes (an in-place update) occupy them once
-            ranges = covered.setdefault(slot.allocation, [])
-            shared = _overlap(ranges, slot.offset, slot.offset + size)
-            ranges.append((slot.offset, slot.offset + size))
-            ranges[:] = _merge(ranges)
+            spans = covered.setdefault(slot.allocation, [])
+            shared = _overlap(spans, slot.offset, slot.offset + size)
+            spans[:] = _merge([*spans, (slot.offset, slot.offset + size)])
         if ins is None:
             buffers.append(LiveBuffer(name, size, "", "", "", kind, shared=shared))
             continue
