@@ -93,6 +93,8 @@ class LiveBuffer:
         shared: bytes of its memory that a larger (or earlier listed) live buffer also occupies: XLA lists both
             values of an in-place update (a donated argument and the new value written over it) as live; the
             account counts those bytes once, for the other buffer.
+        from_gather: whether it is a slice, copy, conversion or fusion of an all-gather result (through at most
+            three such steps): a gathered parameter's unpacked or converted copy.
     """
 
     name: str
@@ -106,6 +108,7 @@ class LiveBuffer:
     in_loop: bool = False
     param_shaped: bool = False
     shared: int = 0
+    from_gather: bool = False
 
     @property
     def counted(self) -> int:
@@ -124,8 +127,8 @@ def default_category(buffer: LiveBuffer) -> str:
         (by the argument's root name); ``"outputs"`` for an output allocation; ``"gathered params"`` (all-gather
         results), ``"reduce-scatter outputs"``, ``"other collective outputs"``; ``"gradients"`` for a
         parameter-shaped buffer of the backward pass (an op name under ``transpose(``); ``"loop state / saved
-        activations"`` for a loop's state; ``"gathered param copies"`` for a slice/copy/fusion of an all-gather
-        result; ``"constants"``; else ``"other temps"``.
+        activations"`` for a loop's state; ``"gathered param copies"`` for a slice, copy, conversion or fusion
+        of an all-gather result; ``"constants"``; else ``"other temps"``.
     """
     if buffer.allocation == "argument":
         root = re.split(r"[\[.]", buffer.argument or buffer.op_name, maxsplit=1)[0]
@@ -140,7 +143,7 @@ def default_category(buffer: LiveBuffer) -> str:
         return "gradients"
     if buffer.in_loop:
         return "loop state / saved activations"
-    if buffer.opcode in _VIEWS and any(op.startswith("all-gather") for op in buffer.operands):
+    if buffer.from_gather:
         return "gathered param copies"
     return "other temps"
 
@@ -359,6 +362,15 @@ class _Resolver:
             if caller.opcode == "while" and attr in ("body", "condition"):
                 return caller
         return None
+
+    def from_gather(self, ins: _Ins, depth: int = 3) -> bool:
+        if ins.opcode not in (*_VIEWS, "convert") or depth == 0:
+            return False
+        for o in ins.operands:
+            op = self.instrs.get(o)
+            if op is not None and (op.opcode.startswith("all-gather") or self.from_gather(op, depth - 1)):
+                return True
+        return False
 
     def in_loop(self, ins: _Ins) -> bool:
         if ins.opcode == "while":
@@ -646,6 +658,7 @@ def peak_account(
                 in_loop=resolver.in_loop(ins),
                 param_shaped=_dims(shape) in dims,
                 shared=shared,
+                from_gather=resolver.from_gather(ins),
             )
         )
     return PeakAccount(memory(compiled), tuple(buffers), module, position, categorize or default_category)
