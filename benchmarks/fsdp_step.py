@@ -403,10 +403,11 @@ def account_table(rows) -> list[str]:
     for t in tables:
         cats += [k for k in t if k not in cats and k not in tail]
     lines = [
-        "Peak account (MiB per device; testing.peak_account: the buffers XLA's live-range dump lists at the peak, "
-        "by category; *not live at the peak* is argument/output allocations holding no live value then; *allocator "
-        "packing* is the temp block minus the temps live at the peak, i.e. the fragmentation of XLA's packing of "
-        "temps at offsets):",
+        "Peak account (MiB per device; testing.peak_account: the buffers live at the schedule position with the "
+        "most distinct live bytes, from XLA's live-range dump and buffer assignment, by category; *not live at the "
+        "peak* is argument/output allocations holding no live value then; *allocator packing* is the temp block "
+        "minus the temps live then: XLA packs temps at offsets in one block, whose size can exceed what is live "
+        "at any one point):",
         "",
         "| category | " + " | ".join(r["name"] for r in rows) + " |",
         "|---|" + "---|" * len(rows),
