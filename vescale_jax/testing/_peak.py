@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import math
 import os
 import re
 import tempfile
@@ -88,13 +89,13 @@ class LiveBuffer:
         in_loop: whether the buffer is a ``while`` loop's state (the loop, its body's parameter or an element of
             either).
         param_shaped: whether its dims equal those of an argument (other than ``batch``), an all-gather result, a
-            slice of one or a reduce-scatter operand (how the default categoriser tells a gradient from an
-            activation).
+            slice of one or a reduce-scatter operand, or their flattening (how the default categoriser tells a
+            gradient from an activation).
         shared: bytes of its memory that a larger (or earlier listed) live buffer also occupies: XLA lists both
             values of an in-place update (a donated argument and the new value written over it) as live; the
             account counts those bytes once, for the other buffer.
-        from_gather: whether it is a slice, copy, conversion or fusion of an all-gather result (through at most
-            three such steps): a gathered parameter's unpacked or converted copy.
+        from_gather: whether it is a slice, copy, conversion or single-input fusion of an all-gather result
+            (through at most three such steps): a gathered parameter's unpacked or converted copy.
     """
 
     name: str
@@ -364,13 +365,15 @@ class _Resolver:
         return None
 
     def from_gather(self, ins: _Ins, depth: int = 3) -> bool:
+        """Whether ``ins`` copies, slices or converts one all-gather result (scalar operands such as a
+        dynamic-slice's indices aside), through at most ``depth`` such steps."""
         if ins.opcode not in (*_VIEWS, "convert") or depth == 0:
             return False
-        for o in ins.operands:
-            op = self.instrs.get(o)
-            if op is not None and (op.opcode.startswith("all-gather") or self.from_gather(op, depth - 1)):
-                return True
-        return False
+        arrays = [self.instrs[o] for o in ins.operands if o in self.instrs and _dims(self.instrs[o].shape) != ()]
+        if len(arrays) != 1:
+            return False
+        (op,) = arrays
+        return op.opcode.startswith("all-gather") or self.from_gather(op, depth - 1)
 
     def in_loop(self, ins: _Ins) -> bool:
         if ins.opcode == "while":
@@ -615,11 +618,12 @@ def peak_account(
     for i in instrs.values():
         if i.opcode.startswith("all-gather"):
             dims.add(_dims(_element(i.shape, (1,)) if i.opcode == "all-gather-start" else i.shape))
-        elif i.opcode in _VIEWS and any(o in instrs and instrs[o].opcode.startswith("all-gather") for o in i.operands):
+        elif resolver.from_gather(i):
             dims.add(_dims(i.shape))  # a leaf sliced out of a gathered bucket
         elif i.opcode.startswith("reduce-scatter") and i.operands and i.operands[0] in instrs:
             dims.add(_dims(instrs[i.operands[0]].shape))
     dims.discard(None)
+    dims |= {(math.prod(d),) for d in dims}  # and flattened (a leaf's gradient before it is packed)
 
     buffers = []
     covered: dict[int, list[tuple[int, int]]] = {}  # allocation -> byte ranges of the live buffers seen so far
