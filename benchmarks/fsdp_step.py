@@ -1,28 +1,38 @@
 """vj.fsdp against JAX's own FSDP on the same GPT train step: memory, collectives, FLOPs, compile time.
 
     python benchmarks/fsdp_step.py                       # 12-layer GPT, 8 simulated CPU devices
+    python benchmarks/fsdp_step.py --layers 24 --time-steps 0 --no-flops
     python benchmarks/fsdp_step.py --out benchmarks/results/fsdp_step.md
 
 Baselines (DESIGN.md §5): ``jax.jit`` with ``NamedSharding`` FSDP (each parameter and its Adam moments sharded
 on its largest dim divisible by the device count, else replicated) and batch-sharded activation constraints;
 *plain* unrolls the layers without remat, *strong* scans over them with ``jax.checkpoint`` (as MaxText does).
-Figures are static, read from the compiled steps; the CPU step time is a smoke alarm only. Exits non-zero when
-vj.fsdp breaks a bound: peak ≤ 0.5× plain and ≤ 1.1× strong, all-gather wire bytes within 2 % of the ideal,
-no parameter-sized all-reduce.
+In bf16, vj.fsdp runs ``vj.MixedPrecision(compute_dtype=bfloat16)`` (fp32 master shards and Adam state, bf16
+gathers and compute) and *strong bf16* is the strong baseline with its fp32 parameters cast to bf16 at the start
+of the forward (the loss is computed in fp32 in both).
+Figures are static, read from the compiled steps; the peak of vj.fsdp and of the strong baseline is accounted
+for per MiB with ``vescale_jax.testing.peak_account``; the CPU step time is a smoke alarm only. Exits non-zero
+when vj.fsdp breaks a bound: peak ≤ 1.05× strong (fp32, and bf16 against strong bf16); peak ≤ 0.5× plain (for a
+vocabulary of at most 1024, see ``--plain-bound``); collective launches ≤ ½ of the strong baseline's; all-gather
+and reduce-scatter wire bytes within 2 % of their ideal; no parameter-sized all-reduce.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import platform
+import re
 import sys
 import time
 
 if "XLA_FLAGS" not in os.environ:
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 
+import flax
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 import optax
 from flax import nnx
@@ -36,6 +46,8 @@ import vescale_jax as vj
 from vescale_jax import testing
 
 MiB = 2**20
+HLO_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float64"}
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
 
 def largest_divisible_spec(shape: tuple[int, ...], m: int, *, skip_dim0: bool) -> P:
@@ -46,8 +58,11 @@ def largest_divisible_spec(shape: tuple[int, ...], m: int, *, skip_dim0: bool) -
     return P(*[("fsdp" if d == best else None) for d in range(len(shape))])
 
 
-def baseline_step(cfg: GPTConfig, mesh, tx, *, scan: bool):
-    """The JAX FSDP train step (NamedSharding params, batch-sharded activations); returns (jitted, args)."""
+def baseline_step(cfg: GPTConfig, mesh, tx, *, scan: bool, compute_dtype=None):
+    """The JAX FSDP train step (NamedSharding params, batch-sharded activations); returns (jitted, args).
+
+    With ``compute_dtype`` the fp32 parameters are cast to it at the start of the forward (the gradient flows back
+    through the cast to the fp32 parameters; the loss is computed in fp32)."""
     graphdef, shapes = abstract_model(cfg)
     m = mesh.shape["fsdp"]
     specs = jax.tree_util.tree_map_with_path(
@@ -58,6 +73,10 @@ def baseline_step(cfg: GPTConfig, mesh, tx, *, scan: bool):
     act = NamedSharding(mesh, P("fsdp"))
 
     def forward(state, tokens):
+        if compute_dtype is not None:
+            state = jax.tree.map(
+                lambda a: a.astype(compute_dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, state
+            )
         model = nnx.merge(graphdef, state)
         h = jax.lax.with_sharding_constraint(model.embed(tokens) + model.pos[: tokens.shape[1]], act)
         block_def, block_state = nnx.split(model.blocks)
@@ -90,11 +109,11 @@ def baseline_step(cfg: GPTConfig, mesh, tx, *, scan: bool):
     return jitted, (params, opt_state)
 
 
-def vj_step(cfg: GPTConfig, mesh, tx, *, reshard: bool = True, prefetch: bool = False):
+def vj_step(cfg: GPTConfig, mesh, tx, *, reshard: bool = True, prefetch: bool = False, precision=None):
     graphdef, shapes = abstract_model(cfg)
     plan = vj.plan(shapes, mesh, stacked=("blocks",))  # element granularity: all AdamW needs
 
-    @vj.fsdp(plan=plan, reshard_after_forward=reshard, prefetch=prefetch)
+    @vj.fsdp(plan=plan, reshard_after_forward=reshard, prefetch=prefetch, precision=precision)
     def step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(lambda p: loss_fn(vj.flax.nnx_apply(graphdef, p, batch["x"]), batch["y"]))(
             params
@@ -106,14 +125,17 @@ def vj_step(cfg: GPTConfig, mesh, tx, *, reshard: bool = True, prefetch: bool = 
     return step, (params, vj.init_opt_state(tx, params)), plan
 
 
-def measure(name, fn, args, batch, mesh, *, time_steps: int):
+def measure(name, fn, args, batch, mesh, *, time_steps: int, account: bool = False):
+    """Compile one step and read its memory and census (and, with ``account``, its peak account: one more compile,
+    with an XLA dump, not timed)."""
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
         if hasattr(fn, "plan"):
-            compiled = fn.lower(*args, batch).compile()
+            lowered = fn.lower(*args, batch)
         else:
             placed = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P("fsdp"))), batch)
-            compiled = fn.lower(*args, placed).compile()
+            lowered = fn.lower(*args, placed)
+        compiled = lowered.compile()
     compile_s = time.perf_counter() - t0
     row = {
         "name": name,
@@ -121,7 +143,14 @@ def measure(name, fn, args, batch, mesh, *, time_steps: int):
         "memory": testing.memory(compiled),
         "census": testing.census(compiled),
         "step_s": float("nan"),
+        "account": None,
+        "lowered_dtypes": collective_dtypes(lowered.as_text()),
     }
+    if account:
+        with jax.set_mesh(mesh):
+            row["account"] = testing.peak_account(lowered)
+        if row["account"].memory != row["memory"]:
+            print(f"warning: {name}: the dumped compile's memory {row['account'].memory} != {row['memory']}")
     if time_steps:
         state = args
         times = []
@@ -179,6 +208,11 @@ def main(argv=None) -> int:
     ap.add_argument("--time-steps", type=int, default=3, help="CPU steps to time (smoke only; 0 to skip)")
     ap.add_argument("--no-flops", action="store_true", help="skip the unrolled FLOP-count compiles")
     ap.add_argument("--out", help="append the markdown report to this file")
+    ap.add_argument(
+        "--plain-bound",
+        action="store_true",
+        help="apply the bound peak <= 0.5 x plain whatever the vocabulary (by default only for vocab <= 1024)",
+    )
     args = ap.parse_args(argv)
 
     m = len(jax.devices())
@@ -196,27 +230,51 @@ def main(argv=None) -> int:
     tokens = rng.integers(0, cfg.vocab, (args.batch, args.seq + 1)).astype(np.int32)
     batch = {"x": tokens[:, :-1], "y": tokens[:, 1:]}
 
+    bf16 = vj.MixedPrecision(compute_dtype=jnp.bfloat16)
     step, vj_args, plan = vj_step(cfg, mesh, tx)
-    rows = [measure("vj.fsdp", step, vj_args, batch, mesh, time_steps=args.time_steps)]
+    rows = [measure("vj.fsdp", step, vj_args, batch, mesh, time_steps=args.time_steps, account=True)]
     step, vj_args, _ = vj_step(cfg, mesh, tx, prefetch=True)
     rows.append(measure("vj.fsdp prefetch=True", step, vj_args, batch, mesh, time_steps=args.time_steps))
-    for name, scan in (("plain", False), ("strong", True)):
-        fn, b_args = baseline_step(cfg, mesh, tx, scan=scan)
-        rows.append(measure(name, fn, b_args, batch, mesh, time_steps=args.time_steps))
+    step, vj_args, _ = vj_step(cfg, mesh, tx, precision=bf16)
+    rows.append(measure("vj.fsdp bf16", step, vj_args, batch, mesh, time_steps=args.time_steps, account=True))
+    for name, scan, dtype in (("plain", False, None), ("strong", True, None), ("strong bf16", True, jnp.bfloat16)):
+        fn, b_args = baseline_step(cfg, mesh, tx, scan=scan, compute_dtype=dtype)
+        rows.append(
+            measure(name, fn, b_args, batch, mesh, time_steps=args.time_steps, account=name.startswith("strong"))
+        )
+    by_name = {r["name"]: r for r in rows}
     fl = {} if args.no_flops else {w: flops(cfg, mesh, tx, batch, w) for w in ("vj", "plain", "strong")}
 
     param_bytes = sum(s.size * 4 for s in plan.leaves)
-    stored = sum(b.nbytes for b in plan.buckets)  # P·(1+padding)
     units = {b.name: b.nbytes // (b.layers or 1) for b in plan.buckets}
     unit_max = max(units.values())
     acts = activation_bytes(cfg, args.batch // m)
     persistent_ideal = 3 * param_bytes / m  # params + two Adam moments
     ideal = persistent_ideal + param_bytes / m + 2 * unit_max + acts
-    # Gathers the backward needs: every layer again; the head and final norm (their values enter the backward);
-    # not the embedding tables (an embedding lookup's gradient needs no values).
-    again = sum(b.nbytes for b in plan.buckets if b.layers or b.unit in ("head", "ln_f"))
-    ag_ideal = (m - 1) / m * (stored + again)
-    rs_ideal = (m - 1) * stored / m  # ring bytes per device of reduce-scattering every bucket once
+
+    def wire_ideals(precision):
+        """Ideal ring wire bytes per device of the all-gathers and reduce-scatters, in the policy's dtypes."""
+
+        def scaled(b, dtype):
+            return b.nbytes * np.dtype(dtype).itemsize / np.dtype(b.dtype).itemsize
+
+        def gather(b):
+            return scaled(b, precision.gather_dtype(b.dtype)) if precision else b.nbytes
+
+        def reduce(b):
+            return scaled(b, precision.grad_dtype(b.dtype)) if precision else b.nbytes
+
+        # Gathers the backward needs: every layer again; the head and final norm (their values enter the backward);
+        # not the embedding tables (an embedding lookup's gradient needs no values).
+        again = sum(gather(b) for b in plan.buckets if b.layers or b.unit in ("head", "ln_f"))
+        ag = (m - 1) / m * (sum(gather(b) for b in plan.buckets) + again)
+        rs = (m - 1) * sum(reduce(b) for b in plan.buckets) / m  # every bucket reduce-scattered once
+        return ag, rs
+
+    ideals = {"vj.fsdp": wire_ideals(None), "vj.fsdp bf16": wire_ideals(bf16)}
+
+    def launches(cen):
+        return sum(cen.count(k) for k in COLLECTIVES)
 
     title = (
         f"## {cfg.num_layers} layers, d_model {cfg.d_model}, vocab {cfg.vocab} on {m} "
@@ -225,72 +283,183 @@ def main(argv=None) -> int:
     lines = [
         title,
         "",
-        f"GPT ({cfg.num_heads} heads, d_ff {cfg.d_ff}, seq {cfg.max_len}, global batch {args.batch}, untied head), "
-        f"{param_bytes / MiB:.1f} MiB of fp32 parameters, AdamW; JAX {jax.__version__}. vj.fsdp plan: "
-        f"{len(plan.buckets)} buckets, element granularity, padding {plan.padding_fraction:.3%}; largest unit "
-        f"{max(units, key=units.get)} ({unit_max / MiB:.1f} MiB per layer).",
+        f"JAX {jax.__version__}, jaxlib {jaxlib.__version__}, flax {flax.__version__}, optax {optax.__version__}, "
+        f"Python {platform.python_version()}; devices: {m} × {jax.devices()[0].platform} "
+        f"({jax.devices()[0].device_kind}); CPU: {cpu_model()}.",
         "",
-        "| step | peak MiB | ×ideal | persistent MiB | temp MiB | AG launches | AG wire MiB | RS launches | "
+        f"GPT ({cfg.num_heads} heads, d_ff {cfg.d_ff}, seq {cfg.max_len}, global batch {args.batch}, untied head), "
+        f"{param_bytes / MiB:.1f} MiB of fp32 parameters, AdamW. vj.fsdp plan: "
+        f"{len(plan.buckets)} buckets, element granularity, padding {plan.padding_fraction:.3%}; largest unit "
+        f"{max(units, key=units.get)} ({unit_max / MiB:.1f} MiB per layer). bf16 rows: vj.fsdp with "
+        f"MixedPrecision(compute_dtype=bfloat16) (gathers in {bf16.gather_dtype(np.float32)}, reduce-scatters in "
+        f"{bf16.grad_dtype(np.float32)}, fp32 master shards and Adam state); strong bf16 casts its fp32 parameters "
+        "to bf16 at the start of the forward; both compute the loss in fp32.",
+        "",
+        "| step | peak MiB | ×ideal | persistent MiB | temp MiB | launches | AG launches | AG wire MiB | RS launches | "
         "RS wire MiB | AR launches | AR wire MiB | FLOPs ×plain | compile s | CPU step s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         mem, cen = r["memory"], r["census"]
-        f = fl.get("vj" if r["name"].startswith("vj.fsdp") else r["name"])
+        f = None if "bf16" in r["name"] else fl.get("vj" if r["name"].startswith("vj.fsdp") else r["name"])
         fr = f"{f / fl['plain']:.3f}" if f else "–"
+        xideal = "–" if "bf16" in r["name"] else f"{mem.peak / ideal:.2f}"
         persistent = mem.argument - mem.alias + mem.output
         lines.append(
-            f"| {r['name']} | {mem.peak / MiB:.1f} | {mem.peak / ideal:.2f} | {persistent / MiB:.1f} | "
-            f"{mem.temp / MiB:.1f} | {cen.count('all-gather')} | {cen.wire_bytes('all-gather') / MiB:.2f} | "
-            f"{cen.count('reduce-scatter')} | {cen.wire_bytes('reduce-scatter') / MiB:.2f} | "
-            f"{cen.count('all-reduce')} | {cen.wire_bytes('all-reduce') / MiB:.2f} | {fr} | {r['compile_s']:.1f} | "
-            f"{r['step_s']:.3f} |"
+            f"| {r['name']} | {mem.peak / MiB:.1f} | {xideal} | {persistent / MiB:.1f} | "
+            f"{mem.temp / MiB:.1f} | {launches(cen)} | {cen.count('all-gather')} | "
+            f"{cen.wire_bytes('all-gather') / MiB:.2f} | {cen.count('reduce-scatter')} | "
+            f"{cen.wire_bytes('reduce-scatter') / MiB:.2f} | {cen.count('all-reduce')} | "
+            f"{cen.wire_bytes('all-reduce') / MiB:.2f} | {fr} | {r['compile_s']:.1f} | {r['step_s']:.3f} |"
         )
-    vjr, _, plain, strong = rows
-    cen, mem = vjr["census"], vjr["memory"]
-    pad = (persistent_ideal + param_bytes / m) * plan.padding_fraction / (1 - plan.padding_fraction)
-    floor = (persistent_ideal + param_bytes / m + 2 * unit_max) / (persistent_ideal + param_bytes / m + unit_max)
     lines += [
         "",
-        f"Ideal peak (P+O+G)/m + 2·U_max + activations = {(persistent_ideal + param_bytes / m) / MiB:.1f} + "
-        f"2·{unit_max / MiB:.1f} + {acts / MiB:.1f} = **{ideal / MiB:.1f} MiB**. Activations: the saved layer "
-        "inputs, one layer's recompute working set (temp of its compiled VJP) and the logits with their softmax.",
+        "launches: all-gather + reduce-scatter + all-reduce + all-to-all + collective-permute launches per step.",
         "",
-        f"vj.fsdp's peak {mem.peak / MiB:.1f} MiB = persistent {(mem.argument - mem.alias + mem.output) / MiB:.1f} "
-        f"(params + Adam moments, {persistent_ideal / MiB:.1f} ideal, the rest padding) + temp {mem.temp / MiB:.1f}: "
-        f"the gradient shards G/m = {param_bytes / m / MiB:.1f}, the gathered layer ({unit_max / MiB:.1f}) and "
-        f"either its unpacked copies or its packed gradient ({unit_max / MiB:.1f}; XLA materialises static slices "
-        f"and the packed gradient needs every leaf's gradient at once), activations ({acts / MiB:.1f}), padding "
-        f"({pad / MiB:.2f}); unaccounted {(mem.peak - ideal - pad) / MiB:+.1f} MiB.",
+        f"Reference: the ideal fp32 peak (P+O+G)/m + 2·U_max + activations = "
+        f"{(persistent_ideal + param_bytes / m) / MiB:.1f} + 2·{unit_max / MiB:.1f} + {acts / MiB:.1f} = "
+        f"**{ideal / MiB:.1f} MiB** (activations: the saved layer inputs, one layer's recompute working set, the "
+        "logits with their softmax).",
         "",
-        f"All-gather wire bytes {cen.wire_bytes('all-gather') / MiB:.3f} MiB vs ideal (m−1)/m·(P + P_regathered)"
-        f"·(1+padding) = {ag_ideal / MiB:.3f} MiB (the backward re-gathers the layers, head and ln_f; it needs no "
-        f"embedding values); reduce-scatter {cen.wire_bytes('reduce-scatter') / MiB:.3f} MiB vs "
-        f"(m−1)·P·(1+padding)/m = {rs_ideal / MiB:.3f} MiB.",
-        "",
-        f"A step that reduce-scatters one packed buffer per layer holds the gathered layer and its packed gradient "
-        f"together (2·U); the strong baseline, per leaf, holds about one layer. For this shape that puts a floor of "
-        f"{floor:.3f}× on vj.fsdp ÷ strong.",
     ]
-    checks = {
-        "peak <= 0.5 x plain": mem.peak <= 0.5 * plain["memory"].peak,
-        "peak <= 1.1 x strong": mem.peak <= 1.1 * strong["memory"].peak,
-        "all-gather wire within 2% of ideal": abs(cen.wire_bytes("all-gather") / ag_ideal - 1) < 0.02,
-        "no parameter-sized all-reduce": all(op.result_bytes <= 64 for op in cen.of("all-reduce")),
-    }
+    accounted = [r for r in rows if r["account"] is not None]
+    lines += account_table(accounted)
+    for name, (ag_ideal, rs_ideal) in ideals.items():
+        cen = by_name[name]["census"]
+        lines += [
+            "",
+            f"{name}: all-gather wire bytes {cen.wire_bytes('all-gather') / MiB:.3f} MiB vs ideal (m−1)/m·(P + "
+            f"P_regathered)·(1+padding) = {ag_ideal / MiB:.3f} MiB (the backward re-gathers the layers, head and "
+            f"ln_f; it needs no embedding values); reduce-scatter {cen.wire_bytes('reduce-scatter') / MiB:.3f} MiB vs "
+            f"(m−1)·P·(1+padding)/m = {rs_ideal / MiB:.3f} MiB (in the gather / reduce dtypes).",
+        ]
+
+    plain_bound = args.plain_bound or cfg.vocab <= 1024
+    checks = {}
+    notes = []
+    for name, ref in (("vj.fsdp", "strong"), ("vj.fsdp bf16", "strong bf16")):
+        mem, cen = by_name[name]["memory"], by_name[name]["census"]
+        ag_ideal, rs_ideal = ideals[name]
+        checks[f"{name} peak <= 1.05 x {ref}"] = mem.peak <= 1.05 * by_name[ref]["memory"].peak
+        checks[f"{name} launches <= 1/2 {ref}"] = 2 * launches(cen) <= launches(by_name[ref]["census"])
+        emitted, compiled = by_name[name]["lowered_dtypes"], compiled_dtypes(cen)
+        if emitted == compiled:
+            checks[f"{name} all-gather wire within 2% of ideal"] = (
+                abs(cen.wire_bytes("all-gather") / ag_ideal - 1) < 0.02
+            )
+            checks[f"{name} reduce-scatter wire within 2% of ideal"] = (
+                abs(cen.wire_bytes("reduce-scatter") / rs_ideal - 1) < 0.02
+            )
+        else:
+            # The backend changed the collectives' element type (XLA:CPU runs bf16 collectives in f32): the wire
+            # bytes measure XLA, not vj.fsdp; check instead that vj.fsdp emitted them in the policy's dtypes.
+            want = {
+                "all-gather": {str(bf16.gather_dtype(b.dtype)) for b in plan.buckets},
+                "reduce-scatter": {str(bf16.grad_dtype(b.dtype)) for b in plan.buckets},
+            }
+            got = {k: {HLO_DTYPES.get(d, d) for d in v} for k, v in emitted.items()}
+            checks[f"{name} emits its collectives in the policy's dtypes"] = got == want
+            notes.append(
+                f"{name}: the lowered program all-gathers in {sorted(got['all-gather'])} and reduce-scatters in "
+                f"{sorted(got['reduce-scatter'])}; XLA:{jax.devices()[0].platform} compiled them in "
+                f"{sorted(compiled['all-gather'])} / {sorted(compiled['reduce-scatter'])}, so its wire bytes are "
+                "not a bound here (they are where the compiled dtypes match the emitted ones)."
+            )
+        checks[f"{name} no parameter-sized all-reduce"] = all(op.result_bytes <= 64 for op in cen.of("all-reduce"))
+    vjm, plain = by_name["vj.fsdp"]["memory"], by_name["plain"]["memory"]
+    if plain_bound:
+        checks["vj.fsdp peak <= 0.5 x plain"] = vjm.peak <= 0.5 * plain.peak
+    lines += ["", *notes] if notes else []
     lines += [
         "",
-        "Bounds: " + "; ".join(f"{k}: {'ok' if v else 'BROKEN'}" for k, v in checks.items()),
-        f"(vj.fsdp ÷ plain = {mem.peak / plain['memory'].peak:.3f}, "
-        f"vj.fsdp ÷ strong = {mem.peak / strong['memory'].peak:.3f}).",
+        "Bounds: " + "; ".join(f"{k}: {'ok' if v else 'BROKEN'}" for k, v in checks.items()) + ".",
         "",
+        f"vj.fsdp ÷ plain = {vjm.peak / plain.peak:.3f}, vj.fsdp ÷ strong = "
+        f"{vjm.peak / by_name['strong']['memory'].peak:.3f}, vj.fsdp bf16 ÷ strong bf16 = "
+        f"{by_name['vj.fsdp bf16']['memory'].peak / by_name['strong bf16']['memory'].peak:.3f}; launches "
+        f"vj.fsdp ÷ strong = {launches(by_name['vj.fsdp']['census']) / launches(by_name['strong']['census']):.3f}.",
     ]
+    if not plain_bound:
+        lines.append(
+            "The bound peak <= 0.5 x plain applies to a vocabulary of at most 1024 (--plain-bound applies it "
+            "anyway): with a large vocabulary the embedding and head, which both steps gather whole, and the "
+            "logits dominate both peaks, and no sharding of the layers halves that."
+        )
+    lines.append("")
     text = "\n".join(lines)
     print(text)
     if args.out:
         with open(args.out, "a") as f:
             f.write(text + "\n")
     return 0 if all(checks.values()) else 1
+
+
+def account_table(rows) -> list[str]:
+    """Markdown lines: the per-MiB account of each row's peak (testing.peak_account), one column per step."""
+    accounts = [r["account"] for r in rows]
+    tables = [a.rows() for a in accounts]
+    tail = ("unaccounted", "not live at the peak (arguments/outputs)", "allocator packing")
+    cats = []
+    for t in tables:
+        cats += [k for k in t if k not in cats and k not in tail]
+    lines = [
+        "Peak account (MiB per device; testing.peak_account: the buffers live at the schedule position with the "
+        "most distinct live bytes, from XLA's live-range dump and buffer assignment, by category; *not live at the "
+        "peak* is argument/output allocations holding no live value then; *allocator packing* is the temp block "
+        "minus the temps live then: XLA packs temps at offsets in one block, whose size can exceed what is live "
+        "at any one point):",
+        "",
+        "| category | " + " | ".join(r["name"] for r in rows) + " |",
+        "|---|" + "---|" * len(rows),
+    ]
+    for k in (*cats, *tail):
+        lines.append(f"| {k} | " + " | ".join(f"{t.get(k, 0) / MiB:.2f}" for t in tables) + " |")
+    lines.append("| **peak** | " + " | ".join(f"**{a.memory.peak / MiB:.2f}**" for a in accounts) + " |")
+    lines += ["", "Largest live buffers at the peak:", ""]
+    for r, a in zip(rows, accounts, strict=True):
+        big = "; ".join(
+            f"{b.bytes / MiB:.2f} {a.categorize(b)} ({b.opcode} {b.shape}, {short(b.op_name)})" for b in a.largest(4)
+        )
+        lines.append(f"- {r['name']}: {big}")
+    return lines
+
+
+def collective_dtypes(stablehlo: str) -> dict[str, set[str]]:
+    """Element types of the all-gathers and reduce-scatters of a lowered (pre-XLA) program."""
+    out = {"all-gather": set(), "reduce-scatter": set()}
+    lines = stablehlo.splitlines()
+    for i, line in enumerate(lines):
+        m = re.search(r'stablehlo\.(all_gather|reduce_scatter)"', line)
+        if m is None:
+            continue
+        # A reduce-scatter's types follow its reduction region: the first "}) : (...) -> ..." line after it.
+        ends = (j for j in range(i, len(lines)) if "->" in lines[j] and (j == i or lines[j].lstrip()[:2] == "})"))
+        end = next(ends, i)
+        result = lines[end].rsplit("->", 1)[-1]
+        out[m.group(1).replace("_", "-")].update(re.findall(r"tensor<(?:[\d?]+x)*(\w+)>", result))
+    return out
+
+
+def compiled_dtypes(cen) -> dict[str, set[str]]:
+    """Element types of the all-gathers and reduce-scatters XLA compiled."""
+    return {k: {op.shape.split("[", 1)[0].lstrip("(") for op in cen.of(k)} for k in ("all-gather", "reduce-scatter")}
+
+
+def short(op_name: str, keep: int = 3) -> str:
+    """The last ``keep`` scopes of a JAX op name."""
+    parts = op_name.split("/")
+    return "/".join(parts[-keep:]) if len(parts) > keep else op_name
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores visible)"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Static measurements of a compiled step: collective census, memory and cost (DESIGN.md §5).
 
-All three read what XLA reports for a ``jax.jit(...).lower(...).compile()`` object, so they are deterministic and
+All of them read what XLA reports for a ``jax.jit(...).lower(...).compile()`` object, so they are deterministic and
 can be asserted in tests:
 
 - :func:`census` parses the optimised HLO text (``compiled.as_text()``) and lists every all-gather, reduce-scatter,
@@ -8,6 +8,9 @@ can be asserted in tests:
   and how many times it runs (the product of the known trip counts of the ``while`` loops around it).
 - :func:`memory` reads ``compiled.memory_analysis()`` and derives the per-device peak
   ``argument + output − alias + temp`` (on CPU ``peak_memory_in_bytes`` leaves temp out).
+- :func:`peak_account` compiles with an XLA dump and lists the buffers live at the peak, summed by category
+  (parameters, optimizer state, gathered parameters, gradients, loop state, ...) to exactly the peak of
+  :func:`memory`, with the allocator's packing of temps as its own line.
 - :func:`cost` reads ``compiled.cost_analysis()`` (flops, bytes accessed). XLA's cost analysis counts a ``while``
   body once, not trip-count times.
 
@@ -20,17 +23,22 @@ from vescale_jax.testing._census import Census, CollectiveOp, census
 from vescale_jax.testing._collectives import KINDS, parse_replica_group_size, wire_bytes
 from vescale_jax.testing._cost import cost
 from vescale_jax.testing._memory import Memory, memory
+from vescale_jax.testing._peak import LiveBuffer, PeakAccount, default_category, peak_account
 from vescale_jax.testing._shapes import shape_bytes
 
 __all__ = [
     "KINDS",
     "Census",
     "CollectiveOp",
+    "LiveBuffer",
     "Memory",
+    "PeakAccount",
     "census",
     "cost",
+    "default_category",
     "memory",
     "parse_replica_group_size",
+    "peak_account",
     "shape_bytes",
     "wire_bytes",
 ]
