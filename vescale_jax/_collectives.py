@@ -49,6 +49,7 @@ __all__ = [
     "gather_leaves",
     "gather_params",
     "gather_segment",
+    "gather_stacked",
     "pack",
     "reduce_copies",
     "reshard_after_forward",
@@ -371,6 +372,42 @@ def _gather_bucket(local: jax.Array, bucket: Bucket, plan: Plan, how: Gather) ->
 
     run.defvjp(fwd, bwd)
     return list(run(local))
+
+
+def gather_stacked(rows: jax.Array, bucket: Bucket, plan: Plan, how: Gather) -> list[jax.Array]:
+    """Every layer of a stacked bucket at once: its local ``(L, S)`` rows all-gathered in one collective and
+    unpacked into ``(L, ...)`` leaves; differentiable, its transpose packs the stacked cotangents and
+    reduce-scatters them in one collective. For a layer group's small leaves (norms, biases): one launch per
+    step in each direction instead of one per layer.
+
+    Sharding:
+      Inside ``shard_map``; ``rows`` vary over ``plan.axis``, the leaves are the full tensors on every device.
+    """
+    like = varying_axes(rows)
+    master = np.dtype(bucket.dtype)
+    shapes = [(rows.shape[0], *plan.layer_shape(plan.leaves[i])) for i in bucket.leaves]
+
+    @jax.custom_vjp
+    def run(r):
+        x = vary(r, how.replica_axes).astype(how.policy.gather_dtype(master))
+        full = jax.lax.all_gather(x, plan.axis, axis=1, tiled=True)
+        return [
+            leaf.astype(how.leaf_dtype(master))
+            for leaf in unpack(full, bucket.layout, shapes, kernels_policy=how.kernels)
+        ]
+
+    def fwd(r):
+        return run(r), None
+
+    def bwd(_, cts):
+        packed = pack(
+            cts, bucket.layout, dtype=how.policy.grad_dtype(master), kernels_policy=how.kernels, lead=shapes[0][:1]
+        )
+        out = jax.lax.psum_scatter(packed, plan.axis, scatter_dimension=1, tiled=True)
+        return (_replica_sum(out, like).astype(master),)
+
+    run.defvjp(fwd, bwd)
+    return list(run(rows))
 
 
 def gather_flat(local_buffers: Sequence[jax.Array], plan: Plan, how: Gather | None = None) -> dict[int, jax.Array]:

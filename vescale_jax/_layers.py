@@ -30,7 +30,8 @@ import numpy as np
 
 from vescale_jax import _collectives as collectives
 from vescale_jax import kernels
-from vescale_jax._collectives import Gather, gather_leaves, scatter_leaves, tie, vary, varying_axes
+from vescale_jax._collectives import Gather, gather_leaves, gather_stacked, scatter_leaves, tie, vary, varying_axes
+from vescale_jax._phases import split_layer
 from vescale_jax._plan import Plan
 from vescale_jax._precision import MixedPrecision
 from vescale_jax._widen import widened
@@ -230,19 +231,34 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
         for x in jax.tree.leaves(xs):
             if x.shape[:1] != (num_layers,):
                 raise ValueError(f"vj.scan_layers: xs leaves need a leading dim of {num_layers} layers, got {x.shape}")
+    # Small buckets beside larger ones (a cut layer's norms and biases) are gathered for all layers at once and
+    # enter the loop as per-layer inputs: one collective per step each way instead of one per layer.
+    whole = _whole_buckets(plan, bucket_ids)
+    whole_leaves = tuple(
+        tuple(gather_stacked(r, plan.buckets[b], plan, how))
+        for b, r in zip(bucket_ids, rows, strict=True)
+        if b in whole
+    )
+    whole_ids = [b for b in bucket_ids if b in whole]
+    keep_b = [k for k, b in enumerate(bucket_ids) if b not in whole]
+    bucket_ids = [bucket_ids[k] for k in keep_b]
+    rows = tuple(rows[k] for k in keep_b)
+    buckets = [buckets[k] for k in keep_b]
+    like_axes = tuple(like_axes[k] for k in keep_b)
+    xs = (xs, whole_leaves)
 
-    def tree_of(gathered):  # gathered: per bucket, its leaves in slot order
-        by_bucket = dict(zip(bucket_ids, gathered, strict=True))
+    def tree_of(gathered, whole_j):  # gathered: per loop bucket, its leaves in slot order; whole_j: this layer's
+        by_bucket = {**dict(zip(bucket_ids, gathered, strict=True)), **dict(zip(whole_ids, whole_j, strict=True))}
         out = [by_bucket[plan.leaves[s.index].bucket][plan.leaves[s.index].slot] for s in shards]
         return jax.tree_util.tree_unflatten(treedef, out)
 
     def call(params, c, x):
-        return _call(body, params, c, x, has_xs)
+        return _call(body, params, c, x[0], has_xs)
 
     wide_body = widened(call, narrow)
 
     def layer(gathered, c, x):
-        return wide_body(tree_of(gathered), c, x)
+        return wide_body(tree_of(gathered, x[1]), c, x)
 
     # Example leaves with the right dtypes and varying-axes types (dead code once converted; no collective).
     example = tuple(
@@ -260,6 +276,9 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
     )
     x0 = jax.tree.map(lambda a: a[0], xs)
     fn, consts = jax.closure_convert(layer, example, carry, x0)
+    phases = None
+    if not prefetch and not keep and num_layers > 1:
+        phases = _split(fn, example, carry, x0, consts, num_layers)
 
     def gather(rows_, i):  # layer i of every bucket: cast, vary, all-gather, unpack (vescale_jax._collectives)
         return tuple(
@@ -277,6 +296,11 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
             def step(c, inp):
                 j, x = inp
                 g = gather(rows_, j)
+                if save and phases is not None:  # the layer in two halves: the cut values are saved
+                    ph, carry_tree = phases
+                    flat = jax.tree.leaves((g, c, x, list(consts_)))
+                    cut = ph.first(flat)
+                    return jax.tree.unflatten(carry_tree, ph.second(flat, cut)), (c, cut)
                 return fn(g, c, x, *consts_), ((c, g if keep else None) if save else None)
 
             return jax.lax.scan(step, c, (jnp.arange(num_layers), xs_), unroll=unroll)
@@ -317,6 +341,61 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
         dg, dc, dk, dxd = f_vjp(ct)
         return reduce_scatter(dg), dc, dk, dxd
 
+    def phased_vjp(rows_, j, c_in, x, consts_, cut, ct):
+        """The layer's VJP in two halves: the second half's buckets gathered (tied to the cotangent) and its
+        gradients reduce-scattered first; then the first half's buckets, tied to those reduce-scatters."""
+        ph, carry_tree = phases
+        x_leaves, x_def = jax.tree.flatten(x)
+        diff = [jnp.issubdtype(a.dtype, jnp.inexact) for a in x_leaves]
+        xd = [a for a, d in zip(x_leaves, diff, strict=True) if d]
+        n = len(buckets)
+
+        def x_of(xd_):
+            it = iter(xd_)
+            return jax.tree.unflatten(x_def, [next(it) if d else a for a, d in zip(x_leaves, diff, strict=True)])
+
+        def gather_one(b, anchor):
+            row = jax.lax.dynamic_index_in_dim(rows_[b], j, keepdims=False)
+            return tuple(gather_leaves(tie([row], anchor)[0], buckets[b], plan, how))
+
+        def full(part):  # buckets a half does not read: their example leaves (dead code there)
+            return tuple(part.get(b, example[b]) for b in range(n))
+
+        second = sorted(ph.second_buckets)
+        g2 = {b: gather_one(b, ct) for b in second}
+
+        def f2(g_, cut_, c_, k_, xd_):
+            flat = jax.tree.leaves((full(dict(zip(second, g_, strict=True))), c_, x_of(xd_), list(k_)))
+            return jax.tree.unflatten(carry_tree, ph.second(flat, cut_))
+
+        _, vjp2 = jax.vjp(f2, tuple(g2[b] for b in second), list(cut), c_in, tuple(consts_), xd)
+        dg2, dcut, dc2, dk2, dxd2 = vjp2(ct)
+        dg = dict(zip(second, dg2, strict=True))
+        out = {}
+        for b in second:
+            if b not in ph.first_buckets:
+                out[b] = scatter_leaves(dg[b], buckets[b], plan, how, like_axes=like_axes[b])
+        anchor = [out[b] for b in sorted(out)] or [ct]
+        g1 = {b: g2[b] if b in g2 else gather_one(b, anchor) for b in sorted(ph.first_buckets)}
+        order = sorted(ph.first_buckets)
+
+        def f1(g_, c_, k_, xd_):
+            flat = jax.tree.leaves((full(dict(zip(order, g_, strict=True))), c_, x_of(xd_), list(k_)))
+            return ph.first(flat)
+
+        _, vjp1 = jax.vjp(f1, tuple(g1[b] for b in order), c_in, tuple(consts_), xd)
+        dg1, dc1, dk1, dxd1 = vjp1(dcut)
+        for b, d in zip(order, dg1, strict=True):
+            if b in dg:
+                d = tuple(a + c for a, c in zip(d, dg[b], strict=True))
+            out[b] = scatter_leaves(d, buckets[b], plan, how, like_axes=like_axes[b])
+        for b in range(n):  # a bucket the layer never reads: zero gradient
+            if b not in out:
+                zeros = [jnp.zeros_like(leaf) for leaf in example[b]]
+                out[b] = scatter_leaves(zeros, buckets[b], plan, how, like_axes=like_axes[b])
+        add = lambda a, c: jax.tree.map(jnp.add, a, c)
+        return tuple(out[b] for b in range(n)), add(dc1, dc2), add(dk1, dk2), add(dxd1, dxd2)
+
     def full_dx(xs_, dxd_stacked):
         it = iter(dxd_stacked)
         return jax.tree.map(lambda a: next(it) if jnp.issubdtype(a.dtype, jnp.inexact) else _zero_cotangent(a), xs_)
@@ -343,7 +422,10 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
             def step(state, inp):
                 ct_, dk_acc, d_rows = state
                 j, c_in, x_j, g_kept = inp
-                d_row, dc_, dk_, dxd_ = layer_vjp(g_kept if keep else gather(rows_, j), c_in, x_j, consts_, ct_)
+                if phases is not None:
+                    d_row, dc_, dk_, dxd_ = phased_vjp(rows_, j, c_in, x_j, consts_, g_kept, ct_)
+                else:
+                    d_row, dc_, dk_, dxd_ = layer_vjp(g_kept if keep else gather(rows_, j), c_in, x_j, consts_, ct_)
                 d_rows = tuple(
                     jax.lax.dynamic_update_index_in_dim(a, r, j, 0) for a, r in zip(d_rows, d_row, strict=True)
                 )
@@ -385,6 +467,36 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
 
     run.defvjp(run_fwd, run_bwd)
     return run(rows, carry, xs, list(consts))
+
+
+def _split(fn, example, carry, x0, consts, num_layers):
+    """``(Phases, carry treedef)`` cutting the layer ``fn(g, c, x, *consts)`` in two, or None."""
+    flat, tree = jax.tree.flatten((example, carry, x0, list(consts)))
+    n_g = len(jax.tree.leaves(example))
+    leaf_bucket = [b for b, leaves in enumerate(example) for _ in leaves] + [None] * (len(flat) - n_g)
+    bucket_bytes = [sum(leaf.size * leaf.dtype.itemsize for leaf in leaves) for leaves in example]
+
+    def flat_fn(*xs):
+        g, c, x, k = jax.tree.unflatten(tree, xs)
+        return jax.tree.leaves(fn(g, c, x, *k))
+
+    got = split_layer(flat_fn, flat, leaf_bucket, bucket_bytes, num_layers)
+    return None if got is None else (got[0], jax.tree.structure(carry))
+
+
+_WHOLE_BYTES = 1 << 20
+
+
+def _whole_buckets(plan: Plan, bucket_ids: list[int]) -> set[int]:
+    """Stacked buckets gathered for all layers at once: at most 1 MiB over all layers and no larger than one
+    layer of the group's largest bucket (so a layer group of small buckets keeps its per-layer gathers)."""
+    per_layer = {b: plan.buckets[b].nbytes // plan.buckets[b].layers for b in bucket_ids}
+    out = set()
+    for b in bucket_ids:
+        total = plan.buckets[b].nbytes
+        if 0 < total <= _WHOLE_BYTES and any(total <= per_layer[o] for o in bucket_ids if o != b):
+            out.add(b)
+    return out
 
 
 def _axes_of(tree: Any) -> frozenset[str]:
