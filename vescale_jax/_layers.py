@@ -286,8 +286,8 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
             for r, bucket in zip(rows_, buckets, strict=True)
         )
 
-    def x_at(i):
-        return jax.tree.map(lambda a: a[i], xs)
+    def x_at(xs_, i):
+        return jax.tree.map(lambda a: a[i], xs_)
 
     def forward(rows_, c, xs_, consts_, save):
         """Returns the output carry and, when saving, (carries into layers, gathered layers if keep)."""
@@ -315,7 +315,7 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
         g0 = gather(rows_, 0)
         head = jax.tree.map(lambda a: a[:-1], xs_)
         (c_last, g_last), saved = jax.lax.scan(step, (c, g0), (jnp.arange(1, num_layers), head), unroll=unroll)
-        out = fn(g_last, c_last, x_at(num_layers - 1), *consts_)
+        out = fn(g_last, c_last, x_at(xs_, num_layers - 1), *consts_)
         if not save:
             return out, None
         c_stack, g_stack = saved  # carries into layers 1..L-1 (and those layers, gathered, if keep)
@@ -459,7 +459,7 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
             reverse=True,
             unroll=unroll,
         )
-        d_row0, dc, dk0, dxd0 = layer_vjp(g_0, c0, x_at(0), consts_, ct1)
+        d_row0, dc, dk0, dxd0 = layer_vjp(g_0, c0, x_at(xs_, 0), consts_, ct1)
         d_rows = tuple(jax.lax.dynamic_update_index_in_dim(a, r, 0, 0) for a, r in zip(d_rows, d_row0, strict=True))
         dk = jax.tree.map(jnp.add, dk_acc, dk0)
         dxd = [jnp.concatenate([d0[None], dh]) for d0, dh in zip(dxd0, dxd_hi, strict=True)]
