@@ -88,8 +88,8 @@ def test_a_leaf_the_model_returns_has_no_segment():
 
 def test_a_large_table_is_alive_only_around_its_use():
     # An embedding and an untied head of the same size, everything else small: gathered up front (as before)
-    # both tables and a full-size gradient are alive together; at their points of use one at a time.
-    vocab, d = 4096, 256
+    # both tables and full-size gradients are alive together; at their points of use one at a time.
+    vocab, d = 3072, 256  # no padding on 1, 2, 3 or 8 devices: a one-leaf bucket is its leaf
     rng = np.random.default_rng(0)
     tree = {
         "embed": jnp.asarray(rng.standard_normal((vocab, d)), jnp.float32),
@@ -106,6 +106,9 @@ def test_a_large_table_is_alive_only_around_its_use():
         g = jax.grad(lambda q: loss(vj.apply(net, q, tokens), tokens))(sp)
         return jax.tree.map(lambda a, b: a - 0.1 * b, sp, g), opt
 
-    tokens = rng.integers(0, vocab, (8, 4)).astype(np.int32)
+    tokens = rng.integers(0, vocab, (24, 4)).astype(np.int32)
     mem = testing.memory(step.lower(vj.shard(tree, plan), None, tokens).compile())
-    assert mem.temp < 1.5 * table, mem
+    # one full table (gathered, or its gradient) at a time, the two tables' gradient shards, half a table for the
+    # rest (activations, logits); gathered up front it was 3.2 to 3.9 tables on 1, 2, 3 and 8 devices
+    m = plan.num_devices
+    assert mem.temp < table * (1.5 + 2 / m), mem
