@@ -92,20 +92,6 @@ def test_tie_changes_no_value():
             np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
 
 
-def test_jax_forwards_checkpointed_inputs_into_the_vjp_residuals():
-    """reshard_after_forward drops gathered leaves from the residuals by identity (collectives.forwarded):
-    this pins the JAX behaviour it relies on, under jit as in a step."""
-
-    def check(w, x):
-        f = lambda w_, x_: jnp.sum(jnp.tanh(x_ @ w_))
-        _, vjp_fn = jax.vjp(jax.checkpoint(f, policy=collectives.save_policy), w, x)
-        holes = collectives.forwarded(jax.tree.leaves(vjp_fn), [w, x])
-        assert 0 in holes and 1 in holes, holes  # both inputs are needed by the backward, kept as they are
-        return vjp_fn(jnp.ones(()))
-
-    jax.jit(check)(jnp.ones((4, 3)), jnp.ones((2, 4)))
-
-
 @pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "keep"])
 def test_flat_and_stacked_buckets_pack_gradients_the_same_way(reshard):
     """Every bucket's gradient is packed by one concatenate (collectives.pack), never by the transposes of

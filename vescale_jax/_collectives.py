@@ -17,8 +17,9 @@ Transpose, :func:`scatter_leaves`::
       -> psum over the replica axes        HSDP: replicas saw other data
       -> cast to the master dtype
 
-:func:`gather_bucket` is the two as one ``custom_vjp`` (what ``vj.apply`` uses without reshard-after-forward);
-:func:`reshard_after_forward` runs a model with them by hand so the backward gathers again;
+:func:`gather_bucket` is the two as one ``custom_vjp``;
+:func:`gather_segment` runs a segment of the model with its buckets gathered at the point of use (the backward
+gathers again, after reduce-scattering where the segment is affine);
 ``vj.scan_layers`` calls them once per layer; :func:`gather_copies` / :func:`reduce_copies` are the whole-buffer
 versions for ``vj.accumulate(reduce="once")``. :func:`pack` / :func:`unpack` pick XLA or the kernels by policy;
 the XLA path is the kernels' own reference (``vescale_jax.kernels.pack_reference`` / ``unpack_reference``).
@@ -52,8 +53,6 @@ __all__ = [
     "gather_stacked",
     "pack",
     "reduce_copies",
-    "reshard_after_forward",
-    "save_policy",
     "scatter_leaves",
     "tie",
     "unpack",
@@ -563,133 +562,6 @@ def anchored(f: Callable[..., Any], anchor: Any) -> Callable[..., Any]:
         return jax.tree.unflatten(jax.tree.structure(shape), [read(v) for v in jaxpr.outvars])
 
     return run
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Reshard after forward: gather in forward, drop, gather again in backward
-
-
-class _Gathered:
-    """A hole in the saved residuals where gathered leaf ``k`` was: static pytree data, no children."""
-
-    __slots__ = ("k",)
-
-    def __init__(self, k: int):
-        self.k = k
-
-    def __eq__(self, other):
-        return isinstance(other, _Gathered) and other.k == self.k
-
-    def __hash__(self):
-        return hash(("_Gathered", self.k))
-
-
-jax.tree_util.register_pytree_node(_Gathered, lambda h: ((), h.k), lambda k, _: _Gathered(k))
-
-
-def forwarded(residuals: Sequence[Any], inputs: Sequence[Any]) -> list[int | None]:
-    """For each residual, the index of the input it *is* (by identity), else None.
-
-    This is the one place that relies on JAX forwarding a differentiated function's inputs into its VJP's
-    residuals unchanged (``jax.vjp`` of a ``jax.checkpoint``-ed function keeps the inputs it needs as they
-    are). If a JAX version stops doing so, no gathered leaf is found, the memory saving is lost and
-    ``tests/test_collectives.py`` fails; values stay correct either way.
-    """
-    where = {id(x): k for k, x in enumerate(inputs)}
-    return [where.get(id(r)) for r in residuals]
-
-
-# Outputs of these primitives are copies or views of their inputs: under reshard-after-forward they are
-# recomputed in backward rather than saved, so no gathered parameter (or a transposed / cast view of one) is kept.
-_DATA_MOVEMENT = frozenset(
-    {
-        "all_gather",
-        "broadcast_in_dim",
-        "concatenate",
-        "convert_element_type",
-        "copy",
-        "dynamic_slice",
-        "expand_dims",
-        "name",
-        "pcast",
-        "pvary",
-        "reduce_precision",
-        "reshape",
-        "slice",
-        "squeeze",
-        "transpose",
-    }
-)
-
-
-def save_policy(prim: Any, *_: Any, **__: Any) -> bool:
-    """The ``jax.checkpoint`` policy of reshard-after-forward: save everything but data movement."""
-    return prim.name not in _DATA_MOVEMENT
-
-
-def reshard_after_forward(
-    fn: Callable[..., Any],
-    plan: Plan,
-    how: Gather,
-    build: Callable[[Sequence[jax.Array], dict[int, jax.Array]], Any],
-) -> Callable[..., Any]:
-    """``(local_buffers, args) -> fn(build(buffers, gathered), *args)`` whose backward gathers the
-    non-stacked buckets again instead of keeping them from the forward.
-
-    The forward takes the VJP of ``fn`` under ``jax.checkpoint(policy=save_policy)`` (data movement is
-    recomputed, not saved) with the gathered leaves
-    as inputs, and replaces every residual that *is* a gathered leaf (:func:`forwarded`) by a static hole. The
-    backward ties the local shards to the cotangent (:func:`tie`), gathers them again, fills the holes, runs
-    the VJP and hands each bucket's leaf cotangents to :func:`scatter_leaves`. Everything it needs travels in
-    the residuals; nothing is kept between the forward and backward traces.
-
-    Args:
-      fn: the model ``(tree, *args) -> outputs``.
-      plan: the plan.
-      how: the gather options.
-      build: ``(buffers, {leaf index: gathered leaf}) -> tree`` (stacked buckets become stand-ins there).
-    """
-    flat_buckets = [b for b, bucket in enumerate(plan.buckets) if bucket.layers is None]
-    keys = [i for b in flat_buckets for i in plan.buckets[b].leaves]
-
-    def gather_all(buffers):
-        return [x for b in flat_buckets for x in gather_leaves(buffers[b], plan.buckets[b], plan, how)]
-
-    def body(flat, buffers, args):
-        return fn(build(buffers, dict(zip(keys, flat, strict=True))), *args)
-
-    @jax.custom_vjp
-    def run(buffers, args):
-        return body(gather_all(buffers), buffers, args)
-
-    def run_fwd(buffers, args):
-        flat = gather_all(buffers)
-        out, vjp_fn = jax.vjp(jax.checkpoint(body, policy=save_policy), flat, buffers, args)
-        res, res_def = jax.tree_util.tree_flatten(vjp_fn)
-        holes = forwarded(res, flat)
-        kept = [r if k is None else _Gathered(k) for r, k in zip(res, holes, strict=True)]
-        return out, (buffers, jax.tree_util.tree_unflatten(res_def, kept))
-
-    def run_bwd(saved, ct):
-        buffers, vjp_fn = saved
-        tied = dict(zip(flat_buckets, tie([buffers[b] for b in flat_buckets], ct), strict=True))
-        flat = gather_all(tied)
-        vjp_fn = jax.tree.map(
-            lambda r: flat[r.k] if isinstance(r, _Gathered) else r, vjp_fn, is_leaf=lambda r: isinstance(r, _Gathered)
-        )
-        d_flat, d_buffers, d_args = vjp_fn(ct)
-        grads = dict(zip(keys, d_flat, strict=True))
-        d_buffers = list(d_buffers)
-        for b in flat_buckets:
-            bucket = plan.buckets[b]
-            if not bucket.layout.total_size:  # zero-size leaves: no gradient to scatter
-                continue
-            d = scatter_leaves([grads[i] for i in bucket.leaves], bucket, plan, how, like_axes=varying_axes(buffers[b]))
-            d_buffers[b] = d_buffers[b] + d.astype(d_buffers[b].dtype)
-        return tuple(d_buffers), d_args
-
-    run.defvjp(run_fwd, run_bwd)
-    return lambda buffers, *args: run(tuple(buffers), args)
 
 
 # ----------------------------------------------------------------------------------------------------------

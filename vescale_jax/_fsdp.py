@@ -6,11 +6,11 @@ reductions such as a global norm are global (the partitioner adds a scalar all-r
 through :func:`apply`, a ``shard_map`` over the mesh in which each device sees its batch shard and gathers the
 parameters it needs. Every collective on parameters and gradients is in :mod:`vescale_jax._collectives`:
 
-* every non-stacked bucket is all-gathered once and unpacked by static slices; with reshard-after-forward (the
-  default) the gathered copy is dropped after the forward and the backward gathers it again
-  (``_collectives.reshard_after_forward``);
+* every non-stacked bucket is all-gathered at its point of use (:mod:`vescale_jax._uses`: the model's jaxpr cut
+  into segments by parameter reads); with reshard-after-forward (the default) the backward gathers it again,
+  after reduce-scattering its gradient where the segment is affine in it;
 * stacked layer groups stay as :class:`vescale_jax.LayerShard` stand-ins that :func:`vescale_jax.scan_layers`
-  gathers one layer per loop iteration;
+  gathers one layer per loop iteration (a cut layer's backward in two halves, :mod:`vescale_jax._phases`);
 * the transpose of each gather is one reduce-scatter of the packed gradient into the local shard, so ``grads``
   come back as a :class:`ShardedParams` in the same layout, with exactly zero gradient in the padding.
 """
@@ -213,8 +213,10 @@ def apply(
       ``fn``'s outputs as global arrays.
 
     Sharding:
-      A ``shard_map`` over the plan's mesh. Each non-stacked bucket is all-gathered once (again in backward with
-      reshard-after-forward); its gradient is reduce-scattered back into the bucket's layout.
+      A ``shard_map`` over the plan's mesh. Each non-stacked bucket is all-gathered once, right before the first
+      operation that reads it, and dropped after the last (gathered again in backward with
+      reshard-after-forward, where the backward reads its values); its gradient is reduce-scattered back into the
+      bucket's layout.
     """
     if isinstance(params, GatheredParams):
         return _apply_gathered(fn, params, args, data_axes, in_specs, out_specs, kernels)
