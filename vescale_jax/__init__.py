@@ -3,10 +3,11 @@
 The public surface is what this module exports (``__all__``) and the namespaces ``vj.optim`` (Optax
 transformations), ``vj.flax`` (NNX / Linen adapters), ``vj.checkpoint`` (Orbax checkpoints), ``vj.kernels``
 (Pallas pack / unpack), ``vj.distributed`` (multi-process start-up), ``vj.redistribute`` (moving one tensor
-between placements) and ``vj.testing`` (HLO census and memory estimates). Every other module is private.
+between placements), ``vj.quant`` (block-wise quantization) and ``vj.testing`` (HLO census and memory
+estimates). Every other module is private.
 """
 
-from vescale_jax import checkpoint, distributed, flax, kernels, optim, redistribute, testing
+from vescale_jax import checkpoint, distributed, flax, kernels, optim, quant, redistribute, testing
 from vescale_jax._accumulate import accumulate
 from vescale_jax._batch import data_sharding, place_batch
 from vescale_jax._buffer import PerDevice, ShardedParams, init_sharded, shard, unshard
@@ -52,6 +53,7 @@ __all__ = [
     "plan",
     "plan_bucket",
     "plan_path",
+    "quant",
     "redistribute",
     "rows",
     "scan_layers",
