@@ -37,6 +37,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from vescale_jax import kernels
+from vescale_jax._jaxpr import bind, read
 from vescale_jax._plan import Bucket, Plan
 from vescale_jax._planner import BucketLayout
 from vescale_jax._precision import MixedPrecision
@@ -545,21 +546,18 @@ def anchored(f: Callable[..., Any], anchor: Any) -> Callable[..., Any]:
         jaxpr = closed.jaxpr
         env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts, strict=True))
         env.update(zip(jaxpr.invars, flat, strict=True))
-        read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]
         for eqn in jaxpr.eqns:
-            invals = [read(v) for v in eqn.invars]
+            invals = [read(env, v) for v in eqn.invars]
             if eqn.primitive.name == "pvary" and all(
                 set(eqn.params["axes"]) <= varying_axes(x) for x in invals
             ):  # a tied constant varies already
                 env.update(zip(eqn.outvars, invals, strict=True))
                 continue
-            with eqn.ctx.manager:
-                outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-            outs = list(outs) if eqn.primitive.multiple_results else [outs]
+            outs = bind(eqn, invals)
             if all(isinstance(v, jex_core.Literal) for v in eqn.invars) and not eqn.effects:
                 outs = [tie([o], anchor)[0] if isinstance(o, jax.Array) and o.ndim else o for o in outs]
             env.update(zip(eqn.outvars, outs, strict=True))
-        return jax.tree.unflatten(jax.tree.structure(shape), [read(v) for v in jaxpr.outvars])
+        return jax.tree.unflatten(jax.tree.structure(shape), [read(env, v) for v in jaxpr.outvars])
 
     return run
 

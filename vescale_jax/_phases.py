@@ -21,9 +21,9 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.extend import core as jex_core
 
-from vescale_jax._uses import _bind, _inline
+from vescale_jax._jaxpr import bucket_reads, evaluate, last_reads, read
+from vescale_jax._uses import _inline
 
 __all__ = ["Phases", "split_layer"]
 
@@ -78,20 +78,9 @@ def split_layer(
         return None
     invars = list(jaxpr.invars)
     bucket_of = {v: b for v, b in zip(invars, leaf_bucket, strict=True) if b is not None}
-    reads = [
-        {bucket_of[v] for v in e.invars if not isinstance(v, jex_core.Literal) and v in bucket_of} for e in jaxpr.eqns
-    ]
-    defined_at: dict[Any, int] = {}
-    last_read: dict[Any, int] = {}
-    for k, e in enumerate(jaxpr.eqns):
-        for v in e.outvars:
-            defined_at[v] = k
-        for v in e.invars:
-            if not isinstance(v, jex_core.Literal):
-                last_read[v] = k
-    for v in jaxpr.outvars:
-        if not isinstance(v, jex_core.Literal):
-            last_read[v] = n
+    reads, _ = bucket_reads(jaxpr, bucket_of)  # a cast, reshape or slice of a leaf stands for the leaf
+    defined_at = {v: k for k, e in enumerate(jaxpr.eqns) for v in e.outvars}
+    last_read = last_reads(jaxpr)
     prefix = [set()]
     for r in reads:
         prefix.append(prefix[-1] | r)
@@ -118,24 +107,20 @@ def split_layer(
     k = best_k
     cut = [v for v, d in defined_at.items() if d < k and last_read.get(v, -1) >= k]
 
-    def first(xs):
+    def env_of(xs):
         env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
         env.update(zip(invars, xs, strict=True))
-        for e in jaxpr.eqns[:k]:
-            env.update(zip(e.outvars, _bind(e, [_read(env, v) for v in e.invars]), strict=True))
+        return env
+
+    def first(xs):
+        env = evaluate(jaxpr.eqns[:k], env_of(xs))
         return [env[v] for v in cut]
 
     def second(xs, cut_values):
-        env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
-        env.update(zip(invars, xs, strict=True))
+        env = env_of(xs)
         env.update(zip(cut, cut_values, strict=True))
-        for e in jaxpr.eqns[k:]:
-            env.update(zip(e.outvars, _bind(e, [_read(env, v) for v in e.invars]), strict=True))
-        return [_read(env, v) for v in jaxpr.outvars]
+        env = evaluate(jaxpr.eqns[k:], env)
+        return [read(env, v) for v in jaxpr.outvars]
 
     phases = Phases(first, second, frozenset(prefix[k]), frozenset(suffix[k]), sum(_nbytes(v) for v in cut))
     return phases, [v.aval for v in cut]
-
-
-def _read(env: dict[Any, Any], v: Any) -> Any:
-    return v.val if isinstance(v, jex_core.Literal) else env[v]

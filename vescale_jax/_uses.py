@@ -27,6 +27,7 @@ from jax.extend import core as jex_core
 from vescale_jax import _collectives as collectives
 from vescale_jax import kernels
 from vescale_jax._collectives import Gather, gather_leaves, gather_segment, vary
+from vescale_jax._jaxpr import bind, bucket_reads, evaluate, last_reads, read
 from vescale_jax._plan import Plan
 
 __all__ = ["at_point_of_use"]
@@ -65,25 +66,6 @@ _LINEAR: dict[str, tuple[int, ...] | None] = {
     "select_n": None,  # the predicate (operand 0) is checked separately
     "div": (0,),
 }
-# Outputs that are copies or views of operand 0.
-_VIEWS = frozenset(
-    {
-        "broadcast_in_dim",
-        "convert_element_type",
-        "copy",
-        "copy_p",
-        "dynamic_slice",
-        "expand_dims",
-        "pcast",
-        "pvary",
-        "reduce_precision",
-        "reshape",
-        "rev",
-        "slice",
-        "squeeze",
-        "transpose",
-    }
-)
 # Linear in each operand separately: at most one operand may depend on the leaves.
 _BILINEAR = frozenset({"mul", "dot_general", "conv_general_dilated"})
 
@@ -106,22 +88,15 @@ def _eval_inlined(closed: Any, xs: Sequence[Any]) -> list[Any]:
     jaxpr = closed.jaxpr
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts, strict=True))
     env.update(zip(jaxpr.invars, xs, strict=True))
-    read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]
     for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
+        invals = [read(env, v) for v in eqn.invars]
         if eqn.primitive.name in _CALLS and "jaxpr" in eqn.params:
             inner = eqn.params["jaxpr"]
             outs = _eval_inlined(inner if hasattr(inner, "consts") else jex_core.ClosedJaxpr(inner, ()), invals)
         else:
-            outs = _bind(eqn, invals)
+            outs = bind(eqn, invals)
         env.update(zip(eqn.outvars, outs, strict=True))
-    return [read(v) for v in jaxpr.outvars]
-
-
-def _bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
-    with eqn.ctx.manager:  # as jax.core.eval_jaxpr
-        outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-    return list(outs) if eqn.primitive.multiple_results else [outs]
+    return [read(env, v) for v in jaxpr.outvars]
 
 
 def _is_linear(eqn: Any, dep_positions: list[int]) -> bool:
@@ -141,18 +116,12 @@ def _segments(jaxpr: Any, leaf_vars: dict[Any, int]) -> tuple[list[_Segment], se
     the buckets that cannot have one (a leaf returned as an output: gathered up front)."""
     first: dict[int, int] = {}
     last: dict[int, int] = {}
-    # A copy or view of a leaf (a cast, reshape, transpose, broadcast, slice) stands for the leaf: its reads are
-    # reads of the bucket, so the segment reaches the matmul that reads a leaf's fp32 cast.
-    like = dict(leaf_vars)
-    for k, eqn in enumerate(jaxpr.eqns):
-        for v in eqn.invars:
-            if not isinstance(v, jex_core.Literal) and v in like:
-                b = like[v]
-                first.setdefault(b, k)
-                last[b] = k
-        src = eqn.invars[0] if eqn.invars else None
-        if eqn.primitive.name in _VIEWS and not isinstance(src, jex_core.Literal) and src in like:
-            like.update((v, like[src]) for v in eqn.outvars)
+    # A copy or view of a leaf stands for the leaf: the segment reaches the matmul that reads a leaf's fp32 cast.
+    reads, like = bucket_reads(jaxpr, leaf_vars)
+    for k, bs in enumerate(reads):
+        for b in bs:
+            first.setdefault(b, k)
+            last[b] = k
     upfront = {like[v] for v in jaxpr.outvars if not isinstance(v, jex_core.Literal) and v in like}
     spans = sorted((first[b], last[b] + 1, b) for b in first if b not in upfront)
     merged: list[list[Any]] = []
@@ -233,15 +202,13 @@ def at_point_of_use(
         for b in sorted(upfront):  # a leaf the model returns: gathered up front (differentiable)
             leaves = collectives._gather_bucket(buffers[b], plan.buckets[b], plan, how)
             env.update((var_of[i], x) for i, x in zip(plan.buckets[b].leaves, leaves, strict=True))
-        read = lambda e, v: v.val if isinstance(v, jex_core.Literal) else e[v]
-        last_read = _last_reads(jaxpr)
+        last_read = last_reads(jaxpr)
         k = 0
         by_start = {s.start: s for s in segments}
         while k < len(jaxpr.eqns):
             seg = by_start.get(k)
             if seg is None:
-                eqn = jaxpr.eqns[k]
-                env.update(zip(eqn.outvars, _bind(eqn, [read(env, v) for v in eqn.invars]), strict=True))
+                evaluate([jaxpr.eqns[k]], env)
                 k += 1
                 continue
             eqns = jaxpr.eqns[seg.start : seg.stop]
@@ -261,8 +228,7 @@ def at_point_of_use(
                 e = dict(zip(inputs, others, strict=True))
                 for b, leaves in zip(seg.buckets, ws, strict=True):
                     e.update((var_of[i], x) for i, x in zip(plan.buckets[b].leaves, leaves, strict=True))
-                for eqn in eqns:
-                    e.update(zip(eqn.outvars, _bind(eqn, [read(e, v) for v in eqn.invars]), strict=True))
+                evaluate(eqns, e)
                 return [e[v] for v in outputs]
 
             outs = gather_segment(
@@ -280,16 +246,3 @@ def at_point_of_use(
         return jax.tree.unflatten(jax.tree.structure(out_shape), [read(env, v) for v in jaxpr.outvars])
 
     return local
-
-
-def _last_reads(jaxpr: Any) -> dict[Any, int]:
-    """Per variable, the index of the last equation reading it (``len(eqns)`` for an output)."""
-    out: dict[Any, int] = {}
-    for k, eqn in enumerate(jaxpr.eqns):
-        for v in eqn.invars:
-            if not isinstance(v, jex_core.Literal):
-                out[v] = k
-    for v in jaxpr.outvars:
-        if not isinstance(v, jex_core.Literal):
-            out[v] = len(jaxpr.eqns)
-    return out

@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
+from vescale_jax._jaxpr import bind
+
 __all__ = ["wide_dtype", "widened"]
 
 
@@ -107,10 +109,5 @@ def _eval(closed: Any, in_flat: Sequence[Any], wide: dict[int, tuple[Any, np.dty
         ):
             env[eqn.outvars[0]] = copies[src][0]  # astype(f32) of the leaf: its exact fp32 copy
             continue
-        invals = [read(v) for v in eqn.invars]
-        with eqn.ctx.manager:  # as jax.core.eval_jaxpr
-            outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-        outs = outs if eqn.primitive.multiple_results else [outs]
-        for v, x in zip(eqn.outvars, outs, strict=True):
-            env[v] = x
+        env.update(zip(eqn.outvars, bind(eqn, [read(v) for v in eqn.invars]), strict=True))
     return [read(v) for v in jaxpr.outvars]
