@@ -11,6 +11,7 @@ from vescale_jax.testing._shapes import _COMMENT, _tuple_elements
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\)\s*->\s*.*)?\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"')
+_OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
 _TRIP_COUNT = re.compile(r'known_trip_count\\?"\s*:\s*\{\s*\\?"n\\?"\s*:\s*\\?"?(\d+)')
 _SINGLE_REF = re.compile(r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
 _MULTI_REF = re.compile(r"\b(branch_computations|called_computations|calls)=\{([^}]*)\}")
@@ -24,6 +25,7 @@ class _Instr:
     opcode: str
     attrs: str  # everything after the opcode, quoted strings blanked out
     trip_count: int | None
+    op_name: str = ""  # the metadata's op_name (JAX's name stack), unescaped
 
 
 @dataclasses.dataclass
@@ -73,12 +75,15 @@ def _parse_module(text: str) -> tuple[list[_Comp], int | None]:
             continue
         name, rest = m.groups()
         trip = _TRIP_COUNT.search(rest)
+        op = _OP_NAME.search(rest)
         rest = _COMMENT.sub("", _QUOTED.sub('""', rest))
         shape, tail = _split_shape(rest)
         om = re.match(r"([\w\-]+)\(", tail)
         if om is None:
             continue
-        current.instrs.append(_Instr(name, shape, om.group(1), tail[om.end() :], int(trip.group(1)) if trip else None))
+        op_name = re.sub(r"\\(.)", r"\1", op.group(1)) if op else ""
+        trip_count = int(trip.group(1)) if trip else None
+        current.instrs.append(_Instr(name, shape, om.group(1), tail[om.end() :], trip_count, op_name))
     if current is not None:  # tolerate a snippet without its closing brace
         comps.append(current)
     devices = None

@@ -32,9 +32,9 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-from vescale_jax.testing._hlo import _COMPUTATION, _INSTRUCTION, _split_shape
+from vescale_jax.testing._hlo import _parse_module
 from vescale_jax.testing._memory import Memory, memory
-from vescale_jax.testing._shapes import _COMMENT, _MIB, _split_top, _strip_layout, _tuple_elements, shape_bytes
+from vescale_jax.testing._shapes import _MIB, _split_top, _strip_layout, _tuple_elements, shape_bytes
 
 __all__ = ["LiveBuffer", "PeakAccount", "default_category", "peak_account"]
 
@@ -43,8 +43,6 @@ _LIVE = re.compile(r"^\s+(\S+?): (\d+) bytes")
 _RANGE = re.compile(r"^\s+(\S+?):(\d+)-(\d+)\s*$")
 _CUMULATIVE = re.compile(r"\(cumulative: (\d+) bytes\)")
 _VALUE_NAME = re.compile(r"^([\w.\-]+)\{([\d,\s]*)\}$")
-_OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
-_QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"')
 _ALLOCATION = re.compile(r"^allocation (\d+): size (\d+)(.*)$")
 _ALLOC_VALUE = re.compile(r"^\s*value: <\d+ ([\w.\-]+)(\{[\d,\s]*\})?(?: \(phi\))? @\d+>")
 _PARAM_NUMBER = re.compile(r"\bparameter (\d+)")
@@ -299,39 +297,26 @@ def _operands(tail: str) -> tuple[list[str], str]:
 
 def _parse_hlo(text: str) -> dict[str, _Ins]:
     instrs: dict[str, _Ins] = {}
-    comp, entry = None, False
-    for raw in text.splitlines():
-        line = raw.rstrip()
-        if comp is None:
-            m = _COMPUTATION.match(line)
-            if m and not line.startswith(("HloModule", "FileNames", "FunctionNames", "FileLocations", "StackFrames")):
-                comp, entry = m.group(2), bool(m.group(1))
-            continue
-        if line.strip() == "}":
-            comp = None
-            continue
-        m = _INSTRUCTION.match(line)
-        if m is None:
-            continue
-        name, rest = m.groups()
-        op = _OP_NAME.search(rest)
-        rest = _COMMENT.sub("", _QUOTED.sub('""', rest))
-        shape, tail = _split_shape(rest)
-        om = re.match(r"([\w\-]+)\(", tail)
-        if om is None:
-            continue
-        operands, attrs = _operands(tail[om.end() :])
-        op_name = re.sub(r"\\(.)", r"\1", op.group(1)) if op else ""
-        ins = _Ins(
-            name, comp, entry, _strip_layout(shape).strip(), om.group(1), operands, op_name, _CALLS.findall(attrs)
-        )
-        if ins.opcode == "get-tuple-element":
-            ti = re.search(r"\bindex=(\d+)", attrs)
-            ins.tuple_index = int(ti.group(1)) if ti else None
-        if ins.opcode == "parameter":
-            pn = re.match(r"\s*(\d+)", tail[om.end() :])
-            ins.parameter = int(pn.group(1)) if pn else None
-        instrs[name] = ins
+    for comp in _parse_module(text)[0]:
+        for instr in comp.instrs:
+            operands, attrs = _operands(instr.attrs)
+            ins = _Ins(
+                instr.name,
+                comp.name,
+                comp.entry,
+                _strip_layout(instr.shape).strip(),
+                instr.opcode,
+                operands,
+                instr.op_name,
+                _CALLS.findall(attrs),
+            )
+            if ins.opcode == "get-tuple-element":
+                ti = re.search(r"\bindex=(\d+)", attrs)
+                ins.tuple_index = int(ti.group(1)) if ti else None
+            if ins.opcode == "parameter":
+                pn = re.match(r"\s*(\d+)", instr.attrs)
+                ins.parameter = int(pn.group(1)) if pn else None
+            instrs[instr.name] = ins
     return instrs
 
 
