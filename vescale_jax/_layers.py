@@ -328,15 +328,11 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
         )
 
     def layer_vjp(g, c_in, x, consts_, ct):
-        x_leaves, x_def = jax.tree.flatten(x)
-        diff = [jnp.issubdtype(a.dtype, jnp.inexact) for a in x_leaves]
+        xd, x_of = _inexact_part(x)
 
-        def f(g_, c_, k_, xd):
-            it = iter(xd)
-            x_ = jax.tree.unflatten(x_def, [next(it) if d else a for a, d in zip(x_leaves, diff, strict=True)])
-            return fn(g_, c_, x_, *k_)
+        def f(g_, c_, k_, xd_):
+            return fn(g_, c_, x_of(xd_), *k_)
 
-        xd = [a for a, d in zip(x_leaves, diff, strict=True) if d]
         _, f_vjp = jax.vjp(f, g, c_in, tuple(consts_), xd)
         dg, dc, dk, dxd = f_vjp(ct)
         return reduce_scatter(dg), dc, dk, dxd
@@ -345,14 +341,8 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
         """The layer's VJP in two halves: the second half's buckets gathered (tied to the cotangent) and its
         gradients reduce-scattered first; then the first half's buckets, tied to those reduce-scatters."""
         ph, carry_tree = phases
-        x_leaves, x_def = jax.tree.flatten(x)
-        diff = [jnp.issubdtype(a.dtype, jnp.inexact) for a in x_leaves]
-        xd = [a for a, d in zip(x_leaves, diff, strict=True) if d]
+        xd, x_of = _inexact_part(x)
         n = len(buckets)
-
-        def x_of(xd_):
-            it = iter(xd_)
-            return jax.tree.unflatten(x_def, [next(it) if d else a for a, d in zip(x_leaves, diff, strict=True)])
 
         def gather_one(b, anchor):
             row = jax.lax.dynamic_index_in_dim(rows_[b], j, keepdims=False)
@@ -467,6 +457,18 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
 
     run.defvjp(run_fwd, run_bwd)
     return run(rows, carry, xs, list(consts))
+
+
+def _inexact_part(x: Any) -> tuple[list[jax.Array], Callable[[list[jax.Array]], Any]]:
+    """The inexact leaves of ``x`` (what a VJP differentiates) and ``x`` rebuilt around new values for them."""
+    leaves, tree = jax.tree.flatten(x)
+    diff = [jnp.issubdtype(a.dtype, jnp.inexact) for a in leaves]
+
+    def rebuild(values):
+        it = iter(values)
+        return jax.tree.unflatten(tree, [next(it) if d else a for a, d in zip(leaves, diff, strict=True)])
+
+    return [a for a, d in zip(leaves, diff, strict=True) if d], rebuild
 
 
 def _split(fn, example, carry, x0, consts, num_layers):
