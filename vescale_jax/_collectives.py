@@ -45,6 +45,7 @@ from vescale_jax.kernels import KernelPolicy
 
 __all__ = [
     "Gather",
+    "example_leaves",
     "gather_bucket",
     "gather_copies",
     "gather_flat",
@@ -288,6 +289,15 @@ def gather_leaves(local: jax.Array, bucket: Bucket, plan: Plan, how: Gather) -> 
     return [leaf.astype(out_dtype) for leaf in unpack(full, bucket.layout, shapes, kernels_policy=how.kernels)]
 
 
+def example_leaves(local: jax.Array, bucket: Bucket, plan: Plan, how: Gather) -> list[jax.Array]:
+    """Leaves with :func:`gather_leaves`'s shapes, dtypes and varying axes for the local ``(S,)`` shard ``local``,
+    computed without a collective (they only shape a trace and are dead code once it is evaluated)."""
+    full = jnp.tile(vary(local, how.replica_axes), bucket.layout.num_devices)
+    full = full.astype(how.policy.gather_dtype(local.dtype))
+    shapes = [plan.layer_shape(plan.leaves[i]) for i in bucket.leaves]
+    return [x.astype(how.leaf_dtype(local.dtype)) for x in kernels.unpack_reference(full, bucket.layout, shapes)]
+
+
 def scatter_leaves(
     cts: Sequence[jax.Array], bucket: Bucket, plan: Plan, how: Gather, *, like_axes: frozenset[str] = frozenset()
 ) -> jax.Array:
@@ -482,7 +492,7 @@ def gather_segment(
     def gathered(locs, anchor):
         return [gather_leaves(x, b, plan, how) for x, b in zip(tie(locs, anchor), buckets, strict=True)]
 
-    def zeros(locs):  # typed like the gathered leaves: varying over the shard's axes and the replica axes
+    def zeros():  # typed like the gathered leaves: varying over the shard's axes and the replica axes
         return [
             [_like(jnp.zeros(s, how.leaf_dtype(b.dtype)), ax | frozenset(how.replica_axes) if ax else ax) for s in ss]
             for ss, b, ax in zip(shapes, buckets, like, strict=True)
@@ -507,7 +517,7 @@ def gather_segment(
             ws = ws if ws is not None else gathered(locs, ct)
             dws, d_others = jax.vjp(fn, ws, others_)[1](ct)
             return scatter(dws), d_others
-        z = zeros(locs)
+        z = zeros()
         dws = anchored(lambda c: jax.vjp(lambda w: fn(w, others_), z)[1](c)[0], ct)(ct)
         d_locs = scatter(dws)
         d_of_others = lambda w, c: jax.vjp(lambda o: fn(w, o), others_)[1](c)[0]

@@ -29,8 +29,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from vescale_jax import _collectives as collectives
-from vescale_jax import kernels
-from vescale_jax._collectives import Gather, gather_leaves, gather_stacked, scatter_leaves, tie, vary, varying_axes
+from vescale_jax._collectives import (
+    Gather,
+    example_leaves,
+    gather_leaves,
+    gather_stacked,
+    scatter_leaves,
+    tie,
+    varying_axes,
+)
 from vescale_jax._phases import split_layer
 from vescale_jax._plan import Plan
 from vescale_jax._precision import MixedPrecision
@@ -261,19 +268,7 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
         return wide_body(tree_of(gathered, x[1]), c, x)
 
     # Example leaves with the right dtypes and varying-axes types (dead code once converted; no collective).
-    example = tuple(
-        tuple(
-            leaf.astype(how.leaf_dtype(r.dtype))
-            for leaf in kernels.unpack_reference(
-                jnp.tile(vary(r[0], how.replica_axes), bucket.layout.num_devices).astype(
-                    how.policy.gather_dtype(r.dtype)
-                ),
-                bucket.layout,
-                [plan.layer_shape(plan.leaves[i]) for i in bucket.leaves],
-            )
-        )
-        for r, bucket in zip(rows, buckets, strict=True)
-    )
+    example = tuple(tuple(example_leaves(r[0], bucket, plan, how)) for r, bucket in zip(rows, buckets, strict=True))
     x0 = jax.tree.map(lambda a: a[0], xs)
     fn, consts = jax.closure_convert(layer, example, carry, x0)
     phases = None

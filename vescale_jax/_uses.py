@@ -21,12 +21,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.extend import core as jex_core
 
 from vescale_jax import _collectives as collectives
-from vescale_jax import kernels
-from vescale_jax._collectives import Gather, gather_leaves, gather_segment, vary
+from vescale_jax._collectives import Gather, example_leaves, gather_leaves, gather_segment
 from vescale_jax._jaxpr import bind, bucket_reads, evaluate, last_reads, read
 from vescale_jax._plan import Plan
 
@@ -144,15 +142,6 @@ def _segments(jaxpr: Any, leaf_vars: dict[Any, int]) -> tuple[list[_Segment], se
     return out, upfront
 
 
-def _example_leaves(local: jax.Array, bucket: Any, plan: Plan, how: Gather) -> list[jax.Array]:
-    """Leaves with the gathered leaves' shapes, dtypes and varying axes, computed without a collective (they
-    only shape the trace and are dead code afterwards)."""
-    full = jnp.tile(vary(local, how.replica_axes), bucket.layout.num_devices)
-    full = full.astype(how.policy.gather_dtype(local.dtype))
-    shapes = [plan.layer_shape(plan.leaves[i]) for i in bucket.leaves]
-    return [x.astype(how.leaf_dtype(local.dtype)) for x in kernels.unpack_reference(full, bucket.layout, shapes)]
-
-
 def at_point_of_use(
     fn: Callable[..., Any],
     plan: Plan,
@@ -181,7 +170,7 @@ def at_point_of_use(
             leaves = gather_leaves(buffers[b], plan.buckets[b], plan, how)
             gathered_empty.update(zip(plan.buckets[b].leaves, leaves, strict=True))
         keys = [i for b in flat for i in plan.buckets[b].leaves]
-        examples = [x for b in flat for x in _example_leaves(buffers[b], plan.buckets[b], plan, how)]
+        examples = [x for b in flat for x in example_leaves(buffers[b], plan.buckets[b], plan, how)]
 
         def model(leaves, buffers_, args_):
             return fn(build(buffers_, {**gathered_empty, **dict(zip(keys, leaves, strict=True))}), *args_)
