@@ -12,7 +12,7 @@ from vescale_jax._accumulate import accumulate
 from vescale_jax._batch import data_sharding, place_batch
 from vescale_jax._buffer import PerDevice, ShardedParams, init_sharded, shard, unshard
 from vescale_jax._fsdp import apply, fsdp
-from vescale_jax._granularity import Granularity, element, rows, whole
+from vescale_jax._granularity import Granularity, element, rows, tiles, whole
 from vescale_jax._guards import PerLeafOnBucketsError
 from vescale_jax._layers import LayerShard, scan_layers
 from vescale_jax._layout import RaggedShard
@@ -59,6 +59,7 @@ __all__ = [
     "scan_layers",
     "shard",
     "testing",
+    "tiles",
     "tree_map",
     "unshard",
     "whole",

@@ -1,7 +1,8 @@
 """Granularity policies: how big a leaf's atomic block is.
 
 ``vj.element()`` (block 1), ``vj.rows(k)`` (``k * shape[-1]`` elements for ndim >= 2, else ``k``) and
-``vj.whole()`` (the whole tensor). A device boundary of the flat buffer never cuts a block.
+``vj.whole()`` (the whole tensor) and ``vj.tiles(bh, bw)`` (one ``bh × bw`` tile of a matrix, stored tile-major:
+see :mod:`vescale_jax._tiles`). A device boundary of the flat buffer never cuts a block.
 
 ``vj.whole(max_padding=x)`` asks for the whole tensor *where that is cheap*: the planner keeps such leaves
 whole while their bucket pads at most ``x`` of its buffer, releasing the largest ones to ``vj.element()``
@@ -15,16 +16,17 @@ import math
 import numbers
 from collections.abc import Sequence
 
-__all__ = ["Granularity", "element", "rows", "whole"]
+__all__ = ["Granularity", "element", "rows", "tiles", "whole"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Granularity:
-    """A block policy. Build it with :func:`element`, :func:`rows` or :func:`whole`.
+    """A block policy. Build it with :func:`element`, :func:`rows`, :func:`tiles` or :func:`whole`.
 
     Attributes:
-      kind: ``"element"``, ``"rows"`` or ``"whole"``.
-      k: rows per block for ``"rows"``.
+      kind: ``"element"``, ``"rows"``, ``"tiles"`` or ``"whole"``.
+      k: rows per block for ``"rows"``; the tile height ``bh`` for ``"tiles"``.
+      bw: the tile width for ``"tiles"``.
       max_padding: for ``"whole"``: ``None`` (always whole) or the bucket padding fraction up to which the
         planner keeps the leaf whole (else it plans it as ``element()``).
     """
@@ -32,10 +34,20 @@ class Granularity:
     kind: str
     k: int = 1
     max_padding: float | None = None
+    bw: int | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in ("element", "rows", "whole"):
-            raise ValueError(f"unknown granularity kind {self.kind!r}; use vj.element(), vj.rows(k), vj.whole()")
+        if self.kind not in ("element", "rows", "whole", "tiles"):
+            raise ValueError(
+                f"unknown granularity kind {self.kind!r}; use vj.element(), vj.rows(k), vj.tiles(bh, bw), vj.whole()"
+            )
+        if self.kind == "tiles":
+            for name, v in (("bh", self.k), ("bw", self.bw)):
+                if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+                    raise ValueError(f"vj.tiles(bh, bw): {name} must be an integer >= 1, got {v!r}.")
+            object.__setattr__(self, "bw", int(self.bw))
+        elif self.bw is not None:
+            raise ValueError("bw applies to vj.tiles(bh, bw) only")
         if isinstance(self.k, bool) or not isinstance(self.k, numbers.Integral) or self.k < 1:
             raise ValueError(
                 f"vj.rows(k): k (rows of the last dim per block) must be an integer k >= 1, got {self.k!r}. "
@@ -55,11 +67,29 @@ class Granularity:
             return 1
         if self.kind == "whole":
             return max(size, 1)
+        if self.kind == "tiles":
+            from vescale_jax._tiles import segments
+
+            segs = segments(shape, self)
+            return segs[0][1] if segs else self.bw
         return self.k * shape[-1] if len(shape) >= 2 and shape[-1] else self.k
+
+    @property
+    def bh(self) -> int:
+        """The tile height of ``vj.tiles(bh, bw)`` (``k``)."""
+        return self.k
+
+    def segments(self, shape: Sequence[int]) -> tuple[tuple[int, int], ...] | None:
+        """``((elements, block), ...)`` of a tile-major leaf's storage segments; None for a uniform block."""
+        from vescale_jax._tiles import segments
+
+        return segments(shape, self)
 
     def __repr__(self) -> str:
         if self.kind == "rows":
             return f"rows({self.k})"
+        if self.kind == "tiles":
+            return f"tiles({self.k}, {self.bw})"
         if self.max_padding is not None:
             return f"whole(max_padding={self.max_padding})"
         return f"{self.kind}()"
@@ -73,6 +103,22 @@ def element() -> Granularity:
 def rows(k: int = 1) -> Granularity:
     """Block of ``k`` rows of the last dim (``k * shape[-1]`` elements); ``k`` elements for ndim <= 1."""
     return Granularity("rows", k)
+
+
+def tiles(bh: int, bw: int) -> Granularity:
+    """Block of one ``bh × bw`` tile of a matrix's last two dims, the matrix stored tile-major in its bucket.
+
+    Each tile is contiguous (row-major inside), so a device boundary falls between tiles and the atomic block
+    is ``bh * bw`` elements instead of ``bh`` full rows. Edge tiles may be partial; they are stored after the
+    full ones (see :mod:`vescale_jax._tiles`). Leading dims (layers, experts) are tiled independently. A leaf
+    of fewer than two dims is stored row-major with blocks of ``bw`` elements. Unpacking such a leaf is a
+    relayout (a reshape and a transpose), not a free slice.
+
+    Args:
+      bh: tile height (rows of the second-to-last dim).
+      bw: tile width (columns of the last dim).
+    """
+    return Granularity("tiles", bh, bw=bw)
 
 
 def whole(*, max_padding: float | None = None) -> Granularity:

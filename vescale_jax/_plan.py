@@ -346,7 +346,8 @@ def plan(
       params: a pytree of arrays or ``jax.ShapeDtypeStruct`` (Flax NNX ``State``, Linen params, ...).
       mesh: the device mesh.
       axis: mesh axis (or tuple of axes) to shard the buckets over.
-      granularity: ``vj.element()`` (default), ``vj.rows(k)``, ``vj.whole()`` or a callable
+      granularity: ``vj.element()`` (default), ``vj.rows(k)``, ``vj.tiles(bh, bw)`` (tile-major storage),
+        ``vj.whole()`` or a callable
         ``(key_path, leaf) -> Granularity`` choosing per leaf.
       units: callable ``(key_path, leaf) -> unit name`` grouping leaves into buckets; default one unit per
         top-level module (see :func:`default_unit`). Dtypes are never mixed in a bucket.
@@ -465,14 +466,15 @@ def _layout(per_layer: Sequence[tuple[int, ...]], grans: Sequence[Granularity], 
     sizes = [math.prod(s) for s in per_layer]
     grans = list(grans)
     blocks = [g.block(s) for g, s in zip(grans, per_layer, strict=True)]
-    layout = plan_bucket(sizes, blocks, m, align=align)
+    segments = [g.segments(s) for g, s in zip(grans, per_layer, strict=True)]
+    layout = plan_bucket(sizes, blocks, m, align=align, segments=segments)
     soft = sorted((j for j, g in enumerate(grans) if g.max_padding is not None), key=lambda j: -sizes[j])
     budget = min((grans[j].max_padding for j in soft), default=1.0)
     for j in soft:
         if layout.padding_fraction <= budget:
             break
         grans[j], blocks[j] = element(), 1
-        layout = plan_bucket(sizes, blocks, m, align=align)
+        layout = plan_bucket(sizes, blocks, m, align=align, segments=segments)
     return layout, grans
 
 

@@ -23,6 +23,10 @@ Algorithm:
   then tries a few "hint" candidates below the result: multiples of the blocks of every tensor longer than
   ``S``, where such tensors may cross boundaries anywhere on their block grid.
   ``S = sum(aligned sizes)`` (everything on device 0) is always feasible, so the search ends.
+* **Segmented tensors** (``segments=``, a tile-major ``vj.tiles`` leaf with partial edge tiles): a tensor that
+  is a run of contiguous segments, each with its own block grid. ``_earliest_segmented`` moves the offset
+  forward to the nearest allowed cut below the first boundary that falls off-grid, until every boundary
+  lands on a grid (or one device period has been tried).
 """
 
 from __future__ import annotations
@@ -58,6 +62,9 @@ class BucketLayout:
       shard_size: ``S``, the elements every device owns (a multiple of ``align``).
       num_devices: ``m``.
       align: offsets and ``S`` are multiples of it.
+      segments: per tensor, ``None`` (one block grid, ``blocks[i]``) or ``((elements, block), ...)``: the
+        tensor is that run of segments, each cut only on its own block grid (segment ends are cuts too);
+        empty when no tensor is segmented.
 
     Sharding:
       Device ``k`` owns ``[k*S, (k+1)*S)`` of the global buffer; tensor ``i`` lies at
@@ -70,6 +77,16 @@ class BucketLayout:
     shard_size: int
     num_devices: int
     align: int = 1
+    segments: tuple[tuple[tuple[int, int], ...] | None, ...] = ()
+
+    def segments_of(self, i: int) -> tuple[tuple[int, int], ...] | None:
+        """Tensor ``i``'s segments, or None when it has one block grid."""
+        return self.segments[i] if self.segments else None
+
+    def cuts_ok(self, i: int, d: int) -> bool:
+        """Whether a device boundary ``d`` elements into tensor ``i`` (``0 < d < size``) cuts no block."""
+        segs = self.segments_of(i)
+        return d % self.blocks[i] == 0 if segs is None else _allowed(segs, d)
 
     @property
     def total_size(self) -> int:
@@ -88,6 +105,11 @@ class BucketLayout:
     def ragged_shard(self, i: int, shape: Sequence[int] | None = None) -> RaggedShard:
         """The RaggedShard of tensor ``i`` implied by this layout (``shape`` defaults to 1-D)."""
         n, b, o, s = self.sizes[i], self.blocks[i], self.offsets[i], self.shard_size
+        segs = self.segments_of(i)
+        if segs is not None:  # the finest grid every segment's cuts lie on
+            b, start = 0, 0
+            for size, block in segs:
+                b, start = math.gcd(b, start, block), start + size
         shape = (n,) if shape is None else tuple(shape)
         ranges = []
         for k in range(self.num_devices):
@@ -130,7 +152,7 @@ class BucketLayout:
             assert o % a == 0, f"tensor {i}: offset {o} not aligned to {a}"
             assert 0 <= o and o + n <= m * s, f"tensor {i}: [{o}, {o + n}) outside [0, {m * s})"
             for k in range(o // s + 1 if s else 1, -(-(o + n) // s) if s else 0):
-                assert (k * s - o) % b == 0, f"tensor {i}: boundary {k * s} cuts a block of {b}"
+                assert self.cuts_ok(i, k * s - o), f"tensor {i}: boundary {k * s} cuts a block of {b}"
             if n:
                 spans.append((o, o + n, i))
         spans.sort()
@@ -141,8 +163,54 @@ class BucketLayout:
 # --------------------------------------------------------------------------- placement primitives
 
 
-def _earliest(c: int, n: int, b: int, s: int, a: int) -> int | None:
-    """Earliest offset ``o >= c`` (a multiple of ``a``) where tensor ``(n, b)`` is valid; None if none."""
+def _allowed(segs: tuple[tuple[int, int], ...], d: int) -> bool:
+    """Whether a cut ``d`` elements into a segmented tensor lies on the grid of the segment holding it."""
+    start = 0
+    for size, block in segs:
+        if d <= start + size:
+            return (d - start) % block == 0
+        start += size
+    return d == start
+
+
+def _prev_allowed(segs: tuple[tuple[int, int], ...], d: int, a: int) -> int:
+    """The largest allowed cut ``0 <= d' < d`` that is a multiple of ``a`` (0: start at the boundary)."""
+    starts = [0]
+    for size, _ in segs:
+        starts.append(starts[-1] + size)
+    j = bisect.bisect_left(starts, d) - 1  # segment j holds (starts[j], starts[j+1]]
+    while j >= 0:
+        lo, block = starts[j], segs[j][1]
+        t = (d - 1 - lo) // block
+        for _ in range(a // math.gcd(a, block) + 1):
+            if t < 0:
+                break
+            if (lo + t * block) % a == 0:
+                return lo + t * block
+            t -= 1
+        d, j = lo + 1, j - 1  # the segment's start (an allowed cut) and below
+    return 0
+
+
+def _earliest_segmented(c: int, n: int, segs: tuple[tuple[int, int], ...], s: int, a: int) -> int | None:
+    """``_earliest`` for a segmented tensor: every boundary inside it must land on its segment's grid."""
+    o = first = _ceil_to(c, a)
+    while o - first < s:  # offsets one device period apart see the same boundaries
+        r = o % s
+        if r + n <= s:
+            return o
+        bad = next((d for d in range(s - r, n, s) if not _allowed(segs, d)), None)
+        if bad is None:
+            return o
+        o += bad - _prev_allowed(segs, bad, a)
+    return None
+
+
+def _earliest(c: int, n: int, b: int | tuple[tuple[int, int], ...], s: int, a: int) -> int | None:
+    """Earliest offset ``o >= c`` (a multiple of ``a``) where tensor ``(n, b)`` is valid; None if none.
+    ``b`` is a block, or a segmented tensor's segments."""
+    if isinstance(b, tuple):
+        return _earliest_segmented(c, n, b, s, a)
     o = _ceil_to(c, a)
     if n == 0:
         return o
@@ -264,7 +332,10 @@ class _Candidates:
     """
 
     def __init__(self, sizes, blocks, a: int, span: int = 2):
-        big = sorted(((n - 1) // span, b) for n, b in zip(sizes, blocks, strict=True) if b < n)
+        pairs = []  # a segmented tensor constrains S through each of its segments
+        for n, b in zip(sizes, blocks, strict=True):
+            pairs.extend(b if isinstance(b, tuple) else [(n, b)])
+        big = sorted(((n - 1) // span, b) for n, b in pairs if b < n)
         self._thresholds = [t for t, _ in big]  # tensor j constrains S while S <= thresholds[j]
         # suffix_lcm[j] = lcm(a, blocks of tensors j..end) (those with threshold >= thresholds[j])
         lcms = [a] * (len(big) + 1)
@@ -301,7 +372,45 @@ def _validate(sizes, blocks, num_devices, align) -> tuple[tuple[int, ...], tuple
     return tuple(int(n) for n in sizes), tuple(int(b) for b in blocks)
 
 
-def plan_bucket(sizes: Sequence[int], blocks: Sequence[int], num_devices: int, *, align: int = 1) -> BucketLayout:
+def _validate_segments(segments, sizes, blocks) -> tuple:
+    if segments is None:
+        return ()
+    segments = list(segments)
+    if len(segments) != len(sizes):
+        raise ValueError(f"plan_bucket: {len(segments)} segment entries for {len(sizes)} tensors; give one per tensor.")
+    out = []
+    for i, segs in enumerate(segments):
+        if segs is None:
+            out.append(None)
+            continue
+        try:
+            segs = tuple((int(n), int(b)) for n, b in segs)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"plan_bucket: segments[{i}] = {segs!r} must be None or ((elements, block), ...)."
+            ) from None
+        if any(n < 0 or b < 1 for n, b in segs) or sum(n for n, _ in segs) != sizes[i]:
+            raise ValueError(
+                f"plan_bucket: segments[{i}] = {segs!r} must have elements >= 0 and blocks >= 1 summing to "
+                f"sizes[{i}] = {sizes[i]}."
+            )
+        segs = tuple((n, min(b, n)) for n, b in segs if n)
+        out.append(segs if len(segs) > 1 else None)
+        if len(segs) == 1 and segs[0][1] != min(blocks[i], max(sizes[i], 1)):
+            raise ValueError(
+                f"plan_bucket: segments[{i}] has one segment of block {segs[0][1]}; blocks[{i}] = {blocks[i]}."
+            )
+    return tuple(out) if any(x is not None for x in out) else ()
+
+
+def plan_bucket(
+    sizes: Sequence[int],
+    blocks: Sequence[int],
+    num_devices: int,
+    *,
+    align: int = 1,
+    segments: Sequence[Sequence[tuple[int, int]] | None] | None = None,
+) -> BucketLayout:
     """Packs tensors into one flat buffer of ``num_devices * S`` elements with the smallest S found.
 
     Args:
@@ -310,6 +419,9 @@ def plan_bucket(sizes: Sequence[int], blocks: Sequence[int], num_devices: int, *
         one device. A size that is not a multiple of its block has a partial last block, also never cut.
       num_devices: ``m``, the devices sharing the buffer.
       align: offsets and ``S`` are multiples of this many elements.
+      segments: optional, per tensor ``None`` or ``((elements, block), ...)`` summing to its size: the tensor
+        is that run of contiguous segments, each cut only on its own block grid (a tile-major leaf whose
+        edge tiles are smaller than its full tiles). ``blocks[i]`` is then the first segment's block.
 
     Returns:
       A :class:`BucketLayout` with ``offsets`` in input order and ``shard_size`` S.
@@ -322,15 +434,22 @@ def plan_bucket(sizes: Sequence[int], blocks: Sequence[int], num_devices: int, *
       Device ``k`` owns ``[k*S, (k+1)*S)``; each tensor is contiguous and each of its blocks is on one device.
     """
     sizes, blocks = _validate(sizes, blocks, num_devices, align)
-    return _plan_bucket_cached(sizes, blocks, int(num_devices), int(align))
+    segs = _validate_segments(segments, sizes, blocks)
+    return _plan_bucket_cached(sizes, blocks, int(num_devices), int(align), segs)
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan_bucket_cached(sizes: tuple[int, ...], blocks: tuple[int, ...], m: int, a: int) -> BucketLayout:
+def _plan_bucket_cached(
+    sizes: tuple[int, ...], blocks: tuple[int, ...], m: int, a: int, segs: tuple = ()
+) -> BucketLayout:
     blocks = tuple(min(b, max(n, 1)) for n, b in zip(sizes, blocks, strict=True))  # b >= n means "whole"
+    if segs:
+        blocks = tuple(b if g is None else g[0][1] for b, g in zip(blocks, segs, strict=True))
     total = sum(sizes)
     if total == 0:
-        return BucketLayout(sizes, blocks, (0,) * len(sizes), 0, m, a)
+        return BucketLayout(sizes, blocks, (0,) * len(sizes), 0, m, a, segs)
+    # what the placement primitives see: a block, or a segmented tensor's segments
+    grids = blocks if not segs else tuple(b if g is None else g for b, g in zip(blocks, segs, strict=True))
     k = len(sizes)
     natural = list(range(k))
     by_size = sorted(natural, key=lambda i: (-sizes[i], i))
@@ -339,12 +458,12 @@ def _plan_bucket_cached(sizes: tuple[int, ...], blocks: tuple[int, ...], m: int,
 
     lower = max(-(-total // m), max(blocks))
     upper = sum(_ceil_to(n, a) for n in sizes)  # all on device 0: always feasible
-    cands = _Candidates(sizes, blocks, a)
+    cands = _Candidates(sizes, grids, a)
     cands_upper = cands.next(upper)
     exact = sum(1 for n in sizes if n) <= EXACT_MAX_TENSORS
 
     def attempt(s: int) -> tuple[list[int] | None, int]:
-        return _attempt(sizes, blocks, s, a, m, orders, exact)
+        return _attempt(sizes, grids, s, a, m, orders, exact)
 
     # Scan candidates upwards. Outside exact mode a failure that overflowed by `over` elements jumps ahead
     # by the secant estimate of where the overflow reaches zero (first guess over/2m); the bisection below
@@ -383,7 +502,7 @@ def _plan_bucket_cached(sizes: tuple[int, ...], blocks: tuple[int, ...], m: int,
             s, offsets = mid, found
     # Second chance: the "hint" candidates (multiples of the blocks of every tensor longer than S) are where
     # sparse feasible values tend to sit when the jumps above skipped them.
-    hint = _Candidates(sizes, blocks, a, span=1)
+    hint = _Candidates(sizes, grids, a, span=1)
     x = lower
     for _ in range(HINT_PROBES):
         x = cands.next(hint.next(x))
@@ -394,4 +513,4 @@ def _plan_bucket_cached(sizes: tuple[int, ...], blocks: tuple[int, ...], m: int,
             s, offsets = x, found
             break
         x += 1
-    return BucketLayout(sizes, blocks, tuple(offsets), s, m, a)
+    return BucketLayout(sizes, blocks, tuple(offsets), s, m, a, segs)
