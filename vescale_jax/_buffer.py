@@ -182,12 +182,22 @@ def pack_bucket(leaves: Sequence[jax.Array], bucket: Bucket, *, dtype: Any = Non
     """
     lead = () if bucket.layers is None else (bucket.layers,)
     dtype = jnp.dtype(bucket.dtype if dtype is None else dtype)
-    return collectives.pack(leaves, bucket.layout, dtype=dtype, kernels_policy=collectives.DEFAULT_KERNELS, lead=lead)
+    return collectives.pack(
+        leaves,
+        bucket.layout,
+        dtype=dtype,
+        kernels_policy=collectives.DEFAULT_KERNELS,
+        lead=lead,
+        storage=bucket.storage,
+    )
 
 
 def unpack_bucket(buffer: jax.Array, bucket: Bucket, shapes: Sequence[tuple[int, ...]]) -> list[jax.Array]:
-    """Reads each slot's leaf out of a full (gathered) buffer by a static slice and reshape."""
-    return unpack_layout(buffer, bucket.layout, shapes)
+    """Reads each slot's leaf out of a full (gathered) buffer by a static slice and reshape (and the
+    relayout of a leaf stored tile-major)."""
+    return collectives.unpack(
+        buffer, bucket.layout, shapes, kernels_policy=collectives.DEFAULT_KERNELS, storage=bucket.storage
+    )
 
 
 def unpack_layout(buffer: jax.Array, layout: BucketLayout, shapes: Sequence[tuple[int, ...]]) -> list[jax.Array]:

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
+from vescale_jax import _tiles as tiles
 from vescale_jax import kernels
 from vescale_jax._jaxpr import bind, read
 from vescale_jax._plan import Bucket, Plan
@@ -196,13 +197,25 @@ def _how(policy: KernelPolicy, layout: BucketLayout, src: Any, dst: Any) -> tupl
 
 
 def unpack(
-    full: jax.Array, layout: BucketLayout, shapes: Sequence[tuple[int, ...]], *, kernels_policy: KernelPolicy
+    full: jax.Array,
+    layout: BucketLayout,
+    shapes: Sequence[tuple[int, ...]],
+    *,
+    kernels_policy: KernelPolicy,
+    storage: Sequence[Any] = (),
 ) -> list[jax.Array]:
     """Slot ``i`` of a full ``(..., total_size)`` buffer: ``full[..., o:o+n].reshape(shapes[i])``.
 
-    Leading dims (the layers of a stacked bucket) are mapped over; ``shapes`` then include them."""
+    Leading dims (the layers of a stacked bucket) are mapped over; ``shapes`` then include them. ``storage``
+    (a bucket's ``storage``) names the slots stored tile-major: they are sliced flat, then relaid out."""
     shapes = [tuple(s) for s in shapes]
     lead = full.shape[:-1]
+    if any(storage):
+        flat = unpack(full, layout, [(*lead, n) for n in layout.sizes], kernels_policy=kernels_policy)
+        return [
+            jnp.reshape(x, s) if g is None else tiles.from_storage(x, s[len(lead) :], g, jnp)
+            for x, s, g in zip(flat, shapes, storage, strict=True)
+        ]
     if lead:
         per = [s[len(lead) :] for s in shapes]
         fn = lambda f: unpack(f, layout, per, kernels_policy=kernels_policy)
@@ -222,16 +235,24 @@ def pack(
     dtype: Any,
     kernels_policy: KernelPolicy,
     lead: tuple[int, ...] = (),
+    storage: Sequence[Any] = (),
 ) -> jax.Array:
     """The ``(*lead, total_size)`` buffer of ``leaves`` (cast to ``dtype``), padding zero.
 
     Args:
-      leaves: one array per slot with ``lead + (anything with layout.sizes[i] elements)`` shape.
+      leaves: one array per slot with ``lead + (anything with layout.sizes[i] elements)`` shape (a slot
+        stored tile-major: ``lead + its logical shape``).
       layout: the bucket layout.
       dtype: the buffer's dtype (the cast is fused into the kernel).
       kernels_policy: XLA's concatenate or the Pallas pack kernel.
       lead: leading dims mapped over (the layers of a stacked bucket).
+      storage: a bucket's ``storage``: the slots laid out tile-major before packing.
     """
+    if any(storage):
+        leaves = [
+            x if g is None else tiles.to_storage(x, x.shape[len(lead) :], g, jnp)
+            for x, g in zip(leaves, storage, strict=True)
+        ]
     if lead:
         fn = lambda *xs: pack(xs, layout, dtype=dtype, kernels_policy=kernels_policy, lead=lead[1:])
         return jax.vmap(fn)(*leaves)
@@ -242,7 +263,12 @@ def pack(
 
 
 def unpack_differentiable(
-    full: jax.Array, layout: BucketLayout, shapes: Sequence[tuple[int, ...]], *, kernels_policy: KernelPolicy
+    full: jax.Array,
+    layout: BucketLayout,
+    shapes: Sequence[tuple[int, ...]],
+    *,
+    kernels_policy: KernelPolicy,
+    storage: Sequence[Any] = (),
 ) -> list[jax.Array]:
     """:func:`unpack` whose transpose is :func:`pack` (one concatenate or one kernel), padding zero."""
     shapes = tuple(tuple(s) for s in shapes)
@@ -250,13 +276,13 @@ def unpack_differentiable(
 
     @jax.custom_vjp
     def run(f):
-        return unpack(f, layout, shapes, kernels_policy=kernels_policy)
+        return unpack(f, layout, shapes, kernels_policy=kernels_policy, storage=storage)
 
     def fwd(f):
         return run(f), None
 
     def bwd(_, cts):
-        return (pack(cts, layout, dtype=full.dtype, kernels_policy=kernels_policy, lead=lead),)
+        return (pack(cts, layout, dtype=full.dtype, kernels_policy=kernels_policy, lead=lead, storage=storage),)
 
     run.defvjp(fwd, bwd)
     return list(run(full))
@@ -286,7 +312,8 @@ def gather_leaves(local: jax.Array, bucket: Bucket, plan: Plan, how: Gather) -> 
     if not bucket.layout.total_size:  # only zero-size leaves: nothing to gather (XLA rejects an empty all-gather)
         return [jnp.reshape(x, s).astype(out_dtype) for s in shapes]
     full = jax.lax.all_gather(x, plan.axis, tiled=True)
-    return [leaf.astype(out_dtype) for leaf in unpack(full, bucket.layout, shapes, kernels_policy=how.kernels)]
+    leaves = unpack(full, bucket.layout, shapes, kernels_policy=how.kernels, storage=bucket.storage)
+    return [leaf.astype(out_dtype) for leaf in leaves]
 
 
 def example_leaves(local: jax.Array, bucket: Bucket, plan: Plan, how: Gather) -> list[jax.Array]:
@@ -295,7 +322,8 @@ def example_leaves(local: jax.Array, bucket: Bucket, plan: Plan, how: Gather) ->
     full = jnp.tile(vary(local, how.replica_axes), bucket.layout.num_devices)
     full = full.astype(how.policy.gather_dtype(local.dtype))
     shapes = [plan.layer_shape(plan.leaves[i]) for i in bucket.leaves]
-    return [x.astype(how.leaf_dtype(local.dtype)) for x in kernels.unpack_reference(full, bucket.layout, shapes)]
+    leaves = unpack(full, bucket.layout, shapes, kernels_policy=DEFAULT_KERNELS, storage=bucket.storage)
+    return [x.astype(how.leaf_dtype(local.dtype)) for x in leaves]
 
 
 def scatter_leaves(
@@ -317,7 +345,7 @@ def scatter_leaves(
     grad_dtype = how.policy.grad_dtype(master)
     if not bucket.layout.total_size:  # nothing to reduce
         return _like(jnp.zeros((0,), master), like_axes)
-    packed = pack(cts, bucket.layout, dtype=grad_dtype, kernels_policy=how.kernels)
+    packed = pack(cts, bucket.layout, dtype=grad_dtype, kernels_policy=how.kernels, storage=bucket.storage)
     out = jax.lax.psum_scatter(packed, plan.axis, tiled=True)
     return _replica_sum(out, like_axes).astype(master)
 
@@ -403,7 +431,7 @@ def gather_stacked(rows: jax.Array, bucket: Bucket, plan: Plan, how: Gather) -> 
         full = jax.lax.all_gather(x, plan.axis, axis=1, tiled=True)
         return [
             leaf.astype(how.leaf_dtype(master))
-            for leaf in unpack(full, bucket.layout, shapes, kernels_policy=how.kernels)
+            for leaf in unpack(full, bucket.layout, shapes, kernels_policy=how.kernels, storage=bucket.storage)
         ]
 
     def fwd(r):
@@ -411,7 +439,12 @@ def gather_stacked(rows: jax.Array, bucket: Bucket, plan: Plan, how: Gather) -> 
 
     def bwd(_, cts):
         packed = pack(
-            cts, bucket.layout, dtype=how.policy.grad_dtype(master), kernels_policy=how.kernels, lead=shapes[0][:1]
+            cts,
+            bucket.layout,
+            dtype=how.policy.grad_dtype(master),
+            kernels_policy=how.kernels,
+            lead=shapes[0][:1],
+            storage=bucket.storage,
         )
         out = jax.lax.psum_scatter(packed, plan.axis, scatter_dimension=1, tiled=True)
         return (_replica_sum(out, like).astype(master),)
@@ -595,7 +628,9 @@ def unpack_copies(copies: Sequence[jax.Array], plan: Plan, how: Gather) -> list[
     for bucket, copy in zip(plan.buckets, copies, strict=True):
         shapes = [plan.leaves[i].shape for i in bucket.leaves]
         for i, x in zip(
-            bucket.leaves, unpack_differentiable(copy, bucket.layout, shapes, kernels_policy=how.kernels), strict=True
+            bucket.leaves,
+            unpack_differentiable(copy, bucket.layout, shapes, kernels_policy=how.kernels, storage=bucket.storage),
+            strict=True,
         ):
             leaves[i] = x
     return leaves

@@ -25,6 +25,7 @@ from vescale_jax._checks import check_granularity_factory, check_x64
 from vescale_jax._granularity import Granularity, element
 from vescale_jax._layout import RaggedShard
 from vescale_jax._planner import BucketLayout, plan_bucket
+from vescale_jax._tiles import is_tiled
 
 __all__ = ["Bucket", "LeafSpec", "Plan", "plan"]
 
@@ -93,6 +94,8 @@ class Bucket:
       layout: the per-layer :class:`BucketLayout`.
       leaves: indices of its leaves in the flattened logical tree, in layout slot order.
       layers: ``L`` for a stacked layer group, else ``None``.
+      storage: per slot, the ``vj.tiles`` granularity of a leaf stored tile-major, ``None`` for row-major;
+        empty when every leaf is row-major (see :mod:`vescale_jax._tiles`).
 
     Sharding:
       The buffer has shape ``(m*S,)`` (or ``(L, m*S)``) and ``PartitionSpec(axis)`` (or ``(None, axis)``):
@@ -105,6 +108,7 @@ class Bucket:
     layout: BucketLayout
     leaves: tuple[int, ...]
     layers: int | None = None
+    storage: tuple[Granularity | None, ...] = ()
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -324,7 +328,7 @@ def _resolve_granularity(granularity: GranularityArg, path: KeyPath, leaf: Any) 
     if not isinstance(g, Granularity):
         raise TypeError(
             f"vj.plan: granularity for leaf {jax.tree_util.keystr(path)} is {g!r}; it must be vj.element(), "
-            "vj.rows(k) or vj.whole() (or a callable of (path, leaf) returning one)."
+            "vj.rows(k), vj.tiles(bh, bw) or vj.whole() (or a callable of (path, leaf) returning one)."
         )
     return g
 
@@ -448,7 +452,10 @@ def plan(
         for name, idx, (layout, grans) in parts:
             b = len(buckets)
             label = f"{unit}/{name}:{dtype_name}" if name else f"{unit}:{dtype_name}"
-            buckets.append(Bucket(label, unit, dtype_name, layout, tuple(idx), layers))
+            per_layer = [infos[i][1][1:] if layers is not None else infos[i][1] for i in idx]
+            storage = tuple(g if is_tiled(s, g) else None for g, s in zip(grans, per_layer, strict=True))
+            storage = storage if any(storage) else ()
+            buckets.append(Bucket(label, unit, dtype_name, layout, tuple(idx), layers, storage))
             for slot, i in enumerate(idx):
                 path, shape = infos[i][:2]
                 specs[i] = LeafSpec(path_str(path), shape, dtype_name, b, slot, grans[slot])
