@@ -136,6 +136,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--log-json", help="write {'train': {step: loss}, 'val_loss', 's_per_step'} to this path")
     p.add_argument("--microbatches", type=int, default=1, help="gradient accumulation steps per batch")
     p.add_argument("--bf16", action="store_true", help="gather and compute in bfloat16, reduce in float32")
+    p.add_argument(
+        "--fp8-gather",
+        action="store_true",
+        help="with --bf16's dtypes, gather the matrices as FP8 codes with one fp32 scale per 128x128 tile "
+        "(planned tile-major with vj.tiles(128, 128))",
+    )
     p.add_argument("--coordinator", help="host:port of process 0, for a multi-process job")
     p.add_argument("--num-processes", type=int)
     p.add_argument("--process-id", type=int)
@@ -168,6 +174,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     graphdef, shapes = abstract_model(cfg)
     if args.optimizer == "shampoo":  # every b x b block on one device: rows(b) for the matrices
         plan = shampoo_plan(shapes, mesh, args.shampoo_block)
+    elif args.fp8_gather:  # every 128 x 128 tile whole on one device, stored contiguously
+        plan = vj.plan(
+            shapes,
+            mesh,
+            stacked=("blocks",),
+            granularity=lambda path, leaf: vj.tiles(128, 128) if leaf.ndim >= 2 else vj.rows(1),
+        )
     else:
         plan = vj.plan(shapes, mesh, stacked=("blocks",), granularity=vj.rows(1))
     n_params = sum(s.size for s in plan.leaves)
@@ -220,7 +233,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             if lead:
                 print(f"resumed from step {restored.step} of {args.checkpoint_dir}")
 
-    precision = vj.MixedPrecision(compute_dtype="bfloat16", reduce_dtype="float32") if args.bf16 else None
+    precision = None
+    if args.bf16 or args.fp8_gather:
+        fp8 = (128, 128) if args.fp8_gather else None
+        precision = vj.MixedPrecision(compute_dtype="bfloat16", reduce_dtype="float32", fp8_gather=fp8)
     rows = vj.distributed.local_batch_slice(args.batch)  # this process's rows of every batch
 
     @vj.fsdp(

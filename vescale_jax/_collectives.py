@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
+from vescale_jax import _fp8 as fp8
 from vescale_jax import _tiles as tiles
 from vescale_jax import kernels
 from vescale_jax._jaxpr import bind, read
@@ -306,14 +307,25 @@ def gather_leaves(local: jax.Array, bucket: Bucket, plan: Plan, how: Gather) -> 
     Sharding:
       Input varies over ``plan.axis``; the leaves are the full tensors on every device.
     """
-    gather_dtype, out_dtype = how.policy.gather_dtype(local.dtype), how.leaf_dtype(local.dtype)
-    x = vary(local, how.replica_axes).astype(gather_dtype)
+    out_dtype = how.leaf_dtype(local.dtype)
     shapes = _layer_shapes(bucket, plan)
     if not bucket.layout.total_size:  # only zero-size leaves: nothing to gather (XLA rejects an empty all-gather)
-        return [jnp.reshape(x, s).astype(out_dtype) for s in shapes]
-    full = jax.lax.all_gather(x, plan.axis, tiled=True)
+        return [jnp.reshape(local, s).astype(out_dtype) for s in shapes]
+    full = _all_gather(local, bucket, plan, how)
     leaves = unpack(full, bucket.layout, shapes, kernels_policy=how.kernels, storage=bucket.storage)
     return [leaf.astype(out_dtype) for leaf in leaves]
+
+
+def _all_gather(local: jax.Array, bucket: Bucket, plan: Plan, how: Gather) -> jax.Array:
+    """The full buffer of a local ``(S,)`` (stacked rows ``(L, S)``) shard in the gather dtype: cast then
+    all-gather, or the FP8 block-scaled gather (:mod:`vescale_jax._fp8`) when the policy asks for one."""
+    x = vary(local, how.replica_axes)
+    gather_dtype = how.policy.gather_dtype(local.dtype)
+    block = how.policy.fp8_block(local.dtype)
+    if block is not None:
+        table = fp8.block_table(plan, plan.buckets.index(bucket), block)
+        return fp8.wire_gather(x, table, plan.axis, gather_dtype)
+    return jax.lax.all_gather(x.astype(gather_dtype), plan.axis, axis=x.ndim - 1, tiled=True)
 
 
 def example_leaves(local: jax.Array, bucket: Bucket, plan: Plan, how: Gather) -> list[jax.Array]:
@@ -427,8 +439,7 @@ def gather_stacked(rows: jax.Array, bucket: Bucket, plan: Plan, how: Gather) -> 
 
     @jax.custom_vjp
     def run(r):
-        x = vary(r, how.replica_axes).astype(how.policy.gather_dtype(master))
-        full = jax.lax.all_gather(x, plan.axis, axis=1, tiled=True)
+        full = _all_gather(r, bucket, plan, how)
         return [
             leaf.astype(how.leaf_dtype(master))
             for leaf in unpack(full, bucket.layout, shapes, kernels_policy=how.kernels, storage=bucket.storage)
@@ -615,9 +626,11 @@ def gather_copies(buffers: Sequence[jax.Array], plan: Plan, how: Gather) -> tupl
     Call inside ``shard_map``; the result's transpose is not needed (gradients come back through
     :func:`reduce_copies`)."""
     out = []
-    for b in buffers:
-        b = vary(b, how.replica_axes).astype(how.policy.gather_dtype(b.dtype))
-        out.append(jax.lax.all_gather(b, plan.axis, axis=b.ndim - 1, tiled=True) if b.shape[-1] else b)
+    for bucket, b in zip(plan.buckets, buffers, strict=True):
+        if b.shape[-1]:
+            out.append(_all_gather(b, bucket, plan, how))
+        else:
+            out.append(vary(b, how.replica_axes).astype(how.policy.gather_dtype(b.dtype)))
     return tuple(out)
 
 

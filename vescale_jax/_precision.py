@@ -32,13 +32,31 @@ class MixedPrecision:
       reduce_dtype: dtype gradients are reduce-scattered in; None means ``compute_dtype`` (or the master's).
       master_dtype: dtype of the sharded parameters and optimizer state; checked against the plan's
         floating-point buckets when given.
+      fp8_gather: ``(bh, bw)``: gather floating buckets as ``float8_e4m3fn`` codes with one fp32 scale per
+        ``bh × bw`` tile of every matrix (vectors exactly), dequantized to ``compute_dtype`` on arrival; the
+        gradient is reduce-scattered in ``reduce_dtype`` as without it (straight-through). Each device
+        quantizes the tiles it owns, so the plan must keep every tile whole on one device: plan matrices with
+        ``vj.tiles(bh, bw)`` (or ``vj.rows(bh)``). ``None`` (default): no quantization.
     """
 
     compute_dtype: Any = None
     reduce_dtype: Any = None
     master_dtype: Any = None
+    fp8_gather: tuple[int, int] | None = None
 
     def __post_init__(self):
+        if self.fp8_gather is not None:
+            block = self.fp8_gather
+            if (
+                not isinstance(block, (tuple, list))
+                or len(block) != 2
+                or any(isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1 for b in block)
+            ):
+                raise ValueError(
+                    f"MixedPrecision.fp8_gather={block!r}: pass a tile (bh, bw) of positive ints, e.g. (128, 128), "
+                    "or None."
+                )
+            object.__setattr__(self, "fp8_gather", (int(block[0]), int(block[1])))
         for field in ("compute_dtype", "reduce_dtype", "master_dtype"):
             try:
                 value = _name(getattr(self, field))
@@ -53,6 +71,10 @@ class MixedPrecision:
                     "pass e.g. jnp.bfloat16."
                 )
             object.__setattr__(self, field, value)
+
+    def fp8_block(self, dtype: Any) -> tuple[int, int] | None:
+        """The FP8 tile a bucket of ``dtype`` is gathered in (None: not quantized; integer buckets never are)."""
+        return self.fp8_gather if jnp.issubdtype(np.dtype(dtype), jnp.floating) else None
 
     def gather_dtype(self, dtype: Any) -> np.dtype:
         """The dtype a bucket of ``dtype`` is gathered and computed in."""
