@@ -37,6 +37,7 @@ import functools
 import itertools
 import math
 from collections.abc import Sequence
+from typing import Any
 
 from vescale_jax._layout import RaggedShard
 
@@ -380,27 +381,31 @@ def _validate_segments(segments, sizes, blocks) -> tuple:
         raise ValueError(f"plan_bucket: {len(segments)} segment entries for {len(sizes)} tensors; give one per tensor.")
     out = []
     for i, segs in enumerate(segments):
-        if segs is None:
-            out.append(None)
-            continue
-        try:
-            segs = tuple((int(n), int(b)) for n, b in segs)
-        except (TypeError, ValueError):
-            raise ValueError(
-                f"plan_bucket: segments[{i}] = {segs!r} must be None or ((elements, block), ...)."
-            ) from None
-        if any(n < 0 or b < 1 for n, b in segs) or sum(n for n, _ in segs) != sizes[i]:
-            raise ValueError(
-                f"plan_bucket: segments[{i}] = {segs!r} must have elements >= 0 and blocks >= 1 summing to "
-                f"sizes[{i}] = {sizes[i]}."
-            )
-        segs = tuple((n, min(b, n)) for n, b in segs if n)
-        out.append(segs if len(segs) > 1 else None)
-        if len(segs) == 1 and segs[0][1] != min(blocks[i], max(sizes[i], 1)):
-            raise ValueError(
-                f"plan_bucket: segments[{i}] has one segment of block {segs[0][1]}; blocks[{i}] = {blocks[i]}."
-            )
+        out.append(None if segs is None else _one_segments(i, segs, sizes[i], blocks[i]))
     return tuple(out) if any(x is not None for x in out) else ()
+
+
+def _one_segments(i: int, segs: Any, size: int, block: int) -> tuple[tuple[int, int], ...] | None:
+    """One tensor's segments, validated and normalised (empty ones dropped; one segment is no segments)."""
+    try:
+        segs = tuple((int(n), int(b)) for n, b in segs) if not isinstance(segs, tuple) else segs
+        result = _normalise_segments(segs, size, block)
+    except (TypeError, ValueError):
+        result = None, f"must be None or ((elements, block), ...), got {segs!r}"
+    if result[1]:
+        raise ValueError(f"plan_bucket: segments[{i}] {result[1]}.")
+    return result[0]
+
+
+@functools.lru_cache(maxsize=4096)
+def _normalise_segments(segs: tuple, size: int, block: int) -> tuple[tuple[tuple[int, int], ...] | None, str]:
+    segs = tuple((int(n), int(b)) for n, b in segs)
+    if any(n < 0 or b < 1 for n, b in segs) or sum(n for n, _ in segs) != size:
+        return None, f"= {segs!r} must have elements >= 0 and blocks >= 1 summing to the tensor's size {size}"
+    segs = tuple((n, min(b, n)) for n, b in segs if n)
+    if len(segs) == 1 and segs[0][1] != min(block, max(size, 1)):
+        return None, f"has one segment of block {segs[0][1]}, but the tensor's block is {block}"
+    return (segs if len(segs) > 1 else None), ""
 
 
 def plan_bucket(

@@ -18,6 +18,7 @@ fewer than two dims) is stored row-major. The functions here take the array modu
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -44,7 +45,13 @@ def segments(shape: Sequence[int], gran: Any) -> tuple[tuple[int, int], ...] | N
     leaf is row-major (one uniform block, ``gran.block(shape)``)."""
     if not is_tiled(shape, gran):
         return None
-    p, h, w, bh, bw, hf, wf = _dims(shape, gran)
+    return _segments(tuple(int(d) for d in shape), gran.bh, gran.bw)
+
+
+@functools.lru_cache(maxsize=4096)
+def _segments(shape: tuple[int, ...], bh: int, bw: int) -> tuple[tuple[int, int], ...]:
+    *lead, h, w = shape
+    p, hf, wf = math.prod(lead), h - h % bh, w - w % bw
     hp, wp = h - hf, w - wf
     parts = ((p * hf * wf, bh * bw), (p * hf * wp, bh * wp), (p * hp * wf, hp * bw), (p * hp * wp, hp * wp))
     return tuple((n, b) for n, b in parts if n)
