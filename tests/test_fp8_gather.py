@@ -226,3 +226,35 @@ def test_fp8_training_tracks_bf16():
         curves[name] = losses
     assert curves["fp8"][-1] < 0.9 * curves["fp8"][0]
     np.testing.assert_allclose(curves["fp8"], curves["bf16"], rtol=0.03)
+
+
+@pytest.mark.slow
+def test_every_gather_path_quantizes_the_same_way():
+    """Prefetch, keep (no re-gather), accumulation with one reduce-scatter per micro-batch and with one at
+    the end all gather through the FP8 path: same loss and gradients as the default step."""
+    graphdef, plan = gpt_plan(3)
+    params, batch = init_params(CFG, jax.random.key(0)), next(batches(1, batch=24))
+    results = {}
+    for name, kw in (
+        ("default", {}),
+        ("prefetch", {"prefetch": True}),
+        ("keep", {"reshard_after_forward": False}),
+        ("each", {"microbatches": 2}),
+        ("once", {"microbatches": 2}),
+    ):
+
+        @vj.fsdp(plan=plan, precision=FP8, donate=False, **kw)
+        def grads_of(p, _, b, name=name):
+            f = lambda p, b: loss_fn(vj.flax.nnx_apply(graphdef, p, b["x"]), b["y"])
+            if name in ("each", "once"):
+                return vj.accumulate(f, p, b, reduce=name)
+            return jax.value_and_grad(f)(p, b)
+
+        loss, grads = grads_of(vj.shard(params, plan), None, batch)
+        results[name] = (float(loss), jax.tree.leaves(vj.unshard(grads)))
+    for name, (loss, grads) in results.items():
+        # micro-batches sum two bf16 halves: bf16 rounding, not the quantizer, separates them
+        rtol, atol = (1e-5, 1e-6) if name in ("prefetch", "keep") else (2e-2, 2e-3)
+        np.testing.assert_allclose(loss, results["default"][0], rtol=rtol, err_msg=name)
+        for g, r in zip(grads, results["default"][1], strict=True):
+            np.testing.assert_allclose(g, r, rtol=rtol, atol=atol * np.abs(r).max(), err_msg=name)
