@@ -204,6 +204,12 @@ class Plan:
                     "sizes": list(b.layout.sizes),
                     "blocks": list(b.layout.blocks),
                     "leaves": list(b.leaves),
+                    # Tile-major slots (vj.tiles): their storage granularity and segments; None for row-major.
+                    "storage": [None if g is None else repr(g) for g in (b.storage or (None,) * len(b.leaves))],
+                    "segments": [
+                        None if b.layout.segments_of(j) is None else [list(x) for x in b.layout.segments_of(j)]
+                        for j in range(len(b.leaves))
+                    ],
                 }
                 for b in self.buckets
             ],
