@@ -11,7 +11,17 @@ import numpy as np
 import optax
 import pytest
 from conftest import DEVICE_COUNTS, make_mesh
-from helpers import assert_trees_equal
+from flax import nnx
+from helpers import (
+    GPTConfig,
+    abstract_model,
+    assert_trees_close,
+    assert_trees_equal,
+    batches,
+    init_params,
+    loss_fn,
+    reference_run,
+)
 
 import vescale_jax as vj
 from vescale_jax import _logical
@@ -52,7 +62,20 @@ def reference_storage(x: np.ndarray, bh: int, bw: int) -> np.ndarray:
     return np.concatenate(out) if out else np.zeros(0, x.dtype)
 
 
-SHAPES = [(16, 24), (20, 36), (13, 7), (3, 20, 36), (2, 3, 9, 10), (5, 8), (8, 5), (4, 4), (0, 8), (1, 1)]
+SHAPES = [
+    (16, 24),
+    (20, 36),
+    (13, 7),
+    (3, 20, 36),
+    (2, 3, 9, 10),
+    (5, 8),
+    (8, 5),
+    (4, 4),
+    (0, 8),
+    (8, 0),
+    (3, 8, 0),
+    (1, 1),
+]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -203,6 +226,15 @@ def test_shard_unshard_bitwise(m):
     assert_trees_equal(host_unshard(sp), tree)  # the buffers hold the reference's tile-major order
 
 
+def assert_padding_zero(sp):
+    for bucket, buf in zip(sp.plan.buckets, sp.buffers, strict=True):
+        full = np.asarray(buf).reshape(-1, bucket.layout.total_size)
+        used = np.zeros(bucket.layout.total_size, bool)
+        for o, n in zip(bucket.layout.offsets, bucket.layout.sizes, strict=True):
+            used[o : o + n] = True
+        assert not np.any(full[:, ~used]), bucket.name
+
+
 # ----------------------------------------------------------------------------------------------- checkpoints
 @pytest.mark.parametrize(
     ("src", "dst"),
@@ -237,12 +269,7 @@ def test_checkpoint_round_trip_bitwise(tmp_path, src, dst):
         mngr.save(2, params=r.params)
         mngr.wait()
         assert_trees_equal(vj.unshard(mngr.restore(2, params=src_plan).params), tree)
-    for buf, bucket in zip(r.params.buffers, dst_plan.buckets, strict=True):  # padding is zero
-        full = np.asarray(buf).reshape(-1, bucket.layout.total_size)
-        used = np.zeros(bucket.layout.total_size, bool)
-        for o, n in zip(bucket.layout.offsets, bucket.layout.sizes, strict=True):
-            used[o : o + n] = True
-        assert not np.any(full[:, ~used])
+    assert_padding_zero(r.params)
 
 
 def test_plain_orbax_save_params_of_a_tiles_plan_is_logical(tmp_path):
@@ -251,3 +278,77 @@ def test_plain_orbax_save_params_of_a_tiles_plan_is_logical(tmp_path):
     vj.checkpoint.save_params(tmp_path / "p", vj.shard(tree, plan))
     back = vj.checkpoint.restore_params(tmp_path / "p", plan_of(tree, 2))
     assert_trees_equal(vj.unshard(back), tree)
+
+
+# ------------------------------------------------------------------------------------------- vj.fsdp training
+CFG = GPTConfig(vocab=257, max_len=16, d_model=20, num_heads=2, num_layers=3, d_ff=52)  # edge tiles everywhere
+
+
+def make_tx():
+    return optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-3, weight_decay=0.1))
+
+
+def fsdp_step(plan, apply_model, tx, **kw):
+    @vj.fsdp(plan=plan, **kw)
+    def step(params, opt_state, batch):
+        def f(p):
+            return loss_fn(apply_model(p, batch["x"]), batch["y"])
+
+        loss, grads = jax.value_and_grad(f)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, {"loss": loss}
+
+    return step
+
+
+def run_fsdp(sp, step, tx, data):
+    opt_state, losses = vj.init_opt_state(tx, sp), []
+    for batch in data:
+        sp, opt_state, metrics = step(sp, opt_state, batch)
+        losses.append(float(metrics["loss"]))
+    return sp, opt_state, losses
+
+
+@pytest.fixture(scope="module")
+def gpt_reference():
+    graphdef, _ = abstract_model(CFG)
+    params = init_params(CFG, jax.random.key(0))
+    ref, losses = reference_run(params, lambda p, x: nnx.merge(graphdef, p)(x), make_tx(), batches())
+    return params, ref, losses
+
+
+def train_gpt(m, granularity, params, **kw):
+    graphdef, shapes = abstract_model(CFG)
+    plan = vj.plan(shapes, make_mesh(m), stacked=("blocks",), granularity=granularity)
+    tx = make_tx()
+    step = fsdp_step(plan, lambda p, x: vj.flax.nnx_apply(graphdef, p, x), tx, **kw)
+    sp, _, losses = run_fsdp(vj.shard(params, plan), step, tx, batches())
+    return plan, sp, losses
+
+
+@pytest.mark.parametrize(
+    "m", [pytest.param(1, marks=pytest.mark.slow), 2, 3, pytest.param(8, marks=pytest.mark.slow)], ids=lambda m: f"m{m}"
+)
+def test_fsdp_training_with_tiles_equals_element_and_unsharded(m, gpt_reference):
+    params, ref, ref_losses = gpt_reference
+    plan, sp, losses = train_gpt(m, tiled_or_element(), params)
+    tiled = [(b.name, b.layers) for b in plan.buckets if b.storage]
+    assert any(layers for _, layers in tiled) and any(not layers for _, layers in tiled), tiled  # scan bucket too
+    _, sp_e, losses_e = train_gpt(m, vj.element(), params)
+    np.testing.assert_allclose(losses, losses_e, rtol=1e-5)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(vj.unshard(sp), vj.unshard(sp_e))
+    assert_trees_close(vj.unshard(sp), ref)
+    assert_padding_zero(sp)
+
+
+# ------------------------------------------------------------------------------------------ Muon and Shampoo
+@pytest.mark.parametrize("m", [3, pytest.param(8, marks=pytest.mark.slow)], ids=lambda m: f"m{m}")
+def test_muon_on_a_tiles_plan_matches_optax(m):
+    import test_muon as tm
+
+    plan = vj.plan(tm.PARAMS, make_mesh(m), stacked=["layers"], granularity=tiled_or_element(4, 8))
+    assert any(b.storage for b in plan.buckets)
+    got, *_ = tm.run_sharded(tm.PARAMS, tm.GRADS, plan, **tm.DEFAULT)
+    for g, r in zip(got, tm.reference("default", tm.PARAMS, tm.GRADS, **tm.DEFAULT), strict=True):
+        assert_trees_close(g, r)

@@ -82,7 +82,7 @@ def from_storage(flat: Any, shape: Sequence[int], gran: Any, xp: Any = np) -> An
     """``flat`` of shape ``(*batch, size)`` in storage order -> ``(*batch, *shape)``."""
     shape = tuple(int(d) for d in shape)
     batch = tuple(flat.shape[:-1])
-    if not is_tiled(shape, gran):
+    if not is_tiled(shape, gran) or not math.prod(shape):  # row-major, or empty (a zero-width leaf has no tiles)
         return xp.reshape(flat, (*batch, *shape))
     p, h, w, bh, bw, hf, wf = _dims(shape, gran)
     hp, wp = h - hf, w - wf
