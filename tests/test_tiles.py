@@ -22,11 +22,17 @@ from helpers import (
     loss_fn,
     reference_run,
 )
+from jax.sharding import PartitionSpec as P
 
 import vescale_jax as vj
+import vescale_jax.optim as vjo
 from vescale_jax import _logical
 from vescale_jax import _tiles as tiles
 from vescale_jax._granularity import Granularity
+from vescale_jax.optim._blocks import build_blocks, gather_blocks
+from vescale_jax.optim._compact import build_compact, compact
+from vescale_jax.optim._leaves import local_vector
+from vescale_jax.optim._relayout import BlockLayout, CompactLayout
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -95,6 +101,7 @@ def test_storage_round_trip_matches_reference(shape, bh, bw):
     lead, row, col = tiles.coords(j, shape, g)
     h, w = shape[-2:]
     np.testing.assert_array_equal((lead * h + row) * w + col, flat)
+    np.testing.assert_array_equal(tiles.position(lead, row, col, shape, g), j)  # position inverts coords
     # every segment's blocks are single tiles (no block spans two tiles)
     tile_of = (lead * -(-h // bh) + row // bh) * -(-w // bw) + col // bw
     start = 0
@@ -352,3 +359,86 @@ def test_muon_on_a_tiles_plan_matches_optax(m):
     got, *_ = tm.run_sharded(tm.PARAMS, tm.GRADS, plan, **tm.DEFAULT)
     for g, r in zip(got, tm.reference("default", tm.PARAMS, tm.GRADS, **tm.DEFAULT), strict=True):
         assert_trees_close(g, r)
+
+
+SHAMPOO_GRAN = tiled_or_element(8, 8)  # 8 x 8 tiles hold 2 x 2 Shampoo blocks of 4: blocks in storage order
+
+
+@pytest.mark.parametrize("m", [3, pytest.param(8, marks=pytest.mark.slow)], ids=lambda m: f"m{m}")
+def test_shampoo_on_a_tiles_plan_matches_the_reference(m):
+    import test_shampoo as ts
+
+    plan = vj.plan(ts.PARAMS, make_mesh(m), stacked=["layers"], granularity=SHAMPOO_GRAN)
+    assert any(b.storage for b in plan.buckets)
+    got, *_ = ts.run_sharded(plan, **ts.DEFAULT)
+    for a, r in zip(got, ts.reference("default", **ts.DEFAULT), strict=True):
+        assert_trees_close(a, r, rtol=1e-4)
+
+
+def test_shampoo_rejects_blocks_that_span_tiles():
+    import test_shampoo as ts
+
+    plan = vj.plan(ts.PARAMS, make_mesh(3), stacked=["layers"], granularity=tiled_or_element(6, 6))
+    with pytest.raises(ValueError, match=r"'a/w'.*\(37, 11\).*tiles\(6, 6\).*vj\.rows\(4\)"):
+        vjo.shampoo(0.1, plan=plan, block_size=4)
+
+
+def local_blocks(sp, tables):
+    """Shampoo's PerDevice rows of the params themselves: each device's b x b blocks of its shards."""
+    plan = sp.plan
+
+    def local(*shards):
+        k = jax.lax.axis_index(plan.axis)
+        return gather_blocks(local_vector(shards, tables.buckets, jnp.float32), tables, k)
+
+    specs = tuple(plan.partition_spec(b) for b in plan.buckets)
+    fn = jax.shard_map(local, mesh=plan.mesh, in_specs=specs, out_specs=P(plan.axis), check_vma=False)
+    return jax.jit(fn)(*sp.buffers)
+
+
+def reference_blocks(x, b):
+    """``(.., nb, b, b)``: the zero-padded b x b blocks of the matrix view, row-major block order."""
+    r, c = math.prod(x.shape[:-1]), x.shape[-1]
+    v = np.zeros((-(-r // b) * b, -(-c // b) * b), x.dtype)
+    v[:r, :c] = x.reshape(r, c)
+    return v.reshape(-(-r // b), b, -(-c // b), b).transpose(0, 2, 1, 3).reshape(-1, b, b)
+
+
+@pytest.mark.parametrize(("m", "other"), [(3, 2), pytest.param(8, 3, marks=pytest.mark.slow)])
+def test_block_and_compact_layouts_of_a_tiles_plan_are_logical(m, other):
+    from helpers import edge_block_params
+
+    params = edge_block_params()
+    plan = vj.plan(params, make_mesh(m), stacked=["layers"], granularity=SHAMPOO_GRAN)
+    plan_b = vj.plan(params, make_mesh(other), stacked=["layers"], granularity=vj.rows(4))
+    sp = vj.shard(params, plan)
+    flat = {spec.path: np.asarray(x) for spec, x in zip(plan.leaves, jax.tree.leaves(params), strict=True)}
+    # Blocks: the logical view is each matrix leaf's blocks in row-major block order, whatever the storage.
+    layout = BlockLayout(plan, 4)
+    value = local_blocks(sp, build_blocks(plan, 4))
+    view = layout.to_logical(value)
+    for spec in plan.leaves:
+        if len(plan.layer_shape(spec)) < 2:
+            continue
+        x = flat[spec.path]
+        want = np.stack([reference_blocks(y, 4) for y in x]) if spec.shape != plan.layer_shape(spec) else None
+        want = reference_blocks(x, 4) if want is None else want
+        np.testing.assert_array_equal(np.asarray(view[f"{spec.path}/blocks"]), want, err_msg=spec.path)
+    # ... and moves to a rows plan on another device count and back, bit for bit.
+    moved = BlockLayout(plan_b, 4).from_logical(view)
+    assert_trees_equal(BlockLayout(plan_b, 4).to_logical(moved), view)
+    np.testing.assert_array_equal(np.asarray(layout.from_logical(BlockLayout(plan_b, 4).to_logical(moved))), value)
+    # Compact vectors (AdamW state of the leaves Muon / Shampoo hand over): each chosen leaf at its shape.
+    chosen = tuple(spec.path in ("a/w", "b/v", "layers/w", "a/b") for spec in plan.leaves)
+    compact_layout = CompactLayout(plan, chosen)
+    value = compact(sp.buffers, plan, build_compact(plan, chosen))
+    view = compact_layout.to_logical(value)
+    for spec, on in zip(plan.leaves, chosen, strict=True):
+        if on:
+            np.testing.assert_array_equal(np.asarray(view[spec.path]), flat[spec.path], err_msg=spec.path)
+    for key, s in compact_layout.logical_shapes().items():
+        assert s.shape == view[key].shape and view[key].sharding.is_equivalent_to(s.sharding, len(s.shape))
+    other_layout = CompactLayout(plan_b, chosen)
+    moved = other_layout.from_logical(view)
+    assert_trees_equal(other_layout.to_logical(moved), view)
+    np.testing.assert_array_equal(np.asarray(compact_layout.from_logical(other_layout.to_logical(moved))), value)
