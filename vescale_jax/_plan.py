@@ -173,7 +173,11 @@ class Plan:
         return spec.shape if self.buckets[spec.bucket].layers is None else spec.shape[1:]
 
     def shard_of(self, path: str) -> RaggedShard:
-        """The :class:`RaggedShard` of one leaf (per layer for a stacked leaf)."""
+        """The :class:`RaggedShard` of one leaf (per layer for a stacked leaf).
+
+        For a leaf stored tile-major (``vj.tiles``; its bucket's ``storage`` names it) the element ranges count
+        positions in its storage order (:func:`vescale_jax._tiles.to_storage`), not in its row-major flattening.
+        """
         spec = self.leaf(path)
         return self.buckets[spec.bucket].layout.ragged_shard(spec.slot, self.layer_shape(spec))
 
