@@ -134,9 +134,9 @@ def build_blocks(
             last = offset + (bi + r - 1) * c_total + bj + c - 1
             stride = np.full(len(first), c_total)
         else:
-            first, last, stride, order = _tiled_blocks(plan, index, gran, bi, bj, r, c, what)
+            first, last, stride, order = _tiled_blocks(plan, index, gran, block_size, bi, bj, r, c, what)
             bi, bj, r, c = bi[order], bj[order], r[order], c[order]
-            first, last, stride = offset + first, offset + last, stride
+            first, last = offset + first, offset + last
         split = np.flatnonzero(first // s != last // s)
         if len(split):
             x = split[0]
@@ -186,7 +186,7 @@ def build_blocks(
     )
 
 
-def _tiled_blocks(plan: Plan, index: int, gran, bi, bj, r, c, what: str):
+def _tiled_blocks(plan: Plan, index: int, gran, b: int, bi, bj, r, c, what: str):
     """Blocks ``[bi, bi + r) x [bj, bj + c)`` of the matrix view of a leaf stored tile-major (``vj.tiles``):
     ``(first, last, stride, order)``, their first and last elements' storage positions in the leaf, row
     strides, and the storage order of the blocks. Every block must lie inside one tile (a sub-rectangle of a
@@ -200,7 +200,6 @@ def _tiled_blocks(plan: Plan, index: int, gran, bi, bj, r, c, what: str):
     same = np.all([x == y for x, y in zip(tile(a0, r0, bj), tile(a1, r1, ends[1]), strict=True)], axis=0)
     if not same.all():
         x = int(np.flatnonzero(~same)[0])
-        b = int(max(r.max(), c.max()))
         raise ValueError(
             f"vj.optim.{what}: leaf {spec.path!r} (shape {spec.shape}) is stored tile-major with {gran!r}, and its "
             f"block rows {bi[x]}:{bi[x] + r[x]}, cols {bj[x]}:{bj[x] + c[x]} (of the {math.prod(shape[:-1])}x{w} "
