@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import re
 from collections.abc import Sequence
 
 __all__ = ["Granularity", "element", "rows", "tiles", "whole"]
@@ -84,6 +85,30 @@ class Granularity:
         from vescale_jax._tiles import segments
 
         return segments(shape, self)
+
+    @classmethod
+    def parse(cls, text: str) -> Granularity:
+        """The granularity whose ``repr`` is ``text`` (``"element()"``, ``"rows(4)"``, ``"tiles(8, 8)"``,
+        ``"whole()"``, ``"whole(max_padding=0.1)"``), e.g. from :meth:`vescale_jax.Plan.to_dict`."""
+        m = re.fullmatch(r"\s*(element|rows|tiles|whole)\((.*)\)\s*", str(text))
+        args = [a.strip() for a in m.group(2).split(",")] if m and m.group(2).strip() else []
+        try:
+            if m and m.group(1) == "element" and not args:
+                return element()
+            if m and m.group(1) == "rows" and len(args) == 1:
+                return rows(int(args[0]))
+            if m and m.group(1) == "tiles" and len(args) == 2:
+                return tiles(int(args[0]), int(args[1]))
+            if m and m.group(1) == "whole" and not args:
+                return whole()
+            if m and m.group(1) == "whole" and len(args) == 1 and args[0].startswith("max_padding="):
+                return whole(max_padding=float(args[0].split("=", 1)[1]))
+        except ValueError as e:
+            raise ValueError(f"Granularity.parse: {text!r} is not a valid granularity ({e})") from None
+        raise ValueError(
+            f"Granularity.parse: {text!r} is not a granularity repr; expected element(), rows(k), tiles(bh, bw), "
+            "whole() or whole(max_padding=x)."
+        )
 
     def __repr__(self) -> str:
         if self.kind == "rows":

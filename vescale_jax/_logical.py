@@ -16,6 +16,13 @@ Transient memory per device: each leaf's all-to-all send and receive buffers, ``
 ``W`` is the largest piece one device sends another (``W <= size / g``), so at most twice one leaf (one layer
 of it: stacked leaves are converted layer by layer in a loop) and about ``2 * size / m`` for a leaf spread over
 all devices. The outputs (the logical leaves, or the packed buckets) are one more copy of the device's share.
+
+A leaf stored tile-major (``vj.tiles``, see :mod:`vescale_jax._tiles`) takes a simpler, costlier path: its
+ragged ranges are all-gathered (the leaf's storage order is not a row-major range, so the closed-form ranks
+above do not apply), relaid out to the logical leaf on every device, and each device keeps its storage block
+(restore: the blocks are all-gathered, relaid out to storage order and each device keeps its range). Per
+tiled leaf (one layer of it) every device then receives and holds the whole leaf, about ``2 * size`` elements
+of transient memory and ``size`` elements received instead of ``size / m``; the stored form is the same.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from vescale_jax import _tiles as tiles
 from vescale_jax._plan import Bucket, Plan
 
 __all__ = ["LeafStorage", "from_logical", "leaf_storage", "storage_mesh", "to_logical"]
@@ -204,6 +212,40 @@ def _leaf_in(block: jax.Array, out: jax.Array, rt: _Route, k: jax.Array, axes: t
     return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(ok[None], vals, window), lo, axis=-1)
 
 
+def _tiled_out(
+    local: jax.Array, rt: _Route, st: LeafStorage, gran: Any, k: jax.Array, axes: tuple[str, ...]
+) -> jax.Array:
+    """:func:`_leaf_out` of a leaf stored tile-major: all-gather its ranges, relayout, keep this device's block."""
+    w = rt.local_max
+    padded = jnp.pad(local, ((0, 0), (0, w)))
+    lo = jnp.clip(rt.o + _t(rt.starts)[k] - k * rt.S, 0, rt.S)
+    piece = jax.lax.dynamic_slice_in_dim(padded, lo, w, axis=-1)  # (L, w): my range of the leaf, then junk
+    pieces = jax.lax.all_gather(piece, axes, axis=1)  # (L, m, w)
+    lengths = (rt.ends - rt.starts).tolist()
+    flat = jnp.concatenate([pieces[:, s, :n] for s, n in enumerate(lengths) if n], axis=-1)  # (L, n)
+    logical = tiles.from_storage(flat, st.shape, gran, jnp)
+    A, D, B = st.view()
+    logical = jnp.reshape(logical, (local.shape[0], A, D, B))
+    blk = jax.lax.dynamic_slice_in_dim(logical, (k // rt.r) * (D // rt.g), D // rt.g, axis=2)
+    return jnp.reshape(blk, (local.shape[0], rt.block_size))
+
+
+def _tiled_in(
+    block: jax.Array, out: jax.Array, rt: _Route, st: LeafStorage, gran: Any, k: jax.Array, axes: tuple[str, ...]
+) -> jax.Array:
+    """:func:`_leaf_in` of a leaf stored tile-major: all-gather the blocks, relayout, write this device's range."""
+    lead, (A, D, B), g = block.shape[0], st.view(), rt.g
+    blocks = jax.lax.all_gather(block, axes, axis=1)[:, :: rt.r]  # (L, g, n / g): one replica of each block
+    logical = jnp.reshape(jnp.swapaxes(jnp.reshape(blocks, (lead, g, A, D // g, B)), 1, 2), (lead, *st.shape))
+    flat = jnp.pad(tiles.to_storage(logical, st.shape, gran, jnp), ((0, 0), (0, rt.local_max)))
+    start, end = _t(rt.starts)[k], _t(rt.ends)[k]
+    vals = jax.lax.dynamic_slice_in_dim(flat, start, rt.local_max, axis=-1)
+    ok = jnp.arange(rt.local_max, dtype=jnp.int32) < end - start
+    lo = jnp.clip(rt.o + start - k * rt.S, 0, rt.S)
+    window = jax.lax.dynamic_slice_in_dim(out, lo, rt.local_max, axis=-1)
+    return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(ok[None], vals.astype(out.dtype), window), lo, axis=-1)
+
+
 # --------------------------------------------------------------------------------------------- conversions
 def _bucket_storages(plan: Plan, b: int) -> list[LeafStorage]:
     bucket = plan.buckets[b]
@@ -268,13 +310,15 @@ def _to_logical_fn(plan: Plan):
         for buf, (bucket, storages, routes) in zip(bufs, tables, strict=True):
             stacked = bucket.layers is not None
             buf2 = buf if stacked else buf[None]
-            for i, st, rt in zip(bucket.leaves, storages, routes, strict=True):
+            for j, (i, st, rt) in enumerate(zip(bucket.leaves, storages, routes, strict=True)):
+                gran = bucket.storage[j] if bucket.storage else None
+                out_fn = _leaf_out if gran is None else functools.partial(_tiled_out, st=st, gran=gran)
                 if not rt.n:
                     blk = jnp.zeros((buf2.shape[0], 0), buf.dtype)
                 elif stacked:  # one layer at a time: the all-to-all buffers hold one layer's piece
-                    blk = jax.lax.map(lambda row, rt=rt: _leaf_out(row[None], rt, k, axes)[0], buf2)
+                    blk = jax.lax.map(lambda row, rt=rt, f=out_fn: f(row[None], rt, k=k, axes=axes)[0], buf2)
                 else:
-                    blk = _leaf_out(buf2, rt, k, axes)
+                    blk = out_fn(buf2, rt, k=k, axes=axes)
                 blk = jnp.reshape(blk, (buf2.shape[0], *_local_shape(st)))
                 sums[i] = _block_sums(blk, st, rt, k, axes)
                 outs[i] = blk if stacked else blk[0]
@@ -307,11 +351,16 @@ def _from_logical_fn(plan: Plan, dtypes: tuple[str, ...] | None = None):
                 sums[i] = _block_sums(jnp.reshape(leaves[i], (lead, *_local_shape(st))), st, rt, k, axes)
             rows = [jnp.reshape(leaves[i], (lead, -1)) for i in bucket.leaves]
 
-            def fill(rows, routes=routes, S=S, pad=pad, dtype=dtype):
+            def fill(rows, routes=routes, storages=storages, grans=bucket.storage, S=S, pad=pad, dtype=dtype):
                 out = jnp.zeros((rows[0].shape[0] if rows else 1, S + pad), dtype)
-                for row, rt in zip(rows, routes, strict=True):
-                    if rt.n:
+                for j, (row, rt) in enumerate(zip(rows, routes, strict=True)):
+                    gran = grans[j] if grans else None
+                    if not rt.n:
+                        continue
+                    if gran is None:
                         out = _leaf_in(row, out, rt, k, axes)
+                    else:
+                        out = _tiled_in(row, out, rt, storages[j], gran, k, axes)
                 return out[:, :S]
 
             if stacked:  # one layer at a time, every leaf of it: the buffer is written once

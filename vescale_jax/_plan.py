@@ -173,7 +173,11 @@ class Plan:
         return spec.shape if self.buckets[spec.bucket].layers is None else spec.shape[1:]
 
     def shard_of(self, path: str) -> RaggedShard:
-        """The :class:`RaggedShard` of one leaf (per layer for a stacked leaf)."""
+        """The :class:`RaggedShard` of one leaf (per layer for a stacked leaf).
+
+        For a leaf stored tile-major (``vj.tiles``; its bucket's ``storage`` names it) the element ranges count
+        positions in its storage order (:func:`vescale_jax._tiles.to_storage`), not in its row-major flattening.
+        """
         spec = self.leaf(path)
         return self.buckets[spec.bucket].layout.ragged_shard(spec.slot, self.layer_shape(spec))
 
@@ -204,6 +208,12 @@ class Plan:
                     "sizes": list(b.layout.sizes),
                     "blocks": list(b.layout.blocks),
                     "leaves": list(b.leaves),
+                    # Tile-major slots (vj.tiles): their storage granularity and segments; None for row-major.
+                    "storage": [None if g is None else repr(g) for g in (b.storage or (None,) * len(b.leaves))],
+                    "segments": [
+                        None if b.layout.segments_of(j) is None else [list(x) for x in b.layout.segments_of(j)]
+                        for j in range(len(b.leaves))
+                    ],
                 }
                 for b in self.buckets
             ],

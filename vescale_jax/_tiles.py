@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["coords", "from_storage", "is_tiled", "segments", "storage_index", "to_storage"]
+__all__ = ["coords", "from_storage", "is_tiled", "position", "segments", "storage_index", "to_storage"]
 
 
 def is_tiled(shape: Sequence[int], gran: Any) -> bool:
@@ -89,7 +89,7 @@ def from_storage(flat: Any, shape: Sequence[int], gran: Any, xp: Any = np) -> An
     """``flat`` of shape ``(*batch, size)`` in storage order -> ``(*batch, *shape)``."""
     shape = tuple(int(d) for d in shape)
     batch = tuple(flat.shape[:-1])
-    if not is_tiled(shape, gran):
+    if not is_tiled(shape, gran) or not math.prod(shape):  # row-major, or empty (a zero-width leaf has no tiles)
         return xp.reshape(flat, (*batch, *shape))
     p, h, w, bh, bw, hf, wf = _dims(shape, gran)
     hp, wp = h - hf, w - wf
@@ -171,3 +171,25 @@ def coords(offset: Any, shape: Sequence[int], gran: Any, xp: Any = np) -> tuple[
         row = xp.where(inside, rows_of(rq), row)
         col = xp.where(inside, cols_of(rq), col)
     return lead, row, col
+
+
+def position(lead: Any, row: Any, col: Any, shape: Sequence[int], gran: Any, xp: Any = np) -> Any:
+    """The storage position of logical element ``(lead, row, col)`` of a leaf: the inverse of :func:`coords`.
+
+    ``lead`` is the flat index over the leading dims; for a leaf of fewer than two dims pass ``lead = row = 0``
+    and ``col`` its flat index. Pure integer arithmetic, elementwise.
+    """
+    shape = tuple(int(d) for d in shape)
+    if len(shape) < 2:
+        return col + 0 * (lead + row)
+    if not is_tiled(shape, gran):
+        h, w = shape[-2:]
+        return (lead * h + row) * w + col
+    p, h, w, bh, bw, hf, wf = _dims(shape, gran)
+    hp, wp = h - hf, w - wf
+    full = lead * hf * wf + ((row // bh) * (wf // bw) + col // bw) * bh * bw + row % bh * bw + col % bw
+    right = p * hf * wf + lead * hf * wp + row * wp + (col - wf)
+    bottom = p * hf * (wf + wp) + lead * hp * wf + col // bw * hp * bw + (row - hf) * bw + col % bw
+    corner = p * (hf * (wf + wp) + hp * wf) + lead * hp * wp + (row - hf) * wp + (col - wf)
+    top = xp.where(col < wf, full, right)
+    return xp.where(row < hf, top, xp.where(col < wf, bottom, corner))

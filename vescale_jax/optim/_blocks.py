@@ -3,7 +3,9 @@
 A *matrix leaf* is a leaf whose per-layer shape has rank >= 2; each layer is viewed as the row-major matrix
 ``(R, C) = (prod(shape[:-1]), shape[-1])`` and cut into ``block_size x block_size`` blocks (edge blocks
 smaller). With the planner's ``vj.rows(block_size)`` granularity a device boundary never cuts a block-row,
-so every block lies whole on one device and is read straight out of that device's local shard.
+so every block lies whole on one device and is read straight out of that device's local shard. A leaf stored
+tile-major with ``vj.tiles(bh, bw)`` (``bh`` and ``bw`` multiples of ``block_size``) holds each block inside
+one tile, strided by the tile's width; its blocks are listed in storage order.
 
 Tables are tiny: per device and block *slot*, the local offset of the block's first element, its row
 stride and its rows and columns. The device side (:func:`gather_blocks`, :func:`scatter_blocks`) computes
@@ -20,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vescale_jax import _tiles as tiles
 from vescale_jax._plan import Plan
 
 __all__ = ["BlockTables", "build_blocks", "gather_blocks", "matrix_view", "scatter_blocks"]
@@ -125,8 +128,15 @@ def build_blocks(
         )
         bi, bj = bi.reshape(-1), bj.reshape(-1)
         r, c = np.minimum(block_size, r_total - bi), np.minimum(block_size, c_total - bj)
-        first = offset + bi * c_total + bj
-        last = offset + (bi + r - 1) * c_total + bj + c - 1
+        gran = bucket.storage[spec.slot] if bucket.storage else None
+        if gran is None:
+            first = offset + bi * c_total + bj
+            last = offset + (bi + r - 1) * c_total + bj + c - 1
+            stride = np.full(len(first), c_total)
+        else:
+            first, last, stride, order = _tiled_blocks(plan, index, gran, block_size, bi, bj, r, c, what)
+            bi, bj, r, c = bi[order], bj[order], r[order], c[order]
+            first, last = offset + first, offset + last
         split = np.flatnonzero(first // s != last // s)
         if len(split):
             x = split[0]
@@ -140,7 +150,7 @@ def build_blocks(
         local = (bases[spec.bucket] + np.arange(nl, dtype=np.int64)[:, None] * s + first % s).reshape(-1)
         n = len(local)
         cols_of.append(
-            (np.tile(first // s, nl), local, np.full(n, c_total), np.tile(r, nl), np.tile(c, nl), np.full(n, index))
+            (np.tile(first // s, nl), local, np.tile(stride, nl), np.tile(r, nl), np.tile(c, nl), np.full(n, index))
         )
 
     num_leaves = len(plan.leaves)
@@ -174,6 +184,35 @@ def build_blocks(
         leaf,
         tuple(matrix),
     )
+
+
+def _tiled_blocks(plan: Plan, index: int, gran, b: int, bi, bj, r, c, what: str):
+    """Blocks ``[bi, bi + r) x [bj, bj + c)`` of the matrix view of a leaf stored tile-major (``vj.tiles``):
+    ``(first, last, stride, order)``, their first and last elements' storage positions in the leaf, row
+    strides, and the storage order of the blocks. Every block must lie inside one tile (a sub-rectangle of a
+    tile is strided by the tile's width)."""
+    spec = plan.leaves[index]
+    shape = plan.layer_shape(spec)
+    h, w = shape[-2:]
+    ends = bi + r - 1, bj + c - 1
+    a0, r0, a1, r1 = bi // h, bi % h, ends[0] // h, ends[0] % h
+    tile = lambda a, row, col: (a, row // gran.bh, col // gran.bw)
+    same = np.all([x == y for x, y in zip(tile(a0, r0, bj), tile(a1, r1, ends[1]), strict=True)], axis=0)
+    if not same.all():
+        x = int(np.flatnonzero(~same)[0])
+        raise ValueError(
+            f"vj.optim.{what}: leaf {spec.path!r} (shape {spec.shape}) is stored tile-major with {gran!r}, and its "
+            f"block rows {bi[x]}:{bi[x] + r[x]}, cols {bj[x]}:{bj[x] + c[x]} (of the {math.prod(shape[:-1])}x{w} "
+            f"matrix view) spans several tiles. Plan this leaf with vj.tiles(bh, bw) whose bh and bw are multiples "
+            f"of block_size={b} (and a per-layer row count a multiple of it when the leaf has leading dims), or "
+            f"with vj.rows({b}), vj.element() or vj.whole()."
+        )
+    first = tiles.position(a0, r0, bj, shape, gran)
+    last = tiles.position(a1, r1, ends[1], shape, gran)
+    wf = w - w % gran.bw
+    stride = np.where(bj < wf, gran.bw, w - wf)
+    order = np.argsort(first, kind="stable")
+    return first[order], last[order], stride[order], order
 
 
 def _indices(tables: BlockTables, k: jax.Array) -> jax.Array:

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vescale_jax import _tiles as tiles
 from vescale_jax import redistribute
 from vescale_jax._buffer import PerDevice
 from vescale_jax._cache import plan_cache
@@ -54,6 +55,20 @@ P = jax.sharding.PartitionSpec
 _TRACER = getattr(jax.core, "Tracer", ())  # from_logical inside jit: leave the shardings to the caller
 
 
+def _even_spec(per_layer: tuple[int, ...], layers: int | None, chunked: bool, axis: Any, m: int) -> P:
+    """Even sharding of a logical array, spelled out over every dim: the rows inside each block when
+    ``chunked``; else its per-layer dim 0 when the device count divides it; else its layers when the device
+    count divides their number; else replicated (the leaf is then gathered whole on every device)."""
+    dims: list[Any] = [None] * (len(per_layer) + (layers is not None))
+    if chunked:
+        dims[-2] = axis
+    elif per_layer and per_layer[0] % m == 0 and per_layer[0] >= m:
+        dims[0 if layers is None else 1] = axis
+    elif layers is not None and layers % m == 0 and math.prod(per_layer):
+        dims[0] = axis  # whole layers per device
+    return P(*dims)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Entry:
     """One logical array: ``layers`` copies (``None``: not stacked) of a per-layer tensor placed by ``rs``.
@@ -62,6 +77,12 @@ class _Entry:
     piece is ``rs.local_sizes[k]`` elements long. ``slots`` (block layouts whose block edge the device count
     divides): ``(L, nb)`` global slot (``device * B + slot``) of each block; the logical array is then split
     over the rows inside each block.
+
+    A leaf stored tile-major (``vj.tiles``) keeps its rows in an order that is not the logical one, so ``rs``
+    places that order instead: ``perm`` (blocks) says logical block ``j`` is block ``perm[j]`` of it;
+    ``tiled`` (compact vectors) is ``(logical per-layer shape, granularity)`` with ``rs`` over the storage
+    order (see :mod:`vescale_jax._tiles`). Such an entry is relaid out whole on every device (one all-gather of
+    the leaf, then each device keeps its share of the logical array): a correct, costlier fallback.
     """
 
     key: str
@@ -69,26 +90,61 @@ class _Entry:
     rs: RaggedShard
     start: np.ndarray
     slots: np.ndarray | None = None
+    perm: np.ndarray | None = None
+    tiled: tuple[tuple[int, ...], Any] | None = None
+
+    @property
+    def reordered(self) -> bool:
+        return self.slots is None and (self.perm is not None or self.tiled is not None)
+
+    @property
+    def per_layer(self) -> tuple[int, ...]:
+        """The logical per-layer shape."""
+        return self.rs.shape if self.tiled is None else tuple(self.tiled[0])
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.rs.shape if self.layers is None else (self.layers, *self.rs.shape)
+        """The logical array's shape."""
+        return self.per_layer if self.layers is None else (self.layers, *self.per_layer)
 
     def spec(self, axis: Any, m: int) -> P:
-        """Even sharding of the logical array, spelled out over every dim: the rows inside each block with
-        ``slots``; else its per-layer dim 0 when the device count divides it; else its layers when the device
-        count divides their number; else replicated (the leaf is then gathered whole on every device)."""
-        dims: list[Any] = [None] * len(self.shape)
-        if self.slots is not None:
-            dims[-2] = axis
-        elif self.rs.shape and self.rs.shape[0] % m == 0 and self.rs.shape[0] >= m:
-            dims[0 if self.layers is None else 1] = axis
-        elif self.layers is not None and self.layers % m == 0 and self.rs.size:
-            dims[0] = axis  # whole layers per device
-        return P(*dims)
+        """The logical array's even sharding (see :func:`_even_spec`)."""
+        return _even_spec(self.per_layer, self.layers, self.slots is not None, axis, m)
 
     def replicated(self, axis: Any, m: int) -> bool:
-        return all(d is None for d in self.spec(axis, m))
+        """Whether the rows are gathered whole on every device (a replicated or a reordered entry)."""
+        return self.reordered or all(d is None for d in self.spec(axis, m))
+
+    def to_logical_order(self, x: jax.Array) -> jax.Array:
+        """The whole ``(L, ...)`` array in ``rs``'s order -> in the logical order."""
+        if self.perm is not None:
+            return jnp.take(x, jnp.asarray(self.perm), axis=1)
+        if self.tiled is not None:
+            return tiles.from_storage(jnp.reshape(x, (x.shape[0], -1)), self.tiled[0], self.tiled[1], jnp)
+        return x
+
+    def to_rows_order(self, x: jax.Array) -> jax.Array:
+        """Inverse of :meth:`to_logical_order`."""
+        if self.perm is not None:
+            return jnp.take(x, jnp.asarray(np.argsort(self.perm)), axis=1)
+        if self.tiled is not None:
+            return jnp.reshape(tiles.to_storage(x, self.tiled[0], self.tiled[1], jnp), (x.shape[0], *self.rs.shape))
+        return x
+
+    def share(self, x: jax.Array, axis: Any, m: int, k: jax.Array) -> jax.Array:
+        """Device ``k``'s share under :meth:`spec` of the whole logical array ``x``."""
+        for d, name in enumerate(self.spec(axis, m)):
+            if name is not None:
+                n = x.shape[d] // m
+                return jax.lax.dynamic_slice_in_dim(x, k * n, n, axis=d)
+        return x
+
+    def whole(self, x: jax.Array, axis: Any, m: int) -> jax.Array:
+        """Inverse of :meth:`share`: the whole logical array from every device's share."""
+        for d, name in enumerate(self.spec(axis, m)):
+            if name is not None:
+                return jax.lax.all_gather(x, axis, axis=d, tiled=True)
+        return x
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -279,6 +335,11 @@ def _to_logical_fn(layout: _Relayout):
                 pieces = jax.vmap(lambda s, w=w: jax.lax.dynamic_slice(padded, (s,), (w,)))(jnp.asarray(e.start)[k])
                 pieces = jnp.where(valid[None], pieces, jnp.zeros((), v.dtype))
                 x = jax.vmap(lambda p, rs=e.rs: redistribute.from_ragged(p, rs, axis=axis))(pieces)
+                if e.reordered:
+                    x = e.to_logical_order(x)
+                    x = e.share(x if e.layers is not None else x[0], axis, m, k)
+                    out.append(x)
+                    continue
                 out.append(x[0] if e.layers is None else x)
             else:
                 lo, shape = shares_of[i]
@@ -316,7 +377,12 @@ def _from_logical_cached(layout: _Relayout, dtype: str):
         for e, x in zip(tables.entries, xs, strict=True):
             if e.rs.size == 0 or e.slots is not None or not e.replicated(axis, m):
                 continue
-            x = (x[None] if e.layers is None else x).astype(dtype)
+            if e.reordered:
+                x = e.whole(x, axis, m)
+                x = e.to_rows_order(x[None] if e.layers is None else x)
+            else:
+                x = x[None] if e.layers is None else x
+            x = x.astype(dtype)
             pieces = jax.vmap(lambda t, rs=e.rs: redistribute.to_ragged(t, rs, axis=axis))(x)
             w = e.rs.max_local_size
             valid = jnp.arange(w) < jnp.asarray(np.asarray(e.rs.local_sizes, np.int32))[k]
@@ -374,12 +440,18 @@ class BlockLayout(_Relayout):
                 layer, within = divmod(rel_local, size)
                 rel = k * size + within - offset
                 _, c = matrix_view(plan.layer_shape(spec))
-                row, col = divmod(rel, c)
+                gran = bucket.storage[spec.slot] if bucket.storage else None
+                if gran is None:
+                    row, col = divmod(rel, c)
+                else:  # stored tile-major: the block's first element is at storage position rel
+                    shape = plan.layer_shape(spec)
+                    lead, row, col = (int(x) for x in tiles.coords(np.asarray(rel), shape, gran))
+                    row += lead * shape[-2]
                 nbc = -(-c // b)
                 if row % b or col % b:
                     raise AssertionError(f"BlockLayout: slot {s} of device {k} does not start a block of {spec.path}")
                 where.setdefault((i, layer), [[] for _ in range(m)])[k].append((s, (row // b) * nbc + col // b))
-        entries = []
+        entries, perms = [], {}
         for i, spec in enumerate(plan.leaves):
             if not t.matrix_leaves[i]:
                 continue
@@ -389,11 +461,19 @@ class BlockLayout(_Relayout):
             start = np.zeros((m, layers or 1), np.int32)
             global_slot = np.zeros((layers or 1, nb), np.int32)
             units = None
+            tiled = bool(plan.buckets[spec.bucket].storage) and plan.buckets[spec.bucket].storage[spec.slot] is not None
             for layer in range(layers or 1):
                 per_device = where[(i, layer)]
                 for k, x in enumerate(per_device):
                     for slot, j in x:
                         global_slot[layer, j] = k * t.slots + slot
+                if tiled:  # the rows hold the blocks in storage order: number them so, perm maps them back
+                    order = [j for x in per_device for _, j in x]
+                    perm = np.empty(nb, np.int64)
+                    perm[order] = np.arange(nb)
+                    if perms.setdefault(i, perm) is not perm and not np.array_equal(perms[i], perm):
+                        raise AssertionError(f"BlockLayout: {spec.path}: layers are placed differently")
+                    per_device = [[(slot, int(perm[j])) for slot, j in x] for x in per_device]
                 counts = [len(x) for x in per_device]
                 for k, x in enumerate(per_device):
                     slots, idx = [s for s, _ in x], [j for _, j in x]
@@ -411,7 +491,9 @@ class BlockLayout(_Relayout):
                     raise AssertionError(f"BlockLayout: {spec.path}: layers are placed differently")
             rs = RaggedShard((nb, b, b), bb, units)
             chunk = b % m == 0  # every block's rows split evenly: one balanced all-to-all, never a whole leaf
-            entries.append(_Entry(f"{spec.path}/blocks", layers, rs, start, global_slot if chunk else None))
+            entries.append(
+                _Entry(f"{spec.path}/blocks", layers, rs, start, global_slot if chunk else None, perm=perms.get(i))
+            )
         return _Tables(tuple(entries), (t.slots, b, b))
 
 
@@ -463,7 +545,12 @@ class CompactLayout(_Relayout):
                     if j is None or int(t.length[k, j]) != rs.local_sizes[k]:
                         raise AssertionError(f"CompactLayout: no run of {spec.path} layer {layer} on device {k}")
                     start[k, layer] = t.position[k, j]
-            entries.append(_Entry(spec.path, layers, rs, start))
+            gran = bucket.storage[spec.slot] if bucket.storage else None
+            if gran is None:
+                entries.append(_Entry(spec.path, layers, rs, start))
+            else:  # stored tile-major: the device pieces are runs of the storage order
+                flat = RaggedShard((rs.size,), rs.block, rs.units)
+                entries.append(_Entry(spec.path, layers, flat, start, tiled=(plan.layer_shape(spec), gran)))
         return _Tables(tuple(entries), (t.size,))
 
 

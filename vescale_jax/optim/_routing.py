@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from vescale_jax import _tiles as tiles
 from vescale_jax._plan import Plan
 from vescale_jax.optim._matrices import MatrixRoute, matrix_indices, ns_macs, split_macs
 from vescale_jax.optim._runs import RunLookup, _expand_np, _runs
@@ -126,11 +127,14 @@ def _element_positions(plan: Plan, leaf: int, bases: dict[int, int]) -> tuple[np
     layout = bucket.layout
     s, offset = layout.shard_size, layout.offsets[spec.slot]
     i = np.arange(spec.size, dtype=np.int64)
-    if bucket.layers is None:
-        g, layer = offset + i, 0
-    else:
-        per = layout.sizes[spec.slot]
-        layer, g = i // per, offset + i % per
+    per = layout.sizes[spec.slot]
+    layer, within = (0, i) if bucket.layers is None else (i // per, i % per)
+    gran = bucket.storage[spec.slot] if bucket.storage else None
+    if gran is not None:  # stored tile-major: logical element e of a layer sits at storage position where[e]
+        where = np.empty(per, np.int64)
+        where[tiles.storage_index(plan.layer_shape(spec), gran)] = np.arange(per, dtype=np.int64)
+        within = where[within]
+    g = offset + within
     dev = g // s
     local = layer * s + g % s + bases[spec.bucket]
     return dev, local

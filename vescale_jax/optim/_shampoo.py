@@ -151,7 +151,8 @@ def scale_by_shampoo(
     """Grafted, blocked Shampoo direction for every matrix leaf; other leaves (and padding) come out zero.
 
     Args:
-      plan: the plan the params are sharded with (``vj.rows(block_size)`` granularity for matrix leaves).
+      plan: the plan the params are sharded with (``vj.rows(block_size)`` granularity for matrix leaves, or
+        ``vj.tiles(bh, bw)`` with ``bh`` and ``bw`` multiples of ``block_size``).
       block_size: ``b``; blocks are ``b x b`` (edge blocks smaller).
       beta2: decay of the block statistics (and of the graft's second moment unless ``graft_beta2``).
       diagonal_epsilon: added to the graft's root second moment.
@@ -355,7 +356,8 @@ def shampoo(
 
     Args:
       learning_rate: a float or an Optax schedule.
-      plan: the plan the params are sharded with; plan matrix leaves with ``granularity=vj.rows(block_size)``.
+      plan: the plan the params are sharded with; plan matrix leaves with ``granularity=vj.rows(block_size)``
+        (or ``vj.tiles(bh, bw)``, ``bh`` and ``bw`` multiples of ``block_size``: each block inside one tile).
       block_size: Shampoo block edge ``b``.
 
     Returns:
