@@ -116,6 +116,7 @@ def adam_leaf(g, mu, nu, count):
 
 
 _REF = {}
+FAST_CASES = {(1, "tiles"), (3, "tiles"), (8, "tiles"), (3, "rows"), (8, "rows")}
 
 
 def cached_reference(min_size=MIN_SIZE):
@@ -200,8 +201,15 @@ def test_dynamic_encode_takes_the_nearest_level_ties_to_the_lower():
     np.testing.assert_array_equal(codes[2000:], np.arange(255))  # exactly on a midpoint: the lower level
 
 
-@pytest.mark.parametrize("gran", ["tiles", "rows"])
-@pytest.mark.parametrize("m", DEVICE_COUNTS, ids=lambda m: f"m{m}")
+_SLOW = pytest.mark.slow
+BITWISE_CASES = [
+    pytest.param(m, gran, id=f"m{m}-{gran}", marks=() if (m, gran) in FAST_CASES else _SLOW)
+    for gran in ("tiles", "rows")
+    for m in DEVICE_COUNTS
+]
+
+
+@pytest.mark.parametrize(("m", "gran"), BITWISE_CASES)
 def test_bitwise_equal_to_the_logical_reference(m, gran):
     plan = plan_for(m, gran)
     got, step, *_ = run_sharded(plan)
