@@ -460,8 +460,12 @@ def test_inside_a_vj_fsdp_step():
         sp, state, loss = step(sp, state, x, y)
         sp2, state2 = plain(sp2, state2, x, y)
     assert np.isfinite(float(loss))
+    # The gradients agree to rounding (another summation order); a rounding difference can move a moment
+    # across a code boundary, changing that element's update by a fraction of the learning rate.
     for a, b in zip(jax.tree.leaves(vj.unshard(sp)), jax.tree.leaves(vj.unshard(sp2)), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+        diff = np.abs(np.asarray(a) - np.asarray(b))
+        assert diff.max() <= 5 * 3e-3 * 0.05, diff.max()
+        assert np.mean(diff > 1e-5) <= 0.005, np.mean(diff > 1e-5)
 
 
 # ---------------------------------------------------------------------------------------------- checkpoints
