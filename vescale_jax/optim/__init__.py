@@ -1,7 +1,14 @@
-"""Optax transformations over :class:`~vescale_jax.ShardedParams`: ``vj.optim.muon``, ``vj.optim.shampoo`` and
-their primitives, the inspection tools ``muon_routing`` and ``shampoo_blocks``, and the optimizer-state relayout
-(``logical_view``, ``restore_logical``)."""
+"""Optax transformations over :class:`~vescale_jax.ShardedParams`: ``vj.optim.muon``, ``vj.optim.shampoo``,
+``vj.optim.adamw_8bit`` and their primitives, the inspection tools ``muon_routing`` and ``shampoo_blocks``, and
+the optimizer-state relayout (``logical_view``, ``restore_logical``)."""
 
+from vescale_jax.optim._adam8bit import (
+    ScaleByAdam8bitState,
+    ScaleLayout,
+    adam_8bit_moments,
+    adamw_8bit,
+    scale_by_adam_8bit,
+)
 from vescale_jax.optim._logical import adamw, add_decayed_weights, masked, multi_transform, partition
 from vescale_jax.optim._muon import MuonDimensionNumbers, MuonState, muon, muon_routing, scale_by_muon, scale_by_shape
 from vescale_jax.optim._relayout import BlockLayout, CompactLayout, logical_view, restore_logical
@@ -24,8 +31,12 @@ __all__ = [
     "CompactLayout",
     "MuonDimensionNumbers",
     "MuonState",
+    "ScaleByAdam8bitState",
+    "ScaleLayout",
     "ShampooState",
+    "adam_8bit_moments",
     "adamw",
+    "adamw_8bit",
     "add_decayed_weights",
     "clip_by_block_rms",
     "clip_by_global_norm",
@@ -40,6 +51,7 @@ __all__ = [
     "muon_routing",
     "partition",
     "restore_logical",
+    "scale_by_adam_8bit",
     "scale_by_muon",
     "scale_by_param_block_norm",
     "scale_by_param_block_rms",
