@@ -123,7 +123,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--keep", action="store_true", help="keep gathered params for backward (no re-gather)")
     p.add_argument("--plot", default="train_gpt_loss.png", help="loss-curve PNG ('' to skip)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--optimizer", choices=("adamw", "muon", "shampoo"), default="adamw")
+    p.add_argument(
+        "--optimizer",
+        choices=("adamw", "adamw8bit", "muon", "shampoo"),
+        default="adamw",
+        help="adamw8bit: vj.optim.adamw_8bit, moments as 8-bit codes with one fp32 scale per 32x32 tile",
+    )
     p.add_argument("--muon-lr", type=float, default=0.02, help="Muon's learning rate (AdamW's is --lr)")
     p.add_argument(
         "--shampoo-block",
@@ -174,6 +179,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     graphdef, shapes = abstract_model(cfg)
     if args.optimizer == "shampoo":  # every b x b block on one device: rows(b) for the matrices
         plan = shampoo_plan(shapes, mesh, args.shampoo_block)
+    elif args.optimizer == "adamw8bit" and not args.fp8_gather:  # every 32 x 32 state block on one device
+        plan = vj.plan(
+            shapes,
+            mesh,
+            stacked=("blocks",),
+            granularity=lambda path, leaf: vj.tiles(32, 32) if leaf.ndim >= 2 else vj.rows(1),
+        )
     elif args.fp8_gather:  # every 128 x 128 tile whole on one device, stored contiguously
         plan = vj.plan(
             shapes,
@@ -217,6 +229,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         tx = optax.chain(
             optax.clip_by_global_norm(1.0),
             vj.optim.shampoo(shampoo_lr, plan=plan, block_size=args.shampoo_block, beta2=0.99, weight_decay=0.1),
+        )
+    elif args.optimizer == "adamw8bit":  # 8-bit moments on each device's own 32 x 32 tiles, no collective
+        tx = optax.chain(
+            optax.clip_by_global_norm(1.0), vj.optim.adamw_8bit(schedule, plan=plan, b2=0.99, weight_decay=0.1)
         )
     else:
         tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.99, weight_decay=0.1))
