@@ -250,7 +250,7 @@ def assert_padding_zero(sp):
     ("src", "dst"),
     [
         ((3, "tiles"), (2, "element")),
-        ((2, "tiles"), (3, "tiles48")),
+        pytest.param((2, "tiles"), (3, "tiles48"), marks=pytest.mark.slow),
         pytest.param((8, "element"), (3, "tiles"), marks=pytest.mark.slow),
         pytest.param((2, "tiles"), (8, "tiles48"), marks=pytest.mark.slow),
         pytest.param((1, "tiles"), (3, "tiles"), marks=pytest.mark.slow),
