@@ -310,7 +310,8 @@ def gather_leaves(local: jax.Array, bucket: Bucket, plan: Plan, how: Gather) -> 
     out_dtype = how.leaf_dtype(local.dtype)
     shapes = _layer_shapes(bucket, plan)
     if not bucket.layout.total_size:  # only zero-size leaves: nothing to gather (XLA rejects an empty all-gather)
-        return [jnp.reshape(local, s).astype(out_dtype) for s in shapes]
+        x = vary(local, how.replica_axes).astype(how.policy.gather_dtype(local.dtype))
+        return [jnp.reshape(x, s).astype(out_dtype) for s in shapes]
     full = _all_gather(local, bucket, plan, how)
     leaves = unpack(full, bucket.layout, shapes, kernels_policy=how.kernels, storage=bucket.storage)
     return [leaf.astype(out_dtype) for leaf in leaves]

@@ -26,13 +26,13 @@ elements (``w = bh = bw = 1``).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vescale_jax._cache import plan_cache
 from vescale_jax._plan import Bucket, Plan
 
 __all__ = ["BlockTable", "block_table", "dequantize_full", "quantize_local", "wire_bytes", "wire_gather"]
@@ -41,7 +41,7 @@ _QMAX = 448.0
 _FP8 = jnp.float8_e4m3fn
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class BlockTable:
     """Where each device's blocks of one bucket are (one layer's layout for a stacked bucket).
 
@@ -54,16 +54,6 @@ class BlockTable:
     pieces: np.ndarray
     num_blocks: int
     quantized: int
-
-    def __hash__(self) -> int:
-        return hash((self.pieces.tobytes(), self.pieces.shape, self.num_blocks))
-
-    def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, BlockTable)
-            and self.num_blocks == other.num_blocks
-            and np.array_equal(self.pieces, other.pieces)
-        )
 
 
 def _refuse(spec: Any, shape: tuple[int, ...], block: tuple[int, int], d: int, why: str) -> ValueError:
@@ -112,7 +102,7 @@ def _leaf_pieces(spec, shape, gran, d0, d1, lo, block, base):
     return out, count
 
 
-@functools.lru_cache(maxsize=256)
+@plan_cache
 def block_table(plan: Plan, bucket_index: int, block: tuple[int, int]) -> BlockTable:
     """The :class:`BlockTable` of one bucket for ``block`` tiles.
 
