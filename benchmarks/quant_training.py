@@ -14,8 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import subprocess
 import sys
+from importlib.metadata import version
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLE = os.path.join(HERE, "..", "examples", "train_gpt.py")
@@ -53,6 +55,11 @@ def main(argv=None) -> int:
         "# Quantized training of the GPT example",
         "",
         f"`python benchmarks/quant_training.py`: `examples/train_gpt.py`, {last} steps, 8 simulated CPU devices.",
+        "",
+        f"JAX {version('jax')}, Flax {version('flax')}, Optax {version('optax')}, Python "
+        f"{platform.python_version()}, {platform.machine()} CPU. The runs' arguments: "
+        + "; ".join(f"{n}: `{' '.join(logs[n].get('argv', []))}`" for n in RUNS)
+        + ".",
         "",
     ]
     failures = []
