@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from vescale_jax import _collectives as collectives
+from vescale_jax import _tp as tp
 from vescale_jax._cache import plan_cache
 from vescale_jax._checks import check_sharded_params, tree_difference
 from vescale_jax._guards import check_children
@@ -207,16 +208,41 @@ def unpack_layout(buffer: jax.Array, layout: BucketLayout, shapes: Sequence[tupl
 
 
 def pack(leaves: Sequence[jax.Array], plan: Plan) -> tuple[jax.Array, ...]:
-    """Packs the flattened logical leaves into one global buffer per bucket."""
-    return tuple(pack_bucket([leaves[i] for i in b.leaves], b) for b in plan.buckets)
+    """Packs the flattened logical leaves into one global buffer per bucket (a bucket split over tensor /
+    expert axes: each group's shards packed, the groups side by side)."""
+    out = []
+    sizes = dict(plan.mesh.shape)
+    for b in plan.buckets:
+        if not b.groups:
+            out.append(pack_bucket([leaves[i] for i in b.leaves], b))
+            continue
+        parts = []
+        for g in range(b.num_groups):
+            coords = tp.group_coords(g, b.groups, sizes)
+            parts.append(
+                pack_bucket([tp.local_block(leaves[i], plan.leaves[i].tp, coords, sizes) for i in b.leaves], b)
+            )
+        out.append(jnp.concatenate(parts, axis=-1))
+    return tuple(out)
 
 
 def unpack(buffers: Sequence[jax.Array], plan: Plan) -> list[jax.Array]:
     """Inverse of :func:`pack`: the flattened logical leaves from full buffers."""
     leaves: list[Any] = [None] * len(plan.leaves)
+    sizes = dict(plan.mesh.shape)
     for b, buf in zip(plan.buckets, buffers, strict=True):
-        for i, x in zip(b.leaves, unpack_bucket(buf, b, [plan.leaves[i].shape for i in b.leaves]), strict=True):
-            leaves[i] = x
+        if not b.groups:
+            for i, x in zip(b.leaves, unpack_bucket(buf, b, [plan.leaves[i].shape for i in b.leaves]), strict=True):
+                leaves[i] = x
+            continue
+        n = b.layout.total_size
+        per_group = [
+            unpack_bucket(buf[..., g * n : (g + 1) * n], b, [plan.leaves[i].local_shape for i in b.leaves])
+            for g in range(b.num_groups)
+        ]
+        for slot, i in enumerate(b.leaves):
+            spec = plan.leaves[i]
+            leaves[i] = tp.assemble([xs[slot] for xs in per_group], spec.shape, spec.tp, b.groups, sizes)
     return leaves
 
 
@@ -280,11 +306,12 @@ def _auto_mesh(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
     return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=auto)
 
 
-def _even_spec(shape: tuple[int, ...], axis: Any, m: int) -> jax.sharding.PartitionSpec:
-    """Shards the largest dim divisible by ``m`` (replicated if none): a cheap layout to create a leaf in."""
-    spec: list[Any] = [None] * len(shape)
+def _even_spec(shape: tuple[int, ...], axis: Any, m: int, dims: tp.DimAxes = ()) -> jax.sharding.PartitionSpec:
+    """Shards the largest dim divisible by ``m`` (replicated if none), beside the leaf's tensor / expert split
+    ``dims``: a cheap layout to create a leaf in."""
+    spec: list[Any] = [axes or None for axes in dims] if dims else [None] * len(shape)
     for d in sorted(range(len(shape)), key=lambda d: -shape[d]):
-        if shape[d] % m == 0 and shape[d] >= m:
+        if spec[d] is None and shape[d] % m == 0 and shape[d] >= m:
             spec[d] = axis
             break
     return jax.sharding.PartitionSpec(*spec)
@@ -298,8 +325,10 @@ def init_sharded_fn(init_fn: Callable[..., Any], plan: Plan) -> Callable[..., tu
     def packed(*a):
         leaves = check_tree(init_fn(*a), plan, what="init_fn output")
         leaves = [
-            jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, _even_spec(x.shape, plan.axis, m)))
-            for x in leaves
+            jax.lax.with_sharding_constraint(
+                x, jax.sharding.NamedSharding(mesh, _even_spec(x.shape, plan.axis, m, spec.tp))
+            )
+            for x, spec in zip(leaves, plan.leaves, strict=True)
         ]
         return pack(leaves, plan)
 

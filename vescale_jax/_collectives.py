@@ -640,7 +640,7 @@ def unpack_copies(copies: Sequence[jax.Array], plan: Plan, how: Gather) -> list[
     cotangents into a full per-device gradient (padding zero) for :func:`reduce_copies`."""
     leaves: list[Any] = [None] * len(plan.leaves)
     for bucket, copy in zip(plan.buckets, copies, strict=True):
-        shapes = [plan.leaves[i].shape for i in bucket.leaves]
+        shapes = [plan.leaves[i].local_shape for i in bucket.leaves]
         for i, x in zip(
             bucket.leaves,
             unpack_differentiable(copy, bucket.layout, shapes, kernels_policy=how.kernels, storage=bucket.storage),
@@ -660,6 +660,6 @@ def reduce_copies(grads: Sequence[jax.Array], plan: Plan, how: Gather) -> tuple[
             out.append(g.astype(bucket.dtype))
             continue
         r = jax.lax.psum_scatter(g, plan.axis, scatter_dimension=g.ndim - 1, tiled=True)
-        shard_axes = frozenset((plan.axis,) if isinstance(plan.axis, str) else plan.axis)
+        shard_axes = frozenset(plan.bucket_axes(bucket))
         out.append(_replica_sum(r, shard_axes).astype(bucket.dtype))
     return tuple(out)

@@ -107,7 +107,7 @@ class LayerShard:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.spec.shape
+        return self.spec.local_shape
 
     @property
     def dtype(self) -> np.dtype:

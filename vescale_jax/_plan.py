@@ -26,6 +26,7 @@ from vescale_jax._granularity import Granularity, element
 from vescale_jax._layout import RaggedShard
 from vescale_jax._planner import BucketLayout, plan_bucket
 from vescale_jax._tiles import is_tiled
+from vescale_jax._tp import DimAxes, group_axes, local_shape, normalize
 
 __all__ = ["Bucket", "LeafSpec", "Plan", "plan"]
 
@@ -69,6 +70,12 @@ class LeafSpec:
       slot: its index inside that bucket's layout.
       granularity: the block policy it was planned with (``element()`` for a ``whole(max_padding=...)`` leaf
         the planner released).
+      tp: per dim, the tensor / expert mesh axes it is split over (``()`` when it is not split; see
+        :mod:`vescale_jax._tp`).
+      local: the shape of one TP/EP shard (``None``: the logical shape).
+
+    Sharding:
+      A leaf with ``tp`` is split over those axes first; its bucket lays out one shard per group.
     """
 
     path: str
@@ -77,10 +84,17 @@ class LeafSpec:
     bucket: int
     slot: int
     granularity: Granularity
+    tp: DimAxes = ()
+    local: tuple[int, ...] | None = None
 
     @property
     def size(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """The shape the model sees inside ``shard_map``: the leaf's TP/EP shard (its shape without TP)."""
+        return self.shape if self.local is None else self.local
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,10 +110,14 @@ class Bucket:
       layers: ``L`` for a stacked layer group, else ``None``.
       storage: per slot, the ``vj.tiles`` granularity of a leaf stored tile-major, ``None`` for row-major;
         empty when every leaf is row-major (see :mod:`vescale_jax._tiles`).
+      groups: the tensor / expert mesh axes its leaves are split over (in mesh order; ``()`` for none).
+      num_groups: the number of TP/EP groups (the product of the ``groups`` axes' sizes).
 
     Sharding:
       The buffer has shape ``(m*S,)`` (or ``(L, m*S)``) and ``PartitionSpec(axis)`` (or ``(None, axis)``):
-      device ``k`` holds ``[k*S, (k+1)*S)`` of every layer.
+      device ``k`` holds ``[k*S, (k+1)*S)`` of every layer. With ``groups`` it is ``(G*m*S,)`` and
+      ``PartitionSpec((*groups, axis))``: group ``g``'s buffer is ``[g*m*S, (g+1)*m*S)``, laid out alike in
+      every group, and the device at position ``k`` on ``axis`` in group ``g`` holds ``S`` elements of it.
     """
 
     name: str
@@ -109,10 +127,12 @@ class Bucket:
     leaves: tuple[int, ...]
     layers: int | None = None
     storage: tuple[Granularity | None, ...] = ()
+    groups: tuple[str, ...] = ()
+    num_groups: int = 1
 
     @property
     def shape(self) -> tuple[int, ...]:
-        flat = (self.layout.total_size,)
+        flat = (self.num_groups * self.layout.total_size,)
         return flat if self.layers is None else (self.layers, *flat)
 
     @property
@@ -154,9 +174,20 @@ class Plan:
         used = sum(s.size for s in self.leaves)
         return (total - used) / total if total else 0.0
 
+    @property
+    def tp_axes(self) -> tuple[str, ...]:
+        """The tensor / expert mesh axes any bucket is split over (in mesh order)."""
+        used = {a for b in self.buckets for a in b.groups}
+        return tuple(a for a in self.mesh.axis_names if a in used)
+
+    def bucket_axes(self, bucket: Bucket) -> tuple[str, ...]:
+        """Every mesh axis a bucket's buffer is sharded over: its group axes, then the plan's axis (or axes)."""
+        return (*bucket.groups, *((self.axis,) if isinstance(self.axis, str) else self.axis))
+
     def partition_spec(self, bucket: Bucket) -> jax.sharding.PartitionSpec:
         P = jax.sharding.PartitionSpec
-        return P(self.axis) if bucket.layers is None else P(None, self.axis)
+        axes = self.bucket_axes(bucket) if bucket.groups else self.axis
+        return P(axes) if bucket.layers is None else P(None, axes)
 
     def shardings(self) -> tuple[jax.sharding.NamedSharding, ...]:
         """The ``NamedSharding`` of each bucket's buffer."""
@@ -169,8 +200,10 @@ class Plan:
         raise KeyError(f"no leaf {path!r} in the plan; leaves are: {[s.path for s in self.leaves][:8]}...")
 
     def layer_shape(self, spec: LeafSpec) -> tuple[int, ...]:
-        """A leaf's shape as laid out in its bucket: without the layer dim for a stacked bucket."""
-        return spec.shape if self.buckets[spec.bucket].layers is None else spec.shape[1:]
+        """A leaf's shape as laid out in its bucket: its TP/EP shard's shape, without the layer dim for a stacked
+        bucket."""
+        shape = spec.local_shape
+        return shape if self.buckets[spec.bucket].layers is None else shape[1:]
 
     def shard_of(self, path: str) -> RaggedShard:
         """The :class:`RaggedShard` of one leaf (per layer for a stacked leaf).
@@ -194,6 +227,7 @@ class Plan:
                     "bucket": s.bucket,
                     "slot": s.slot,
                     "granularity": repr(s.granularity),
+                    **({"tp": [list(a) for a in s.tp], "local_shape": list(s.local_shape)} if s.tp else {}),
                 }
                 for s in self.leaves
             ],
@@ -208,6 +242,7 @@ class Plan:
                     "sizes": list(b.layout.sizes),
                     "blocks": list(b.layout.blocks),
                     "leaves": list(b.leaves),
+                    **({"groups": list(b.groups), "num_groups": b.num_groups} if b.groups else {}),
                     # Tile-major slots (vj.tiles): their storage granularity and segments; None for row-major.
                     "storage": [None if g is None else repr(g) for g in (b.storage or (None,) * len(b.leaves))],
                     "segments": [
@@ -236,7 +271,7 @@ class Plan:
         rows = [("bucket", "dtype", "leaves", "layers", "S", "m*S", "padding", "load min/max", "MiB/dev")]
         for b in self.buckets:
             loads = b.layout.device_loads()
-            per_dev = b.nbytes / m / 2**20
+            per_dev = b.nbytes / m / b.num_groups / 2**20
             rows.append(
                 (
                     b.name,
@@ -253,9 +288,10 @@ class Plan:
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         lines = ["  ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)) for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
-        total = sum(b.nbytes for b in self.buckets)
+        total = sum(b.nbytes / b.num_groups for b in self.buckets)
+        tp = f" (split over {self.tp_axes})" if self.tp_axes else ""
         lines.append(
-            f"{len(self.buckets)} buckets, {len(self.leaves)} leaves over {m} devices on axis {self.axis!r}: "
+            f"{len(self.buckets)} buckets, {len(self.leaves)} leaves over {m} devices on axis {self.axis!r}{tp}: "
             f"{total / m / 2**20:.2f} MiB per device, padding {self.padding_fraction:.3%}"
         )
         return "\n".join(lines)
@@ -353,6 +389,7 @@ def plan(
     stacked: Collection[str] | Callable[[str], bool] = (),
     align_bytes: int = 16,
     split: str = "auto",
+    tp: Any = None,
 ) -> Plan:
     """Plans the flat, sharded buckets for a parameter tree.
 
@@ -376,12 +413,22 @@ def plan(
         launches for memory: a step holds about one gathered bucket and its gradient at a time (and copies a
         multi-leaf bucket's leaves out of it, where a one-leaf bucket is its leaf), so a large unit is worth a
         few more collectives, while a small one costs more in launches than it saves.
+      tp: tensor / expert parallelism: how leaves are split over mesh axes other than ``axis`` before the FSDP
+        layout. ``None`` (default): no leaf is. A pytree of ``PartitionSpec`` (or ``None``) with the params'
+        structure (e.g. ``nnx.get_partition_spec(state)``, or :func:`vescale_jax.flax.partition_specs`), a
+        callable ``(key_path, leaf) -> PartitionSpec | None``, or ``"sharding"``: each leaf's own
+        ``NamedSharding`` spec (the ``ShapeDtypeStruct``\ s of ``nnx.eval_shape`` under ``jax.set_mesh``, as
+        ``nnx.with_partitioning`` annotates them). Entries naming ``axis`` are ignored: the FSDP layout is
+        ragged over it.
 
     Returns:
       A hashable, deterministic :class:`Plan`.
 
     Sharding:
-      Each bucket is sharded evenly over ``axis``; every leaf's placement is a :class:`RaggedShard`.
+      Each bucket is sharded evenly over ``axis``; every leaf's placement is a :class:`RaggedShard`. With
+      ``tp``, a leaf is split over its spec's other axes first, and each group of those axes lays out its
+      shards over ``axis`` (one layout for all groups; a bucket never mixes leaves split over different axes):
+      the FSDP gathers run within a group, and the model sees TP-local leaves.
     """
     if type(params).__name__ in ("ShardedParams", "GatheredParams"):
         raise TypeError(
@@ -400,21 +447,29 @@ def plan(
         raise ValueError(f"vj.plan: align_bytes must be a positive integer, got {align_bytes!r}")
 
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-    groups: dict[tuple[str, str], list[int]] = {}
+    tp_specs = _tp_specs(tp, flat)
+    sizes = dict(mesh.shape)
+    fsdp_axes = (axis,) if isinstance(axis, str) else axis
+    groups: dict[tuple[str, str, tuple[str, ...]], list[int]] = {}
     infos = []
+    logical: list[tuple[tuple[int, ...], DimAxes]] = []
     for index, (path, leaf) in enumerate(flat):
         shape, dtype = _leaf_shape_dtype(path, leaf)
         unit = str(_call_user(unit_of, "units", path, leaf) if units is not None else unit_of(path, leaf))
         g = _resolve_granularity(granularity, path, leaf)
-        infos.append((path, shape, dtype, unit, g))
-        groups.setdefault((unit, dtype.name), []).append(index)
+        dims = normalize(
+            tp_specs[index], shape, sizes, drop=fsdp_axes, path=path_str(path), stacked=bool(is_stacked(unit))
+        )
+        logical.append((shape, dims))
+        infos.append((path, local_shape(shape, dims, sizes), dtype, unit, g))
+        groups.setdefault((unit, dtype.name, group_axes(dims, mesh.axis_names)), []).append(index)
     if not flat:
         raise ValueError(
             f"vj.plan: params has no array leaves (got {type(params).__name__} {params!r:.80}); pass the parameter "
             "tree (e.g. nnx.state(model, nnx.Param) or variables['params'])."
         )
     if not callable(stacked):
-        unit_names = list(dict.fromkeys(unit for unit, _ in groups))
+        unit_names = list(dict.fromkeys(unit for unit, _, _ in groups))
         unknown = [name for name in stacked if name not in unit_names]
         if unknown:
             raise ValueError(
@@ -427,7 +482,7 @@ def plan(
         raise ValueError(f"vj.plan: split={split!r}; use one of {_SPLITS}.")
     specs: list[LeafSpec | None] = [None] * len(flat)
     buckets = []
-    for (unit, dtype_name), indices in groups.items():
+    for (unit, dtype_name, on), indices in groups.items():
         layers = None
         if is_stacked(unit):
             leads = {infos[i][1][:1] for i in indices}
@@ -461,20 +516,56 @@ def plan(
                 parts = split_parts
         for name, idx, (layout, grans) in parts:
             b = len(buckets)
-            label = f"{unit}/{name}:{dtype_name}" if name else f"{unit}:{dtype_name}"
+            label = f"{unit}/{name}" if name else unit
+            label = f"{label}@{'+'.join(on)}:{dtype_name}" if on else f"{label}:{dtype_name}"
             per_layer = [infos[i][1][1:] if layers is not None else infos[i][1] for i in idx]
             storage = tuple(g if is_tiled(s, g) else None for g, s in zip(grans, per_layer, strict=True))
             storage = storage if any(storage) else ()
-            buckets.append(Bucket(label, unit, dtype_name, layout, tuple(idx), layers, storage))
+            num_groups = math.prod(sizes[a] for a in on)
+            buckets.append(Bucket(label, unit, dtype_name, layout, tuple(idx), layers, storage, on, num_groups))
             for slot, i in enumerate(idx):
-                path, shape = infos[i][:2]
-                specs[i] = LeafSpec(path_str(path), shape, dtype_name, b, slot, grans[slot])
+                path, local = infos[i][:2]
+                shape, dims = logical[i]
+                specs[i] = LeafSpec(
+                    path_str(path), shape, dtype_name, b, slot, grans[slot], dims, local if dims else None
+                )
     return Plan(treedef, tuple(specs), tuple(buckets), mesh, axis)
 
 
 _SPLITS = ("auto", "leaves", "none")
 _LEAF_BYTES = 1 << 20  # a leaf of at least this many bytes per layer gets its own bucket when a unit is split
 _UNIT_BYTES = 4 << 20  # "auto" splits units of at least this many bytes per layer
+
+
+def _tp_specs(tp: Any, flat: Sequence[tuple[KeyPath, Any]]) -> list[Any]:
+    """Each leaf's ``PartitionSpec`` (or None) from ``plan``'s ``tp=`` argument."""
+    if tp is None:
+        return [None] * len(flat)
+    if isinstance(tp, str):
+        if tp != "sharding":
+            raise ValueError(f"vj.plan: tp={tp!r}; pass 'sharding', a pytree of PartitionSpecs or a callable.")
+        out = []
+        for _, leaf in flat:
+            sh = getattr(leaf, "sharding", None)
+            out.append(sh.spec if isinstance(sh, jax.sharding.NamedSharding) else None)
+        return out
+    if callable(tp) and not isinstance(tp, jax.sharding.PartitionSpec):
+        return [_call_user(tp, "tp", path, leaf) for path, leaf in flat]
+    is_spec = lambda x: x is None or isinstance(x, jax.sharding.PartitionSpec)
+    got = jax.tree_util.tree_flatten_with_path(tp, is_leaf=is_spec)[0]
+    want = [path_str(p) for p, _ in flat]
+    have = [path_str(p) for p, _ in got]
+    if have != want:
+        missing = [p for p in want if p not in have][:3]
+        extra = [p for p in have if p not in want][:3]
+        raise ValueError(
+            f"vj.plan: tp= must be a tree of PartitionSpecs (or None) with the params' structure; it has "
+            f"{len(have)} leaves, the params {len(want)}"
+            + (f"; params leaves without a spec: {missing}" if missing else "")
+            + (f"; specs with no params leaf: {extra}" if extra else "")
+            + ". Build it from the same tree (nnx.get_partition_spec(state)), or pass a callable (path, leaf)."
+        )
+    return [x for _, x in got]
 
 
 def _layout(per_layer: Sequence[tuple[int, ...]], grans: Sequence[Granularity], m: int, align: int):
