@@ -417,7 +417,7 @@ def plan(
         layout. ``None`` (default): no leaf is. A pytree of ``PartitionSpec`` (or ``None``) with the params'
         structure (e.g. ``nnx.get_partition_spec(state)``, or :func:`vescale_jax.flax.partition_specs`), a
         callable ``(key_path, leaf) -> PartitionSpec | None``, or ``"sharding"``: each leaf's own
-        ``NamedSharding`` spec (the ``ShapeDtypeStruct``\ s of ``nnx.eval_shape`` under ``jax.set_mesh``, as
+        ``NamedSharding`` spec (the ``ShapeDtypeStruct`` leaves of ``nnx.eval_shape`` under ``jax.set_mesh``, as
         ``nnx.with_partitioning`` annotates them). Entries naming ``axis`` are ignored: the FSDP layout is
         ragged over it.
 
