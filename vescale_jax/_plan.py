@@ -538,7 +538,8 @@ _UNIT_BYTES = 4 << 20  # "auto" splits units of at least this many bytes per lay
 
 
 def _tp_specs(tp: Any, flat: Sequence[tuple[KeyPath, Any]]) -> list[Any]:
-    """Each leaf's ``PartitionSpec`` (or None) from ``plan``'s ``tp=`` argument."""
+    """Each leaf's ``PartitionSpec`` (or None) from ``plan``'s ``tp=`` argument (checked: its type, and a tree's
+    structure against the params'; each spec is checked by :func:`vescale_jax._tp.normalize`)."""
     if tp is None:
         return [None] * len(flat)
     if isinstance(tp, str):
@@ -549,20 +550,38 @@ def _tp_specs(tp: Any, flat: Sequence[tuple[KeyPath, Any]]) -> list[Any]:
             sh = getattr(leaf, "sharding", None)
             out.append(sh.spec if isinstance(sh, jax.sharding.NamedSharding) else None)
         return out
-    if callable(tp) and not isinstance(tp, jax.sharding.PartitionSpec):
+    if isinstance(tp, jax.sharding.PartitionSpec) and not (len(flat) == 1 and not flat[0][0]):  # a one-array tree
+        raise TypeError(
+            f"vj.plan: tp={tp} is one PartitionSpec; tp= takes one spec per leaf: a tree of PartitionSpecs (or None) "
+            f"with the params' structure, or a callable, e.g. tp=lambda path, leaf: {tp} if leaf.ndim == "
+            f"{len(tuple(tp))} else None."
+        )
+    if callable(tp):
         return [_call_user(tp, "tp", path, leaf) for path, leaf in flat]
     is_spec = lambda x: x is None or isinstance(x, jax.sharding.PartitionSpec)
+    if not is_spec(tp) and jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(tp, is_leaf=is_spec)):
+        raise TypeError(
+            f"vj.plan: tp= is {type(tp).__name__} {tp!r:.60}, not a tree of specs; pass None, 'sharding', a tree of "
+            "PartitionSpecs (or None) with the params' structure, or a callable (key_path, leaf) returning specs."
+        )
     got = jax.tree_util.tree_flatten_with_path(tp, is_leaf=is_spec)[0]
     want = [path_str(p) for p, _ in flat]
     have = [path_str(p) for p, _ in got]
     if have != want:
         missing = [p for p in want if p not in have][:3]
         extra = [p for p in have if p not in want][:3]
+        # a tuple or list written where a leaf's spec goes: its entries flatten to paths below the leaf's
+        nested = [p for p in missing if any(q.startswith(p + "/") for q in have)][:1]
         raise ValueError(
             f"vj.plan: tp= must be a tree of PartitionSpecs (or None) with the params' structure; it has "
             f"{len(have)} leaves, the params {len(want)}"
             + (f"; params leaves without a spec: {missing}" if missing else "")
             + (f"; specs with no params leaf: {extra}" if extra else "")
+            + (
+                f"; the spec of leaf {nested[0]!r} is a tuple or list, not a PartitionSpec: write P(...)"
+                if nested
+                else ""
+            )
             + ". Build it from the same tree (nnx.get_partition_spec(state)), or pass a callable (path, leaf)."
         )
     return [x for _, x in got]
