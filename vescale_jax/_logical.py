@@ -23,6 +23,15 @@ above do not apply), relaid out to the logical leaf on every device, and each de
 (restore: the blocks are all-gathered, relaid out to storage order and each device keeps its range). Per
 tiled leaf (one layer of it) every device then receives and holds the whole leaf, about ``2 * size`` elements
 of transient memory and ``size`` elements received instead of ``size / m``; the stored form is the same.
+
+Leaves split over tensor / expert mesh axes (a *grouped* bucket, ``vj.plan(..., tp=...)``; see
+:mod:`vescale_jax._tp`) take the same all-to-all, generalised rather than reassembled: every TP/EP group holds
+its own shards of the leaves in one shared layout, so the route tables above are those of the leaf's TP shard
+(its local shape), and the all-to-all runs over the FSDP factor axes only, within each group. The stored leaf
+is still the whole logical leaf at its full shape (the stored form does not depend on the TP split): its
+storage sharding is the leaf's TP split (its ``LeafSpec.tp`` axes, major) composed with the even storage split
+of its TP shard (the factor axes, minor), so device ``(group, k)`` stores block ``k`` of its group's shard and
+no element crosses a group. Checksums are of the whole logical leaf, so they agree across plans.
 """
 
 from __future__ import annotations
@@ -104,10 +113,14 @@ class LeafStorage:
         d = self.dim
         return math.prod(self.shape[:d]), self.shape[d], math.prod(self.shape[d + 1 :])
 
-    def spec(self, stacked: bool) -> P:
-        parts: list[Any] = [None] * len(self.shape)
-        if self.dim is not None and self.axes:
-            parts[self.dim] = self.axes if len(self.axes) > 1 else self.axes[0]
+    def spec(self, stacked: bool, tp: Sequence[tuple[str, ...]] = ()) -> P:
+        """The storage ``PartitionSpec`` of the whole leaf: per dim its TP/EP axes ``tp`` (the leaf's
+        ``LeafSpec.tp``, over the full leaf's dims, layer dim included), then the factor axes on ``dim``."""
+        per_layer = tuple(tp[1:] if stacked else tp) if tp else ((),) * len(self.shape)
+        parts: list[Any] = []
+        for d, axes in enumerate(per_layer):
+            axes = (*axes, *(self.axes if d == self.dim else ()))
+            parts.append(None if not axes else axes[0] if len(axes) == 1 else axes)
         return P(*([None] if stacked else []), *parts)
 
 
@@ -129,6 +142,14 @@ def leaf_storage(shape: Sequence[int], plan: Plan) -> LeafStorage:
 def storage_sharding(spec_shape: Sequence[int], plan: Plan, *, stacked: bool) -> NamedSharding:
     """The ``NamedSharding`` a leaf is stored (and restored) with; ``spec_shape`` is its per-layer shape."""
     return NamedSharding(storage_mesh(plan), leaf_storage(spec_shape, plan).spec(stacked))
+
+
+def leaf_sharding(plan: Plan, i: int) -> NamedSharding:
+    """The storage ``NamedSharding`` of leaf ``i`` of ``plan`` (its whole logical shape): the even split of its
+    TP/EP shard, beside its TP/EP split for a leaf of a grouped bucket."""
+    spec = plan.leaves[i]
+    stacked = plan.buckets[spec.bucket].layers is not None
+    return NamedSharding(storage_mesh(plan), leaf_storage(plan.layer_shape(spec), plan).spec(stacked, spec.tp))
 
 
 # ----------------------------------------------------------------------------------------------- index math
@@ -252,35 +273,81 @@ def _bucket_storages(plan: Plan, b: int) -> list[LeafStorage]:
     return [leaf_storage(plan.layer_shape(plan.leaves[i]), plan) for i in bucket.leaves]
 
 
-def _partial_sums(blk: jax.Array, st: LeafStorage, rt: _Route, k: jax.Array, layer: jax.Array) -> jax.Array:
-    """The two checksums of this device's block of one layer (``blk`` is ``(1, *block)``, ``layer`` its index)."""
+def _per_layer_tp(plan: Plan, i: int) -> tuple[tuple[str, ...], ...]:
+    """Leaf ``i``'s TP/EP axes per dim of one layer (``()`` per dim for a leaf that is not split)."""
+    spec = plan.leaves[i]
+    dims = spec.tp[1:] if spec.tp and plan.buckets[spec.bucket].layers is not None else spec.tp
+    return tuple(dims) if dims else ((),) * len(plan.layer_shape(spec))
+
+
+def _box_starts(plan: Plan, i: int, st: LeafStorage, rt: _Route, k: jax.Array) -> list[jax.Array]:
+    """Inside ``shard_map``: where this device's storage block of one layer of leaf ``i`` starts, per dim of the
+    whole (per-layer) leaf: its group's TP/EP shard, then its block of that shard on the storage dim."""
+    u32, sizes = jnp.uint32, dict(plan.mesh.shape)
+    starts = []
+    for d, (n, axes) in enumerate(zip(st.shape, _per_layer_tp(plan, i), strict=True)):
+        index = u32(0)
+        for a in axes:
+            index = index * u32(sizes[a]) + jax.lax.axis_index(a).astype(u32)
+        start = index * u32(n % 2**32)
+        if d == st.dim:
+            start = start + (k // rt.r).astype(u32) * u32((n // st.g) % 2**32)
+        starts.append(start)
+    return starts
+
+
+def _partial_sums(blk: jax.Array, full: tuple[int, ...], starts: Sequence[jax.Array], layer: jax.Array) -> jax.Array:
+    """The two checksums of this device's box of one layer: ``blk`` is ``(1, *box)``, at per-dim ``starts`` of a
+    per-layer leaf of shape ``full``; ``layer`` its index. The weights are the word indices of the whole leaf, as
+    :func:`vescale_jax._integrity.checksums` computes them (uint32 arithmetic)."""
     from vescale_jax._integrity import words
 
-    A, D, B = st.view()
-    w = words(jnp.reshape(blk, (1, A, D // st.g, B)))
-    nw = w.shape[-1] if w.ndim == 5 else 1
-    w = jnp.reshape(w, (1, A, D // st.g, B, nw))
+    box = tuple(blk.shape[1:])
+    w = words(blk[0])
+    nw = w.shape[-1] if w.ndim == len(box) + 1 else 1
+    w = jnp.reshape(w, (*box, nw))
     u32 = jnp.uint32
-    iota = [jax.lax.broadcasted_iota(u32, w.shape, d) for d in range(5)]
-    block = (k // rt.r).astype(u32)
-    row = ((iota[0] + layer) * u32(A % 2**32) + iota[1]) * u32(D % 2**32) + block * u32((D // st.g) % 2**32)
-    flat = ((row + iota[2]) * u32(B % 2**32) + iota[3]) * u32(nw) + iota[4]
+    flat = jnp.full(w.shape, layer, u32)
+    for d, n in enumerate(full):
+        flat = flat * u32(n % 2**32) + (starts[d] + jax.lax.broadcasted_iota(u32, w.shape, d))
+    flat = flat * u32(nw) + jax.lax.broadcasted_iota(u32, w.shape, len(box))
     weight = flat * u32(2) + u32(1)
     return jnp.stack([jnp.sum(w, dtype=u32), jnp.sum(w * weight, dtype=u32)])
 
 
-def _block_sums(blk: jax.Array, st: LeafStorage, rt: _Route, k: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    """This device's part of :func:`vescale_jax._integrity.checksums` of the leaf (one replica counts), summed
-    over devices. A stacked leaf is summed one layer at a time, so no full-size word array is materialised."""
+def _block_sums(
+    blk: jax.Array, plan: Plan, i: int, st: LeafStorage, rt: _Route, k: jax.Array, axes: tuple[str, ...]
+) -> jax.Array:
+    """This device's part of :func:`vescale_jax._integrity.checksums` of leaf ``i`` (one replica counts), summed
+    over devices (the FSDP factor axes and the leaf's TP/EP group axes). A stacked leaf is summed one layer at a
+    time, so no full-size word array is materialised."""
     u32 = jnp.uint32
+    spec = plan.leaves[i]
+    bucket = plan.buckets[spec.bucket]
+    full = spec.shape if bucket.layers is None else spec.shape[1:]
+    starts = _box_starts(plan, i, st, rt, k)
     lead = blk.shape[0]
     if lead > 1:
-        parts = jax.lax.map(lambda a: _partial_sums(a[0][None], st, rt, k, a[1]), (blk, jnp.arange(lead, dtype=u32)))
+        parts = jax.lax.map(lambda a: _partial_sums(a[0][None], full, starts, a[1]), (blk, jnp.arange(lead, dtype=u32)))
         sums = jnp.sum(parts, axis=0, dtype=u32)
     else:
-        sums = _partial_sums(blk, st, rt, k, u32(0))
+        sums = _partial_sums(blk, full, starts, u32(0))
     mine = (k % rt.r) == 0
-    return jax.lax.psum(jnp.where(mine, sums, jnp.zeros_like(sums)), axes)
+    return jax.lax.psum(jnp.where(mine, sums, jnp.zeros_like(sums)), (*bucket.groups, *axes))
+
+
+def _bucket_spec(plan: Plan, bucket: Bucket, axes: tuple[str, ...]) -> P:
+    """A bucket buffer's ``PartitionSpec`` on the storage mesh (the plan's axis as its factor axes)."""
+    flat = (*bucket.groups, *axes) if bucket.groups else axes
+    return P(*([None] if bucket.layers is not None else []), flat)
+
+
+def _leaf_specs(plan: Plan, tables) -> list[Any]:
+    out: list[Any] = [None] * len(plan.leaves)
+    for bucket, storages, _ in tables:
+        for i, st in zip(bucket.leaves, storages, strict=True):
+            out[i] = st.spec(bucket.layers is not None, plan.leaves[i].tp)
+    return out
 
 
 def _local_shape(st: LeafStorage) -> tuple[int, ...]:
@@ -320,15 +387,12 @@ def _to_logical_fn(plan: Plan):
                 else:
                     blk = out_fn(buf2, rt, k=k, axes=axes)
                 blk = jnp.reshape(blk, (buf2.shape[0], *_local_shape(st)))
-                sums[i] = _block_sums(blk, st, rt, k, axes)
+                sums[i] = _block_sums(blk, plan, i, st, rt, k, axes)
                 outs[i] = blk if stacked else blk[0]
         return outs, jnp.stack(sums) if sums else jnp.zeros((0, 2), jnp.uint32)
 
-    in_specs = tuple(P(*([None] if b.layers is not None else []), axes) for b, _, _ in tables)
-    out_specs: list[Any] = [None] * len(plan.leaves)
-    for bucket, storages, _ in tables:
-        for i, st in zip(bucket.leaves, storages, strict=True):
-            out_specs[i] = st.spec(bucket.layers is not None)
+    in_specs = tuple(_bucket_spec(plan, b, axes) for b, _, _ in tables)
+    out_specs = _leaf_specs(plan, tables)
     mapped = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(out_specs, P()), check_vma=False)
     return jax.jit(mapped), [NamedSharding(mesh, s) for s in in_specs]
 
@@ -348,7 +412,7 @@ def _from_logical_fn(plan: Plan, dtypes: tuple[str, ...] | None = None):
             lead = bucket.layers if stacked else 1
             dtype = jnp.dtype(bucket.dtype if dtypes is None else dtypes[b])
             for i, st, rt in zip(bucket.leaves, storages, routes, strict=True):
-                sums[i] = _block_sums(jnp.reshape(leaves[i], (lead, *_local_shape(st))), st, rt, k, axes)
+                sums[i] = _block_sums(jnp.reshape(leaves[i], (lead, *_local_shape(st))), plan, i, st, rt, k, axes)
             rows = [jnp.reshape(leaves[i], (lead, -1)) for i in bucket.leaves]
 
             def fill(rows, routes=routes, storages=storages, grans=bucket.storage, S=S, pad=pad, dtype=dtype):
@@ -369,11 +433,8 @@ def _from_logical_fn(plan: Plan, dtypes: tuple[str, ...] | None = None):
                 bufs.append(fill(rows)[0])
         return bufs, jnp.stack(sums) if sums else jnp.zeros((0, 2), jnp.uint32)
 
-    in_specs: list[Any] = [None] * len(plan.leaves)
-    for bucket, storages, _ in tables:
-        for i, st in zip(bucket.leaves, storages, strict=True):
-            in_specs[i] = st.spec(bucket.layers is not None)
-    out_specs = [P(*([None] if b.layers is not None else []), axes) for b, _, _ in tables]
+    in_specs = _leaf_specs(plan, tables)
+    out_specs = [_bucket_spec(plan, b, axes) for b, _, _ in tables]
     mapped = jax.shard_map(local, mesh=mesh, in_specs=tuple(in_specs), out_specs=(out_specs, P()), check_vma=False)
     return jax.jit(mapped), [NamedSharding(mesh, s) for s in in_specs]
 
@@ -409,12 +470,7 @@ def to_logical(buffers: Sequence[jax.Array], plan: Plan) -> tuple[list[jax.Array
 
 def logical_shardings(plan: Plan) -> list[NamedSharding]:
     """The storage sharding of every leaf of ``plan``, in flattening order."""
-    out: list[Any] = [None] * len(plan.leaves)
-    for bucket in plan.buckets:
-        stacked = bucket.layers is not None
-        for i in bucket.leaves:
-            out[i] = storage_sharding(plan.layer_shape(plan.leaves[i]), plan, stacked=stacked)
-    return out
+    return [leaf_sharding(plan, i) for i in range(len(plan.leaves))]
 
 
 def from_logical(leaves: Sequence[jax.Array], plan: Plan) -> tuple[tuple[jax.Array, ...], np.ndarray]:

@@ -32,7 +32,8 @@ def _bucket_shardings(node: ShardedParams, plan: Plan) -> list[NamedSharding | N
     out = []
     for bucket, x in zip(plan.buckets, node.buffers, strict=True):
         shape = getattr(x, "shape", None)
-        fits = shape is not None and len(shape) == len(bucket.shape) and shape[-1] % m == 0
+        # a grouped bucket (leaves split over tensor / expert axes) spans G groups of m devices
+        fits = shape is not None and len(shape) == len(bucket.shape) and shape[-1] % (m * bucket.num_groups) == 0
         out.append(NamedSharding(plan.mesh, plan.partition_spec(bucket)) if fits else None)
     return out
 

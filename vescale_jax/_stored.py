@@ -21,6 +21,7 @@ from vescale_jax._plan import Plan
 
 __all__ = [
     "abstract_logical",
+    "check_layout_groups",
     "first_plan",
     "logical_and_sums",
     "logical_tree",
@@ -125,6 +126,23 @@ def pack(
     return ShardedParams(buffers, plan)
 
 
+def check_layout_groups(node: PerDevice, name: str, *, what: str = "vj.checkpoint") -> None:
+    """Raises when a ``PerDevice`` state with a layout lives under a plan with grouped buckets (leaves split over
+    tensor / expert axes) and its layout does not say it handles them (``layout.supports_groups``): a
+    ``PerDevice`` value is replicated over those axes, so its logical view would hold one group's values."""
+    plan, layout = node.plan, getattr(node, "layout", None)
+    grouped = [b.name for b in plan.buckets if b.groups]
+    if layout is None or not grouped or getattr(layout, "supports_groups", False):
+        return
+    raise NotImplementedError(
+        f"{what}: optimizer-state leaf {name!r} is a PerDevice state with a {type(layout).__name__}, under a plan "
+        f"whose buckets {grouped[:3]} hold leaves split over tensor / expert axes (vj.plan(..., tp=...)); that "
+        "layout has no logical view of grouped buckets, so it is neither stored nor restored. Use an optimizer "
+        "whose state is ShardedParams (optax.adamw, vj.optim.adamw) for this plan, or save params only "
+        "(opt_state=None) and re-initialise the optimizer after restoring."
+    )
+
+
 def _replicated(plan: Plan) -> NamedSharding:
     return NamedSharding(plan.mesh, P())
 
@@ -144,6 +162,7 @@ def opt_state_items(opt_state: Any) -> tuple[dict[str, Any], list[dict[str, Any]
         if isinstance(node, PerDevice):
             layout = getattr(node, "layout", None)
             if layout is not None:
+                check_layout_groups(node, name)
                 value: Any = dict(layout.to_logical(node.value))
                 info.append({"path": name, "kind": "per_device_logical", "layout": type(layout).__name__})
             else:
@@ -196,6 +215,7 @@ def opt_state_target(template: Any, saved: Mapping[str, dict[str, Any]], default
         elif isinstance(node, PerDevice):
             layout = getattr(node, "layout", None)
             if layout is not None:
+                check_layout_groups(node, name)
                 if stored["kind"] != "per_device_logical":
                     raise ValueError(
                         f"vj.checkpoint: optimizer-state leaf {name!r} was saved by device index (its PerDevice "
