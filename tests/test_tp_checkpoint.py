@@ -189,24 +189,61 @@ def test_the_stored_form_does_not_depend_on_the_tp_split(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ what raises
-class _Layout:
-    """A PerDevice layout that, like the shipped ones, has no logical view of grouped buckets."""
+def compact_adam(plan, mask, seed=3):
+    """``vj.optim.masked(scale_by_adam, mask, compact=True)`` after one update: its moments are PerDevice
+    vectors with a CompactLayout; and the unsharded optax reference state."""
+    tree, grads = tree_of(), tree_of(seed)
+    tx = vj.optim.masked(optax.scale_by_adam(), mask, compact=True)
+    ref = optax.masked(optax.scale_by_adam(), mask)
+    sp = vj.shard(tree, plan)
+    with jax.numpy_dtype_promotion("standard"):
+        _, state = jax.jit(tx.update)(vj.shard(grads, plan), vj.init_opt_state(tx, sp), sp)
+        _, ref_state = jax.jit(ref.update)(grads, ref.init(tree), tree)
+    return state, ref_state
 
-    def to_logical(self, value):  # pragma: no cover - never reached
-        raise AssertionError("to_logical called on a grouped plan")
 
-    def logical_shapes(self, dtype=None):  # pragma: no cover
-        raise AssertionError("logical_shapes called on a grouped plan")
-
-
-def test_per_device_state_with_a_layout_under_a_tp_plan_raises(tmp_path):
+def test_per_device_state_of_tp_leaves_raises(tmp_path):
     plan = plan_of(mesh_of((2, 4)), tp_specs())
     sp = vj.shard(tree_of(), plan)
-    state = {"stats": PerDevice(jnp.zeros((plan.num_devices * 2,)), plan, _Layout())}
+    state, _ = compact_adam(plan, lambda p: jax.tree.map(lambda x: x.ndim == 2, p))
+    with pytest.raises(NotImplementedError, match=r"CompactLayout.*'down/kernel'.*tensor / expert.*compact=False"):
+        vj.optim.logical_view(state)
     with vj.checkpoint.Manager(tmp_path) as mngr:
-        with pytest.raises(NotImplementedError, match=r"'stats'.*_Layout.*tensor / expert.*opt_state=None"):
+        with pytest.raises(NotImplementedError, match=r"'inner_state/mu'.*opt_state=None"):
             mngr.save(1, params=sp, opt_state=state)
-        mngr.save(1, params=sp)
-        saved = {"stats": {"path": "stats", "kind": "per_device_logical"}}
-        with pytest.raises(NotImplementedError, match=r"'stats'"):
-            _stored.opt_state_target(state, saved, plan)
+    flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=_stored.is_node)[0]
+    saved = {n: {"path": n, "kind": "per_device_logical"} for n in (_integrity.raw_path(p) for p, _ in flat)}
+    with pytest.raises(NotImplementedError, match=r"'inner_state/mu'"):
+        _stored.opt_state_target(state, saved, plan)
+
+
+@pytest.mark.slow
+def test_per_device_state_of_leaves_not_split_round_trips(tmp_path):
+    plan = plan_of(mesh_of((2, 4)), tp_specs())
+    state, ref_state = compact_adam(plan, lambda p: jax.tree.map(lambda x: x.shape == (50, 12), p))
+    view = vj.optim.logical_view(state)
+    np.testing.assert_array_equal(np.asarray(view.inner_state.mu["embed"]), ref_state.inner_state.mu["embed"])
+    with vj.checkpoint.Manager(tmp_path) as mngr:
+        mngr.save(2, params=vj.shard(tree_of(), plan), opt_state=state)
+        r = mngr.restore(2, params=plan, opt_state=state)
+    assert_trees_equal(host(vj.optim.logical_view(r.opt_state)), host(view))
+
+
+class _Layout:
+    """A PerDevice layout whose logical keys are leaves' paths, saying it handles grouped buckets."""
+
+    supports_groups = True
+
+    def logical_shapes(self, dtype=None):
+        return {"up/kernel": jax.ShapeDtypeStruct((12, 24), np.float32)}
+
+
+def test_a_layout_that_supports_groups_is_not_refused():
+    plan = plan_of(mesh_of((2, 4)), tp_specs())
+    _stored.check_layout_groups(PerDevice(jnp.zeros((4,)), plan, _Layout()), "s")
+    _Layout.supports_groups = False
+    try:
+        with pytest.raises(NotImplementedError, match=r"'s'.*_Layout.*\['up/kernel'\]"):
+            _stored.check_layout_groups(PerDevice(jnp.zeros((4,)), plan, _Layout()), "s")
+    finally:
+        _Layout.supports_groups = True

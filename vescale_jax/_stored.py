@@ -126,20 +126,37 @@ def pack(
     return ShardedParams(buffers, plan)
 
 
+def _grouped_keys(layout: Any, plan: Plan) -> list[str]:
+    """The keys of ``layout``'s logical view that belong to leaves of grouped buckets (its keys are
+    ``"<leaf path>"`` or ``"<leaf path>/<part>"``); every grouped leaf when the keys cannot be listed."""
+    grouped = {s.path for s in plan.leaves if plan.buckets[s.bucket].groups}
+    if not grouped:
+        return []
+    try:
+        keys = [str(k) for k in layout.logical_shapes()]
+    except Exception:  # a layout that cannot list its keys: assume it covers every leaf
+        return sorted(grouped)
+    prefixes = lambda k: ("/".join(k.split("/")[:n]) for n in range(1, k.count("/") + 2))
+    return [k for k in keys if any(p in grouped for p in prefixes(k))]
+
+
 def check_layout_groups(node: PerDevice, name: str, *, what: str = "vj.checkpoint") -> None:
-    """Raises when a ``PerDevice`` state with a layout lives under a plan with grouped buckets (leaves split over
-    tensor / expert axes) and its layout does not say it handles them (``layout.supports_groups``): a
-    ``PerDevice`` value is replicated over those axes, so its logical view would hold one group's values."""
+    """Raises when a ``PerDevice`` state's layout covers leaves of grouped buckets (split over tensor / expert
+    axes) and does not say it handles them (``layout.supports_groups``): a ``PerDevice`` value is replicated
+    over those axes, so its logical view would hold one group's shards of those leaves."""
     plan, layout = node.plan, getattr(node, "layout", None)
-    grouped = [b.name for b in plan.buckets if b.groups]
-    if layout is None or not grouped or getattr(layout, "supports_groups", False):
+    if layout is None or getattr(layout, "supports_groups", False):
+        return
+    keys = _grouped_keys(layout, plan)
+    if not keys:
         return
     raise NotImplementedError(
-        f"{what}: optimizer-state leaf {name!r} is a PerDevice state with a {type(layout).__name__}, under a plan "
-        f"whose buckets {grouped[:3]} hold leaves split over tensor / expert axes (vj.plan(..., tp=...)); that "
-        "layout has no logical view of grouped buckets, so it is neither stored nor restored. Use an optimizer "
-        "whose state is ShardedParams (optax.adamw, vj.optim.adamw) for this plan, or save params only "
-        "(opt_state=None) and re-initialise the optimizer after restoring."
+        f"{what}: optimizer-state leaf {name!r} is a PerDevice state with a {type(layout).__name__} whose entries "
+        f"{keys[:3]} are leaves split over tensor / expert axes (vj.plan(..., tp=...)); that layout has no logical "
+        "view of grouped buckets (it would hold one TP/EP group's shards), so it is neither viewed, stored nor "
+        "restored. Use an optimizer whose state is ShardedParams for those leaves (optax.adamw, vj.optim.adamw, "
+        "vj.optim.masked(..., compact=False)), or save params only (opt_state=None) and re-initialise the "
+        "optimizer after restoring."
     )
 
 

@@ -46,6 +46,7 @@ from vescale_jax._buffer import PerDevice
 from vescale_jax._cache import plan_cache
 from vescale_jax._layout import RaggedShard
 from vescale_jax._plan import Plan
+from vescale_jax._stored import check_layout_groups
 from vescale_jax.optim._blocks import build_blocks, matrix_view
 from vescale_jax.optim._exchange import exchange
 
@@ -568,12 +569,13 @@ def logical_view(state: Any) -> Any:
       The same tree, each such ``PerDevice`` a ``{key: array}`` dict; everything else unchanged.
     """
 
-    def one(x):
+    def one(path, x):
         if _is_per_device(x) and x.layout is not None:
+            check_layout_groups(x, jax.tree_util.keystr(path), what="vj.optim.logical_view")
             return x.layout.to_logical(x.value)
         return x
 
-    return jax.tree.map(one, state, is_leaf=_is_per_device)
+    return jax.tree_util.tree_map_with_path(one, state, is_leaf=_is_per_device)
 
 
 def restore_logical(target: Any, view: Any) -> Any:
@@ -589,9 +591,10 @@ def restore_logical(target: Any, view: Any) -> Any:
       A state like ``target``: its ``PerDevice`` values from ``from_logical``, other leaves from ``view``.
     """
 
-    def one(t, v):
+    def one(path, t, v):
         if _is_per_device(t) and t.layout is not None:
+            check_layout_groups(t, jax.tree_util.keystr(path), what="vj.optim.restore_logical")
             return t.replace(t.layout.from_logical(v))
         return v
 
-    return jax.tree.map(one, target, view, is_leaf=_is_per_device)
+    return jax.tree_util.tree_map_with_path(one, target, view, is_leaf=_is_per_device)
