@@ -157,8 +157,9 @@ def test_tp_to_fsdp_only_and_back_with_adamw_is_bitwise(tmp_path):
 
 
 @pytest.mark.slow
-def test_tp_4x2_to_2x4_is_bitwise(tmp_path):
-    save_and_restore(tmp_path, plan_of(mesh_of((4, 2)), tp_specs()), plan_of(mesh_of((2, 4)), tp_specs()), 3)
+@pytest.mark.parametrize(("src", "dst"), [((4, 2), (2, 4)), ((3, 2), (2, 4)), ((2, 4), (3, 2))], ids=str)
+def test_tp_to_another_tp_mesh_is_bitwise(tmp_path, src, dst):
+    save_and_restore(tmp_path, plan_of(mesh_of(src), tp_specs()), plan_of(mesh_of(dst), tp_specs()), 3)
 
 
 @pytest.mark.slow

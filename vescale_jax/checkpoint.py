@@ -17,6 +17,11 @@ Restore builds the target from a plan (or ``ShardedParams``) and an optimizer-st
 path, shape and dtype against the checkpoint's metadata first (raising with the path, both shapes and the fix),
 lets Orbax read each leaf straight into its storage sharding, and packs bucket by bucket
 (:mod:`vescale_jax._logical`). Nothing is pickled.
+
+Plans whose leaves are split over tensor / expert axes (``vj.plan(..., tp=...)``) store the same logical tree:
+each leaf at its full shape, whatever the split, so a checkpoint restores across TP and FSDP-only plans and
+meshes. A ``PerDevice`` state whose layout covers such leaves (and does not declare ``supports_groups``) is
+refused with an error naming it, never stored as one group's shards.
 """
 
 from __future__ import annotations
