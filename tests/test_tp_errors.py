@@ -171,6 +171,47 @@ def test_nnx_partition_specs_of_a_real_model_shard_and_unshard(mesh):
         np.testing.assert_array_equal(np.asarray(got), want)
 
 
+def test_nnx_logical_names_in_metadata_map_through_rules(mesh):
+    """Variables not placed on a mesh: their out_sharding metadata, logical names mapped by the rules."""
+    state = nnx.State(
+        {
+            "w": nnx.Param(np.zeros((12, 16), f32), out_sharding=("embed", "mlp"), eager_sharding=False),
+            "b": nnx.Param(np.zeros((16,), f32), out_sharding=("mlp",), eager_sharding=False),
+            "n": nnx.Param(np.zeros((5,), f32)),
+        }
+    )
+    tp = vj.flax.partition_specs(state, rules=(("embed", "fsdp"), ("mlp", "tensor")))
+    plan = vj.plan(state, mesh, tp=tp)
+    assert (plan.leaf("w").tp, plan.leaf("b").tp, plan.leaf("n").tp) == (((), ("tensor",)), (("tensor",),), ())
+    with pytest.raises(ValueError, match=r"leaf 'b'.*'mlp'"):
+        vj.plan(state, mesh, tp=vj.flax.partition_specs(state))  # no rules: the logical names reach vj.plan
+
+
+class StackedBlock(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        init = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "tensor"))
+        self.up = nnx.Linear(16, 32, kernel_init=init, rngs=rngs)
+
+
+class Stacked(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def stack(rngs: nnx.Rngs) -> StackedBlock:
+            return StackedBlock(rngs)
+
+        self.blocks = stack(rngs)
+
+
+def test_nnx_partition_specs_of_a_vmapped_layer_group_split_the_right_dim(mesh):
+    with jax.set_mesh(mesh):
+        state = nnx.split(nnx.eval_shape(lambda: Stacked(nnx.Rngs(0))))[1]
+    assert state["blocks"]["up"]["kernel"].get_metadata()["out_sharding"] == (None, "tensor")  # no layer dim
+    plan = vj.plan(state, mesh, tp=vj.flax.partition_specs(state), stacked=("blocks",))
+    assert plan.leaf("blocks/up/kernel").tp == ((), (), ("tensor",))
+    assert plan == vj.plan(state, mesh, tp="sharding", stacked=("blocks",))
+
+
 # ------------------------------------------------------------------------------------------------- Linen specs
 class LinenMLP(nn.Module):
     @nn.compact

@@ -145,6 +145,12 @@ def partition_specs(tree: Any, *, rules: Any = None) -> Any:
     context), as Flax does: a logical name that no rule maps is not split. Without any rule, logical names are
     kept as they are, so ``vj.plan`` raises naming the leaf and the name.
 
+    An NNX ``Variable`` whose value carries a ``NamedSharding`` that splits it (a model, or its
+    ``nnx.eval_shape``, made under ``jax.set_mesh``) gives that sharding's spec: it is where JAX placed the
+    array, with Flax's rules applied and, for a stacked layer group made with ``nnx.vmap``, the layer dim
+    inserted (the ``out_sharding`` metadata lacks it unless the vmap has
+    ``transform_metadata={nnx.PARTITION_NAME: None}``).
+
     The FSDP axis may appear in a spec (MaxText style ``P("fsdp", "tensor")``): ``vj.plan`` drops the entries
     naming its ``axis``, since the FSDP layout is ragged over it; the other named axes are the leaf's tensor /
     expert axes.
@@ -179,6 +185,10 @@ def partition_specs(tree: Any, *, rules: Any = None) -> Any:
 
     def one(x):
         if isinstance(x, nnx.Variable):
+            value = x.get_value() if hasattr(x, "get_value") else x.value
+            placed = getattr(value, "sharding", None)
+            if isinstance(placed, jax.sharding.NamedSharding) and any(e is not None for e in placed.spec):
+                return placed.spec  # where the array lives: a stacked group's layer dim included
             metadata = x.get_metadata()
             names = metadata.get("out_sharding") or metadata.get("sharding_names") or metadata.get("sharding")
             if not names:
