@@ -248,3 +248,77 @@ def test_a_layout_that_supports_groups_is_not_refused():
             _stored.check_layout_groups(PerDevice(jnp.zeros((4,)), plan, _Layout()), "s")
     finally:
         _Layout.supports_groups = True
+
+
+# ------------------------------------------------------------------------------------------ training resumes
+def load_example(name: str):
+    """``examples/<name>.py`` as a module, registered in ``sys.modules`` (its dataclasses look their module up)."""
+    import importlib.util
+    import os
+    import sys
+
+    from helpers import ROOT
+
+    module_name = f"vj_example_{name}"
+    if module_name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(module_name, os.path.join(ROOT, "examples", f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[module_name]
+
+
+@pytest.mark.slow
+def test_gpt_tp_training_resumes_across_tp_and_fsdp_only_plans(tmp_path):
+    """3 AdamW steps on fsdp x tensor 2x4, a checkpoint restored into an FSDP-only plan of 8 devices for 2
+    steps, then back into 2x4 for 2 more: the losses and parameters follow the unsharded run."""
+    from flax import nnx
+    from helpers import assert_trees_close, batches, loss_fn, reference_run
+
+    gpt_tp = load_example("gpt_tp")
+    base = gpt_tp.Config(vocab=257, max_len=16, d_model=24, num_heads=4, num_layers=2, d_ff=40)
+    graph_ref, params = gpt_tp.split_model(base, jax.random.key(0))
+    cfg = gpt_tp.Config(**{**base.__dict__, "tensor": "tensor"})
+    graph_tp, shapes = gpt_tp.abstract_model(cfg)
+    tp_plan = vj.plan(shapes, mesh_of((2, 4)), stacked=("blocks",), tp=gpt_tp.partition_spec(cfg))
+    fsdp_plan = vj.plan(shapes, mesh_of((8,), ("fsdp",)), stacked=("blocks",))
+    tx = optax.adamw(1e-3, weight_decay=0.1)
+    data = list(batches(7, batch=24))
+
+    def make_step(plan, graph):
+        @vj.fsdp(plan=plan)
+        def step(p, o, batch):
+            fn = lambda p: loss_fn(vj.flax.nnx_apply(graph, p, batch["x"]), batch["y"])
+            loss, grads = jax.value_and_grad(fn)(p)
+            u, o = tx.update(grads, o, p)
+            return optax.apply_updates(p, u), o, loss
+
+        return step
+
+    def train(plan, graph, sp, state, batches_):
+        step, losses = make_step(plan, graph), []
+        for b in batches_:
+            sp, state, loss = step(sp, state, b)
+            losses.append(float(loss))
+        return sp, state, losses
+
+    def resume(mngr, step, sp, state, plan):
+        mngr.save(step, params=sp, opt_state=state)
+        template = jax.eval_shape(tx.init, jax.eval_shape(lambda: vj.shard(params, plan)))
+        r = mngr.restore(step, params=plan, opt_state=template)
+        assert r.params.plan == plan
+        return r.params, r.opt_state
+
+    with jax.numpy_dtype_promotion("standard"):
+        ref, ref_losses = reference_run(params, lambda p, x: nnx.merge(graph_ref, p)(x), tx, data)
+        sp = vj.shard(params, tp_plan)
+        sp, state, losses = train(tp_plan, graph_tp, sp, vj.init_opt_state(tx, sp), data[:3])
+        with vj.checkpoint.Manager(tmp_path) as mngr:
+            sp, state = resume(mngr, 3, sp, state, fsdp_plan)
+            sp, state, more = train(fsdp_plan, graph_ref, sp, state, data[3:5])
+            losses += more
+            sp, state = resume(mngr, 5, sp, state, tp_plan)
+            sp, state, more = train(tp_plan, graph_tp, sp, state, data[5:])
+            losses += more
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(vj.unshard(sp), ref, rtol=1e-5)
