@@ -459,8 +459,8 @@ def to_logical(buffers: Sequence[jax.Array], plan: Plan) -> tuple[list[jax.Array
       (``(num_leaves, 2)`` uint32, as :func:`vescale_jax._integrity.checksums` computes them).
 
     Sharding:
-      One ``shard_map`` moves every leaf by one all-to-all; no device receives a leaf element it will not
-      store, and no bucket is gathered.
+      One ``shard_map`` moves every leaf by one all-to-all (over the plan's axis, within each TP/EP group for a
+      grouped bucket); no device receives a leaf element it will not store, and no bucket is gathered.
     """
     fn, in_shardings = _to_logical_fn(plan)
     # Same devices, same layout: relabelling onto the storage mesh moves no data.
