@@ -230,6 +230,25 @@ def test_per_device_state_of_leaves_not_split_round_trips(tmp_path):
     assert_trees_equal(host(vj.optim.logical_view(r.opt_state)), host(view))
 
 
+@pytest.mark.slow
+def test_masks_over_the_logical_tree_of_a_tp_plan_match_optax():
+    """vj.optim.adamw's decay mask sees the full logical shapes and applies per element in every TP group."""
+    plan = plan_of(mesh_of((2, 4)), tp_specs())
+    tree, grads = tree_of(), [tree_of(s) for s in (5, 6)]
+    mask = lambda p: jax.tree.map(lambda x: x.ndim == 2 and x.shape[0] != 24, p)  # not down/kernel (24, 12)
+    tx = vj.optim.adamw(1e-2, weight_decay=0.5, mask=mask)
+    ref = optax.adamw(1e-2, weight_decay=0.5, mask=mask)
+    sp, ref_params = vj.shard(tree, plan), jax.tree.map(jnp.asarray, tree)
+    state, ref_state = vj.init_opt_state(tx, sp), ref.init(ref_params)
+    with jax.numpy_dtype_promotion("standard"):
+        for g in grads:
+            updates, state = jax.jit(tx.update)(vj.shard(g, plan), state, sp)
+            sp = optax.apply_updates(sp, updates)
+            ref_updates, ref_state = jax.jit(ref.update)(g, ref_state, ref_params)
+            ref_params = optax.apply_updates(ref_params, ref_updates)
+    assert_trees_equal(host(vj.unshard(sp)), host(ref_params))
+
+
 class _Layout:
     """A PerDevice layout whose logical keys are leaves' paths, saying it handles grouped buckets."""
 
