@@ -52,7 +52,7 @@ def plan_of(mesh, tp, tree=None):
 # ------------------------------------------------------------------------------------------------ bad tp specs
 BAD_SPECS = {
     "unknown_axis": (specs(w=P(None, "bogus")), ValueError, ["'w'", "'bogus'", "('fsdp', 'tensor')"]),
-    "axis_twice": (specs(w=P("tensor", "tensor")), ValueError, ["'w'", "'tensor' twice"]),
+    "axis_twice": (specs(w=P("tensor", "tensor")), ValueError, ["'w'", "(12, 16)", "'tensor' twice", "name it once"]),
     "axis_twice_across_fsdp": (specs(w=P("fsdp", ("tensor", "fsdp"))), ValueError, ["'w'", "'fsdp' twice"]),
     "not_divisible": (specs(b=P("tensor")), ValueError, ["'b'", "(10,)", "dim 0", "not a multiple of"]),
     "too_long": (specs(w=P(None, None, "tensor")), ValueError, ["'w'", "(12, 16)", "names 3 dims"]),

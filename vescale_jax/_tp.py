@@ -73,7 +73,10 @@ def normalize(
                     f"has axes {tuple(sizes)}. Name one of them, or build the mesh with a {a!r} axis."
                 )
             if a in seen:
-                raise ValueError(f"vj.plan: leaf {path!r} has spec {spec}, which names mesh axis {a!r} twice.")
+                raise ValueError(
+                    f"vj.plan: leaf {path!r} (shape {shape}) has spec {spec}, which names mesh axis {a!r} twice; a "
+                    "mesh axis splits one dim of a leaf at most: name it once."
+                )
             seen.add(a)
         axes = tuple(a for a in axes if a not in drop)
         n = math.prod(sizes[a] for a in axes)
