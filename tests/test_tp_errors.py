@@ -1,6 +1,5 @@
 """vj.plan(..., tp=): where the specs come from (vj.flax.partition_specs, tp="sharding", a callable) and how bad
-inputs fail: every error names the leaf (or the argument) and says what to do. Also data_axes that name a
-tensor axis of the plan."""
+inputs fail: every error names the leaf (or the argument) and says what to do."""
 
 from __future__ import annotations
 
@@ -104,24 +103,6 @@ def test_spec_naming_the_fsdp_axis_is_ignored_for_the_fsdp_part(mesh):
     assert maxtext.leaf("blocks/w").tp == ()
     # one dim over both axes: the tensor part stays
     assert plan_of(mesh, specs(w=P(("fsdp", "tensor")))) == plan_of(mesh, specs(w=P("tensor")))
-
-
-# ------------------------------------------------------------------------------------------------ data axes
-def test_data_axes_naming_a_tensor_axis_raise(mesh):
-    tree = {"w": np.ones((12, 16), f32), "e": np.ones((10, 12), f32)}
-    plan = vj.plan(tree, mesh, tp={"w": P(None, "tensor"), "e": None})
-    for axes in (("fsdp", "tensor"), "tensor"):
-        with pytest.raises(ValueError, match=r"tensor / expert") as info:
-            vj.fsdp(lambda p, s, b: (p, s), plan=plan, data_axes=axes)
-        msg = str(info.value)
-        assert "'tensor'" in msg and "data_axes=('fsdp',)" in msg and "w@tensor:float32" in msg
-    sp = vj.shard(tree, plan)
-    with pytest.raises(ValueError, match=r"tensor / expert"):
-        vj.apply(lambda p, x: x, sp, jnp.ones((8, 2)), data_axes=("fsdp", "tensor"))
-    vj.fsdp(lambda p, s, b: (p, s), plan=plan, data_axes="fsdp")  # the plan's axis is fine
-    # a mesh axis the plan does not split leaves over may still carry data
-    plain = vj.plan(tree, mesh)
-    vj.fsdp(lambda p, s, b: (p, s), plan=plain, data_axes=("fsdp", "tensor"))
 
 
 # --------------------------------------------------------------------------------------------------- NNX specs

@@ -34,15 +34,6 @@ def data_sharding(plan: Plan, data_axes: str | Sequence[str] | None = None) -> N
             f"plan's axis {plan.axis!r}). Leave data_axes unset, or name mesh axes of {dict(plan.mesh.shape)}."
         )
     check_axes(axes, plan.mesh, "vj.fsdp: data_axes")
-    split = [a for a in axes if a in plan.tp_axes]
-    if split:
-        keep = tuple(a for a in axes if a not in plan.tp_axes) or _axes(plan.axis)
-        grouped = [b.name for b in plan.buckets if set(split) & set(b.groups)]
-        raise ValueError(
-            f"vj.fsdp: data_axes={axes!r} include {split}, which the plan splits leaves over as tensor / expert "
-            f"axes (buckets {grouped[:3]}, vj.plan(..., tp=...)): every device of a TP/EP group must see the same "
-            f"batch, so the batch is replicated over those axes. Leave them out of data_axes (e.g. data_axes={keep!r})."
-        )
     return NamedSharding(plan.mesh, P(axes))
 
 
