@@ -168,7 +168,7 @@ def test_each_group_holds_its_shards_in_the_shared_layout():
         for shard in buf.addressable_shards:
             coords = {a: int(np.argwhere(mesh.devices == shard.device)[0][i]) for i, a in enumerate(mesh.axis_names)}
             t, k = coords[axis], coords["fsdp"]
-            want = np.zeros(buf.shape[:-1] + (n,), buf.dtype)
+            want = np.zeros((*buf.shape[:-1], n), buf.dtype)
             for slot, i in enumerate(bucket.leaves):
                 spec = plan.leaves[i]
                 (d,) = [d for d, axes in enumerate(spec.tp) if axes]
