@@ -23,6 +23,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_gpt import batches, progress, stdlib_text  # sets up 8 simulated CPU devices when there is no GPU
 
+# isort: split
 import jax
 import numpy as np
 import optax
