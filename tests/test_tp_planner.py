@@ -40,18 +40,16 @@ def test_gates_gpt_oss_ep8_fsdp32(gran):
     assert r.split_padding < bench.EXPERT_LIMIT
     assert r.split_padding < fsdp2 / 100
 
-    # The experts' buffer per device against 1/fsdp of each group's experts: ragged is within the padding.
+    # The grouped buckets hold exactly the experts (each group its 16), and their padding is the reported one.
     experts = sum(
         math.prod(s) for _, ps in model_configs.buckets("gpt-oss-120b") for n, s in ps if ".mlp.experts." in n
     )
-    expert_bs = [
-        b
-        for b in bench.group_buckets(
-            bench.leaves_of(bench.abstract_tree(cfg.model), cfg), cfg, dict(bench.GRANULARITIES)[gran], "auto"
-        )
-        if b.groups
-    ]
-    assert sum(b.num_groups * b.layout.total_size for b in expert_bs) * (1 - r.split_padding) == pytest.approx(experts)
+    leaves = bench.leaves_of(bench.abstract_tree(cfg.model), cfg)
+    grouped = [b for b in bench.group_buckets(leaves, cfg, dict(bench.GRANULARITIES)[gran], "auto") if b.groups]
+    assert all(".mlp.experts." in leaves[i].path for b in grouped for i in b.leaves)
+    assert sum(b.num_groups * sum(b.layout.sizes) for b in grouped) == experts
+    buffer = sum(b.num_groups * b.layout.total_size for b in grouped)
+    assert (buffer - experts) / buffer == pytest.approx(r.split_padding, abs=1e-15)
 
     # The gate can fail: FSDP2's figure in place of the ragged one is flagged.
     bad = bench.dataclasses.replace(r, split_padding=fsdp2)
