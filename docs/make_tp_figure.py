@@ -128,7 +128,9 @@ def describe(plan: vj.Plan) -> str:
     lines.append("")
     lines.append(
         f"{grouped.name}: groups {grouped.groups}, G = {grouped.num_groups}, S = {grouped.layout.shard_size}, "
-        f"buffer {grouped.shape} with {plan.partition_spec(grouped)}, padding {grouped.layout.padding_fraction:.2%}"
+        f"buffer {grouped.shape} with {plan.partition_spec(grouped)}, loads per fsdp device "
+        f"{list(grouped.layout.device_loads())}, padding {grouped.layout.padding} elements "
+        f"({grouped.layout.padding_fraction:.2%}) per group and layer"
     )
     for spec in specs(plan, grouped):
         ranks = ", ".join(
