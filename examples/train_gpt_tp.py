@@ -3,6 +3,7 @@
     python examples/train_gpt_tp.py                       # fsdp 2 × tensor 4 on 8 simulated CPU devices
     python examples/train_gpt_tp.py --tensor 2            # fsdp 4 × tensor 2
     python examples/train_gpt_tp.py --tensor 1 --expert 4 --experts 8   # 8 experts over expert = 4
+    python examples/train_gpt_tp.py --tensor 1 --expert 4 --experts 8 --expert-data   # batch over expert too
 
 The mesh is ``fsdp × tensor × expert`` over every device JAX sees. ``vj.plan(..., tp=...)`` splits the
 column-parallel kernels on their output features and the row-parallel ones on their input features over
@@ -41,8 +42,11 @@ def main(argv=None) -> dict:
     p.add_argument("--tensor", type=int, default=4, help="tensor-parallel size (the mesh's tensor axis)")
     p.add_argument("--expert", type=int, default=1, help="expert-parallel size (needs --experts)")
     p.add_argument("--experts", type=int, default=0, help="experts per MoE layer (0: dense MLP)")
+    p.add_argument(
+        "--expert-data", action="store_true", help="split the batch over expert too (tokens travel to the experts)"
+    )
     p.add_argument("--steps", type=int, default=150)
-    p.add_argument("--batch", type=int, default=32, help="global batch (a multiple of the fsdp size)")
+    p.add_argument("--batch", type=int, default=32, help="global batch (a multiple of the data-parallel size)")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=128)
@@ -71,7 +75,9 @@ def main(argv=None) -> dict:
         num_experts=args.experts,
         tensor="tensor" if args.tensor > 1 else None,
         expert="expert" if args.expert > 1 else None,
+        expert_data=args.expert_data,
     )
+    data_axes = ("fsdp", "expert") if args.expert_data else ("fsdp",)
     graphdef, shapes = abstract_model(cfg)
     plan = vj.plan(shapes, mesh, stacked=("blocks",), tp=partition_spec(cfg))
     print(f"mesh {dict(mesh.shape)}")
@@ -81,7 +87,7 @@ def main(argv=None) -> dict:
     params = vj.init_sharded(lambda key: split_model(cfg, key)[1], plan, jax.random.key(args.seed))
     opt_state = vj.init_opt_state(tx, params)
 
-    @vj.fsdp(plan=plan)
+    @vj.fsdp(plan=plan, data_axes=data_axes)
     def train_step(params, opt_state, batch):
         def loss_of(p):
             return loss_fn(vj.flax.nnx_apply(graphdef, p, batch["x"]), batch["y"])
@@ -90,7 +96,7 @@ def main(argv=None) -> dict:
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    @vj.fsdp(plan=plan, donate=False)
+    @vj.fsdp(plan=plan, data_axes=data_axes, donate=False)
     def eval_step(params, _, batch):
         return loss_fn(vj.flax.nnx_apply(graphdef, params, batch["x"]), batch["y"])
 

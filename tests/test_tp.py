@@ -1,6 +1,8 @@
 """FSDP composed with tensor and expert parallelism: a Megatron-style GPT (column/row-parallel attention and MLP)
 and a mixture of experts split over ``expert``, each against the unsharded model."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import optax
@@ -19,6 +21,7 @@ MESHES = {  # id: (fsdp, other axis size, other axis name, experts)
     "fsdp4xtensor2": (4, 2, "tensor", 0),
     "fsdp3xtensor2": (3, 2, "tensor", 0),
     "fsdp2xexpert4": (2, 4, "expert", 8),
+    "fsdp2xexpert4-data": (2, 4, "expert", 8),  # the batch split over expert too (tokens travel to the experts)
 }
 
 
@@ -70,19 +73,23 @@ def reference(experts: int):
         pytest.param("fsdp4xtensor2", marks=pytest.mark.slow),
         pytest.param("fsdp3xtensor2", marks=pytest.mark.slow),  # odd fsdp: one step of it runs by default below
         "fsdp2xexpert4",
+        pytest.param("fsdp2xexpert4-data", marks=pytest.mark.slow),
     ],
 )
 def test_tp_training_matches_unsharded(mesh_id):
     fsdp, size, axis, experts = MESHES[mesh_id]
     params, ref, ref_losses = reference(experts)
     _, cfg = configs(experts, axis)
+    data_axes = None
+    if mesh_id.endswith("-data"):  # expert parallelism as data parallelism for everything but the experts
+        cfg, data_axes = dataclasses.replace(cfg, expert_data=True), ("fsdp", axis)
     mesh = tp_mesh(fsdp, size, axis)
     plan = tp_plan(cfg, mesh)
     assert plan.tp_axes == (axis,)
     graphdef, _ = gpt_tp.abstract_model(cfg)
     tx = make_tx()
 
-    @vj.fsdp(plan=plan)
+    @vj.fsdp(plan=plan, data_axes=data_axes)
     def step(p, opt_state, batch):
         loss, grads = jax.value_and_grad(lambda p: loss_fn(vj.flax.nnx_apply(graphdef, p, batch["x"]), batch["y"]))(p)
         updates, opt_state = tx.update(grads, opt_state, p)
