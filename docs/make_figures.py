@@ -25,6 +25,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -119,47 +120,60 @@ def segments(start: int, stop: int, s: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def draw_bucket(ax: Axes, drawn: Drawn, *, bar_px: float) -> None:
-    """Draws one bucket: a bar per device, coloured tensor spans, block ticks and hatched padding."""
-    plan, bucket = drawn.plan, drawn.bucket
-    layout = bucket.layout
+def draw_layout(
+    ax: Axes,
+    layout: vj.BucketLayout,
+    labels: Sequence[str],
+    colors: Sequence[str],
+    *,
+    bar_px: float,
+    ticks: Sequence[int] | None = None,
+    rows: Sequence[float] | None = None,
+) -> None:
+    """Draws one bar per device of a layout: slot ``j`` as a span coloured ``colors[j]`` and named ``labels[j]``,
+    thin ticks every ``ticks[j]`` elements inside it (default: its block size), padding hatched grey and each
+    device's load at the right. Device ``k``'s bar is centred at height ``rows[k]`` (default ``k``)."""
     s, m = layout.shard_size, layout.num_devices
+    ys = np.arange(m, dtype=float) if rows is None else np.asarray(rows, dtype=float)
+    ticks = layout.blocks if ticks is None else ticks
     px_per_elem = bar_px / s
     height = 0.7
 
     used = []
-    for slot, (n, b, o) in enumerate(zip(layout.sizes, layout.blocks, layout.offsets, strict=True)):
-        name = leaf_name(plan, slot, bucket)
+    for slot, (n, b, o) in enumerate(zip(layout.sizes, ticks, layout.offsets, strict=True)):
+        name, color = labels[slot], colors[slot]
         used.append((o, o + n))
         parts = segments(o, o + n, s)
         for k, lo, hi in parts:
-            y = k - height / 2
-            ax.add_patch(Rectangle((lo, y), hi - lo, height, facecolor=COLORS[name], edgecolor="black", lw=0.8))
+            y = ys[k] - height / 2
+            ax.add_patch(Rectangle((lo, y), hi - lo, height, facecolor=color, edgecolor="black", lw=0.8))
             if (hi - lo) * px_per_elem > 70:
-                ax.text((lo + hi) / 2, k, name, ha="center", va="center", fontsize=9, color="white", fontweight="bold")
+                ax.text(
+                    (lo + hi) / 2, ys[k], name, ha="center", va="center", fontsize=9, color="white", fontweight="bold"
+                )
         if parts and all((hi - lo) * px_per_elem <= 70 for _, lo, hi in parts):
             # Too narrow to hold its name: label it just above its first piece.
             k, lo, _ = parts[0]
             right = lo > s / 2
             ax.annotate(
                 name,
-                xy=(lo, k - height / 2),
+                xy=(lo, ys[k] - height / 2),
                 xytext=(-4 if right else 4, 7),
                 textcoords="offset points",
                 ha="right" if right else "left",
                 va="bottom",
                 fontsize=8,
-                color=COLORS[name],
+                color=color,
                 fontweight="bold",
-                arrowprops={"arrowstyle": "-", "color": COLORS[name], "lw": 0.8},
-                bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": COLORS[name], "lw": 0.6},
+                arrowprops={"arrowstyle": "-", "color": color, "lw": 0.8},
+                bbox={"boxstyle": "round,pad=0.15", "facecolor": "white", "edgecolor": color, "lw": 0.6},
                 zorder=5,
             )
-        # Block boundaries strictly inside the tensor (the device cuts are among them).
+        # Tick boundaries strictly inside the tensor (the device cuts are among them).
         if b < n and b * px_per_elem >= MIN_TICK_PX:
-            ticks = np.arange(o + b, o + n, b)
-            ks, xs = ticks // s, ticks % s
-            ax.vlines(xs, ks - height / 2, ks - height / 2 + height * 0.35, colors="white", lw=0.5, alpha=0.9)
+            at = np.arange(o + b, o + n, b)
+            ks, xs = at // s, at % s
+            ax.vlines(xs, ys[ks] - height / 2, ys[ks] - height / 2 + height * 0.35, colors="white", lw=0.5, alpha=0.9)
 
     # Padding: the complement of the tensors inside [0, m*S).
     cursor = 0
@@ -168,7 +182,7 @@ def draw_bucket(ax: Axes, drawn: Drawn, *, bar_px: float) -> None:
             for k, a, z in segments(cursor, lo, s):
                 ax.add_patch(
                     Rectangle(
-                        (a, k - height / 2),
+                        (a, ys[k] - height / 2),
                         z - a,
                         height,
                         facecolor="#d9d9d9",
@@ -181,8 +195,17 @@ def draw_bucket(ax: Axes, drawn: Drawn, *, bar_px: float) -> None:
 
     loads = layout.device_loads()
     for k in range(m):
-        ax.text(s * 1.005, k, f"{loads[k]:,}", ha="left", va="center", fontsize=8, color="#404040")
-    ax.text(s * 1.005, -0.75, "data", ha="left", va="center", fontsize=8, color="#404040", style="italic")
+        ax.text(s * 1.005, ys[k], f"{loads[k]:,}", ha="left", va="center", fontsize=8, color="#404040")
+    ax.text(s * 1.005, ys[0] - 0.75, "data", ha="left", va="center", fontsize=8, color="#404040", style="italic")
+
+
+def draw_bucket(ax: Axes, drawn: Drawn, *, bar_px: float) -> None:
+    """Draws one bucket: a bar per device, coloured tensor spans, block ticks and hatched padding."""
+    plan, bucket = drawn.plan, drawn.bucket
+    layout = bucket.layout
+    s, m = layout.shard_size, layout.num_devices
+    names = [leaf_name(plan, slot, bucket) for slot in range(len(layout.sizes))]
+    draw_layout(ax, layout, names, [COLORS[n] for n in names], bar_px=bar_px)
     ax.set_xlim(0, s)
     ax.set_ylim(m - 0.5, -1.0)
     ax.set_yticks(range(m), [f"device {k}\n[{k * s:,}, {(k + 1) * s:,})" for k in range(m)], fontsize=8)
@@ -209,6 +232,15 @@ def legend_handles(granularity: vj.Granularity | None) -> list[Patch]:
     return handles
 
 
+def save(fig: plt.Figure, path: Path, *, rect: tuple[float, float, float, float], left: float) -> None:
+    """Lays the figure out inside ``rect`` (figure fractions) with its panels from ``left``, writes and closes it."""
+    fig.tight_layout(rect=rect)
+    fig.subplots_adjust(left=left, right=0.95)
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
 def figure(drawns: list[Drawn], path: Path, suptitle: str, granularity: vj.Granularity | None) -> None:
     """Stacks one panel per plan and writes a PNG."""
     heights = [d.bucket.layout.num_devices + 2.2 for d in drawns]
@@ -224,11 +256,7 @@ def figure(drawns: list[Drawn], path: Path, suptitle: str, granularity: vj.Granu
         draw_bucket(ax, drawn, bar_px=bar_px)
     fig.suptitle(suptitle, fontsize=12, x=0.01, ha="left")
     fig.legend(handles=legend_handles(granularity), loc="lower center", ncol=6, fontsize=9, frameon=False)
-    fig.tight_layout(rect=(0, 0.05, 0.97, 0.97))
-    fig.subplots_adjust(left=0.095, right=0.95)
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    print(f"wrote {path}")
+    save(fig, path, rect=(0, 0.05, 0.97, 0.97), left=0.095)
 
 
 def main() -> None:

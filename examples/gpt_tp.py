@@ -36,6 +36,7 @@ class Config:
     top_k: int = 2
     tensor: str | None = None  # the mesh axis of tensor parallelism (None: unsplit, no collective)
     expert: str | None = None  # the mesh axis the experts are split over
+    expert_data: bool = False  # the batch is split over ``expert`` too: tokens travel to the experts and back
 
 
 def partition_spec(cfg: Config):
@@ -86,9 +87,15 @@ class Experts(nnx.Module):
         self.router = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (d, e)))
         self.w_in = nnx.Param(init(rngs.params(), (e, d, f)))
         self.w_out = nnx.Param(init(rngs.params(), (e, f, d)))
-        self.top_k, self.axis = cfg.top_k, cfg.expert
+        self.top_k, self.axis, self.data = cfg.top_k, cfg.expert, cfg.expert_data
 
     def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+        if self.axis is not None and self.data:  # every expert group's tokens to every group, the outputs back
+            x_all = jax.lax.all_gather(x_BxTxD, self.axis, axis=0, tiled=True)
+            return jax.lax.psum_scatter(self._mix(x_all), self.axis, scatter_dimension=0, tiled=True)
+        return self._mix(x_BxTxD)
+
+    def _mix(self, x_BxTxD: jax.Array) -> jax.Array:
         probs_BxTxE = jax.nn.softmax(x_BxTxD @ self.router.value, axis=-1)
         kth = jax.lax.top_k(probs_BxTxE, self.top_k)[0][..., -1:]
         gates = jnp.where(probs_BxTxE >= kth, probs_BxTxE, 0.0)
@@ -97,7 +104,8 @@ class Experts(nnx.Module):
         first = 0 if self.axis is None else jax.lax.axis_index(self.axis) * w_in.shape[0]
         local = jax.lax.dynamic_slice_in_dim(gates, first, w_in.shape[0], axis=-1)
         h = jax.nn.gelu(jnp.einsum("btd,edf->btef", x_BxTxD, w_in))
-        return _psum(jnp.einsum("btef,efd,bte->btd", h, w_out, local), self.axis)
+        out_BxTxD = jnp.einsum("btef,efd,bte->btd", h, w_out, local)
+        return out_BxTxD if self.data else _psum(out_BxTxD, self.axis)
 
 
 class Block(nnx.Module):

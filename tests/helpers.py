@@ -14,6 +14,7 @@ import dataclasses
 import importlib.util
 import inspect
 import os
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from types import ModuleType
 from typing import Any
@@ -229,6 +230,7 @@ def load_script(relative_path: str) -> ModuleType:
     name = "script_" + os.path.splitext(relative_path)[0].replace(os.sep, "_").replace("/", "_")
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the script runs
     spec.loader.exec_module(module)
     return module
 

@@ -330,10 +330,29 @@ def init_sharded_fn(init_fn: Callable[..., Any], plan: Plan) -> Callable[..., tu
             )
             for x, spec in zip(leaves, plan.leaves, strict=True)
         ]
-        return pack(leaves, plan)
+        return tuple(
+            _pack_in_groups([leaves[i] for i in b.leaves], b, plan, mesh)
+            if b.groups
+            else pack_bucket([leaves[i] for i in b.leaves], b)
+            for b in plan.buckets
+        )
 
     out = tuple(jax.sharding.NamedSharding(mesh, plan.partition_spec(b)) for b in plan.buckets)
     return jax.jit(packed, out_shardings=out)
+
+
+def _pack_in_groups(leaves: Sequence[jax.Array], bucket: Bucket, plan: Plan, mesh: jax.sharding.Mesh) -> jax.Array:
+    """A grouped bucket's global buffer packed where its blocks lie: a ``shard_map`` manual over the group axes
+    hands each group its leaves' TP/EP blocks (the fsdp axis stays automatic), so no device assembles another
+    group's part of a leaf."""
+    P = jax.sharding.PartitionSpec
+    in_specs = tuple(P(*[axes or None for axes in plan.leaves[i].tp]) for i in bucket.leaves)
+    groups = tuple(bucket.groups)
+    out_specs = P(groups) if bucket.layers is None else P(None, groups)
+    local = lambda *xs: pack_bucket(xs, bucket)
+    return jax.shard_map(
+        local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, axis_names=set(groups), check_vma=False
+    )(*leaves)
 
 
 def init_sharded(init_fn: Callable[..., Any], plan: Plan, *args: Any) -> ShardedParams:
