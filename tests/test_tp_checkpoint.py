@@ -270,31 +270,14 @@ def test_a_layout_that_supports_groups_is_not_refused():
 
 
 # ------------------------------------------------------------------------------------------ training resumes
-def load_example(name: str):
-    """``examples/<name>.py`` as a module, registered in ``sys.modules`` (its dataclasses look their module up)."""
-    import importlib.util
-    import os
-    import sys
-
-    from helpers import ROOT
-
-    module_name = f"vj_example_{name}"
-    if module_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(module_name, os.path.join(ROOT, "examples", f"{name}.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[module_name]
-
-
 @pytest.mark.slow
 def test_gpt_tp_training_resumes_across_tp_and_fsdp_only_plans(tmp_path):
     """3 AdamW steps on fsdp x tensor 2x4, a checkpoint restored into an FSDP-only plan of 8 devices for 2
     steps, then back into 2x4 for 2 more: the losses and parameters follow the unsharded run."""
     from flax import nnx
-    from helpers import assert_trees_close, batches, loss_fn, reference_run
+    from helpers import assert_trees_close, batches, load_script, loss_fn, reference_run
 
-    gpt_tp = load_example("gpt_tp")
+    gpt_tp = load_script("examples/gpt_tp.py")
     base = gpt_tp.Config(vocab=257, max_len=16, d_model=24, num_heads=4, num_layers=2, d_ff=40)
     graph_ref, params = gpt_tp.split_model(base, jax.random.key(0))
     cfg = gpt_tp.Config(**{**base.__dict__, "tensor": "tensor"})
