@@ -2,12 +2,17 @@
 optax.contrib.muon and the Shampoo reference on the unsharded logical tree; Muon's routing over (tensor, fsdp),
 Shampoo's grouped block state and its TP block check."""
 
+import dataclasses
+import importlib.util
+import os
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_trees_close, load_script
+from helpers import ROOT, assert_trees_close
 from jax.sharding import PartitionSpec as P
 from shampoo_reference import reference_shampoo
 
@@ -30,6 +35,17 @@ def tp_mesh(f, t):
     if f * t > len(jax.devices()):
         pytest.skip(f"needs {f * t} devices, {len(jax.devices())} available")
     return jax.make_mesh((f, t), ("fsdp", "tensor"), devices=jax.devices()[: f * t])
+
+
+def load_gpt_tp():
+    """examples/gpt_tp.py as a module, registered in ``sys.modules`` (its dataclass needs its module there)."""
+    name = "script_examples_gpt_tp"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "examples", "gpt_tp.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
 def random_tree(shapes, seed=0):
@@ -235,10 +251,10 @@ def test_muon_gpt_tp_inside_vj_fsdp_matches_optax(f, t):
     from flax import nnx
     from helpers import batches, loss_fn
 
-    gpt = load_script("examples/gpt_tp.py")
-    cfg = gpt.Config(vocab=257, max_len=16, d_model=24, num_heads=4, num_layers=2, d_ff=40, tensor="tensor")
-    ref_cfg = gpt.Config(**{**cfg.__dict__, "tensor": None})
     mesh = tp_mesh(f, t)
+    gpt = load_gpt_tp()
+    cfg = gpt.Config(vocab=257, max_len=16, d_model=24, num_heads=4, num_layers=2, d_ff=40, tensor="tensor")
+    ref_cfg = dataclasses.replace(cfg, tensor=None)
     graphdef, params = gpt.split_model(cfg, jax.random.key(0))
     ref_graphdef, _ = gpt.split_model(ref_cfg, jax.random.key(0))
     plan = vj.plan(params, mesh, stacked=("blocks",), tp=gpt.partition_spec(cfg))
@@ -339,6 +355,12 @@ def test_shampoo_on_a_tp_plan_matches_the_reference():
             assert_trees_close(unpack(sp), ref[i], rtol=1e-4)
     assert step._cache_size() == 1
     assert state.shampoo[0].stats_left.value.sharding.is_equivalent_to(want, 3)
+    # Every block is preconditioned where it lies: no collective beyond scalars.
+    with jax.set_mesh(plan.mesh):
+        c = testing.census(step.lower(sp, state, pack(SHAMPOO_GRADS[0])).compile())
+    for kind in ("all-gather", "all-to-all", "reduce-scatter", "collective-permute"):
+        assert c.count(kind) == 0, (kind, c)
+    assert c.bytes("all-reduce") <= 64, c
 
 
 def test_shampoo_rejects_blocks_spanning_tp_shards():
