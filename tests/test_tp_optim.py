@@ -66,13 +66,13 @@ def grads_seq(params, n=STEPS, seed=1):
 # column-split (L, p, q) kernel, a row-split tall one and a split per-layer vector, a replicated matrix and vector.
 MUON_SHAPES = {
     "col": {"w": (12, 40), "b": (40,)},
-    "row": {"w": (40, 12), "b": (12,)},
+    "row": {"w": (40, 12)},
     "layers": {"w": (3, 20, 24), "v": (3, 24, 20), "b": (3, 24)},
     "head": {"w": (16, 16), "b": (16,)},
 }
 MUON_TP = {
     "col": {"w": P(None, "tensor"), "b": P("tensor")},
-    "row": {"w": P("tensor", None), "b": None},
+    "row": {"w": P("tensor", None)},
     "layers": {"w": P(None, None, "tensor"), "v": P(None, "tensor", None), "b": P(None, "tensor")},
     "head": {"w": None, "b": None},
 }
@@ -134,7 +134,7 @@ def shard_fns(plan):
 def run_muon(params, grads, plan, **kw):
     tx = vjo.muon(plan=plan, **kw)
     pack, unpack = shard_fns(plan)
-    sp = vj.shard(params, plan)
+    sp = pack(params)
     state = vj.init_opt_state(tx, sp)
 
     @jax.jit
@@ -161,10 +161,22 @@ def test_muon_parity_on_a_tp_plan(f, t):
     assert {b.groups for b in plan.buckets} == {(), ("tensor",)}
     routing = vjo.muon_routing(plan, muon_dims)
     assert routing.axes == ("tensor", "fsdp") and len(routing.loads) == f * t
-    got, step, *_ = run_muon(MUON_PARAMS, MUON_GRADS, plan, **MUON_KW)
-    for g, r in zip(got, muon_reference("tp", MUON_PARAMS, MUON_GRADS, **MUON_KW), strict=True):
-        assert_trees_close(g, r, rtol=1e-5)
+    got, step, sp, state, g = run_muon(MUON_PARAMS, MUON_GRADS, plan, **MUON_KW)
+    for p, r in zip(got, muon_reference("tp", MUON_PARAMS, MUON_GRADS, **MUON_KW), strict=True):
+        assert_trees_close(p, r, rtol=1e-5)
     assert step._cache_size() == 1
+
+    # The only collectives of the compiled step are the routing's two all-to-alls over (tensor, fsdp) and the split
+    # classes' small Gram all-reduces: no all-gather of a bucket over tensor.
+    with jax.set_mesh(plan.mesh):
+        c = testing.census(step.lower(sp, state, g).compile())
+    a2a = c.of("all-to-all")
+    assert len(a2a) == 2 and all(op.group_size == f * t for op in a2a), c
+    for kind in ("all-gather", "reduce-scatter", "collective-permute"):
+        assert c.count(kind) == 0, (kind, c)
+    assert routing.splits
+    gram = max(4 * r * p * p for p, _, r in routing.splits)
+    assert all(op.result_bytes <= gram for op in c.of("all-reduce")), c
 
 
 MUON_OPTIONS = dict(
@@ -212,23 +224,7 @@ def test_muon_routing_over_tensor_and_fsdp():
     assert len(routing.matrices) == 4 + 1 + 1 + 3 + 3
 
 
-def test_muon_update_collectives_on_a_tp_plan():
-    # The only collectives of the compiled update are the routing's two all-to-alls over (tensor, fsdp), and the
-    # split classes' small Gram all-reduces: no all-gather of a bucket over tensor.
-    plan = vj.plan(MUON_PARAMS, tp_mesh(2, 4), stacked=["layers"], tp=MUON_TP)
-    routing = vjo.muon_routing(plan, muon_dims)
-    _, step, sp, state, g = run_muon(MUON_PARAMS, MUON_GRADS[:1], plan, **MUON_KW)
-    with jax.set_mesh(plan.mesh):
-        compiled = step.lower(sp, state, g).compile()
-    c = testing.census(compiled)
-    a2a = c.of("all-to-all")
-    assert len(a2a) == 2 and all(op.group_size == 8 for op in a2a), c
-    for kind in ("all-gather", "reduce-scatter", "collective-permute"):
-        assert c.count(kind) == 0, (kind, c)
-    gram = max([4 * r * p * p for p, _, r in routing.splits], default=0)
-    assert all(op.result_bytes <= gram for op in c.of("all-reduce")), c
-
-
+@pytest.mark.slow
 def test_muon_split_classes_on_a_tp_plan():
     # 9 column-parallel 64 x 256 matrices over 2 x 4 devices: 8 owners and one split by columns over all 8
     # devices (its Gram sums over tensor and fsdp); equal to optax on the logical tree.
@@ -331,7 +327,8 @@ def test_shampoo_on_a_tp_plan_matches_the_reference():
     # host memory (a state replicated over tensor would keep one group's blocks only).
     plan = vj.plan(SHAMPOO_PARAMS, tp_mesh(2, 4), stacked=["layers"], tp=SHAMPOO_TP, granularity=vj.rows(BLOCK))
     tx = vjo.shampoo(plan=plan, **SHAMPOO_KW)
-    sp = vj.shard(SHAMPOO_PARAMS, plan)
+    pack, unpack = shard_fns(plan)
+    sp = pack(SHAMPOO_PARAMS)
     state = vj.init_opt_state(tx, sp)
     tables = vjo.shampoo_blocks(plan, BLOCK)
     stats = state.shampoo[0].stats_left
@@ -346,7 +343,6 @@ def test_shampoo_on_a_tp_plan_matches_the_reference():
         return optax.apply_updates(sp, u), state
 
     ref = shampoo_reference(SHAMPOO_PARAMS, SHAMPOO_GRADS, **SHAMPOO_KW)
-    pack, unpack = shard_fns(plan)
     with jax.set_mesh(plan.mesh):
         for i, g in enumerate(SHAMPOO_GRADS):
             sp, state = step(sp, state, pack(g))
