@@ -359,6 +359,43 @@ def test_shampoo_on_a_tp_plan_matches_the_reference():
     assert c.bytes("all-reduce") <= 64, c
 
 
+@pytest.mark.slow
+def test_shampoo_gpt_tp_inside_vj_fsdp_matches_the_reference():
+    # examples/gpt_tp.py on 2 x 4: 2 x 2 blocks of every TP shard (q/k/v (24, 6), up (24, 10), proj (6, 24), down
+    # (10, 24)) are blocks of the logical kernels; a vj.fsdp step equals the reference on the unsharded model.
+    from flax import nnx
+    from helpers import batches, loss_fn
+
+    mesh = tp_mesh(2, 4)
+    gpt = load_gpt_tp()
+    cfg = gpt.Config(vocab=257, max_len=16, d_model=24, num_heads=4, num_layers=2, d_ff=40, tensor="tensor")
+    graphdef, params = gpt.split_model(cfg, jax.random.key(0))
+    ref_graphdef, _ = gpt.split_model(dataclasses.replace(cfg, tensor=None), jax.random.key(0))
+    plan = vj.plan(params, mesh, stacked=("blocks",), tp=gpt.partition_spec(cfg), granularity=vj.rows(2))
+    stacked = jax.tree_util.tree_map_with_path(lambda path, _: vj.plan_path(path).startswith("blocks/"), params)
+    kw = dict(learning_rate=3e-3, block_size=2, weight_decay=0.1, preconditioning_compute_steps=2)
+    ref_tx = reference_shampoo(is_stacked=stacked, **kw)
+    tx = vjo.shampoo(plan=plan, **kw)
+    grad_fn = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(nnx.merge(ref_graphdef, p)(b["x"]), b["y"])))
+
+    @vj.fsdp(plan=plan)
+    def step(p, state, batch):
+        loss, g = jax.value_and_grad(lambda p: loss_fn(vj.flax.nnx_apply(graphdef, p, batch["x"]), batch["y"]))(p)
+        u, state = tx.update(g, state, p)
+        return optax.apply_updates(p, u), state, loss
+
+    ref, ref_state = params, ref_tx.init(params)
+    sp = vj.shard(params, plan)
+    state = vj.init_opt_state(tx, sp)
+    for batch in batches(3, batch=24):
+        ref_loss, g = grad_fn(ref, batch)
+        u, ref_state = ref_tx.update(g, ref_state, ref)
+        ref = optax.apply_updates(ref, u)
+        sp, state, loss = step(sp, state, batch)
+        np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    assert_trees_close(vj.unshard(sp), ref, rtol=1e-4)
+
+
 def test_shampoo_rejects_blocks_spanning_tp_shards():
     # (12, 16) split over 4 tensor devices by columns: (12, 4) shards; 8-wide blocks would span two shards.
     params = {"col": jax.ShapeDtypeStruct((12, 16), jnp.float32)}
