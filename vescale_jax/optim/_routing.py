@@ -6,6 +6,10 @@ Everything here is NumPy over the :class:`~vescale_jax._plan.Plan`, built once p
 most matrices of that class on any device (zero matrices pad the rest; Newton–Schulz maps zero to zero). Each of the
 four index tables (``send``, ``gather``, ``back_send``, ``back_gather``; :class:`Routing`) is a run table
 (:mod:`vescale_jax.optim._runs`).
+
+With buckets split over tensor / expert axes the devices are those of the buckets' group axes and the plan's axis
+together (:func:`routing_axes`): a matrix is the whole logical matrix, gathered from every TP/EP group holding a
+piece of it, and a matrix replicated over some of those axes is one copy per replica (see :func:`build_routing`).
 """
 
 from __future__ import annotations
