@@ -206,6 +206,25 @@ def test_muon_options_on_a_tp_plan(f, t):
         assert_trees_close(g, r, rtol=1e-5)
 
 
+@pytest.mark.slow
+def test_muon_parity_on_an_expert_plan():
+    # Stacked experts split over an expert axis: each (12, 16) expert matrix lies in one expert group, and the
+    # routing runs over (expert, fsdp); the replicated router is orthogonalised once per expert group.
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices")
+    mesh = jax.make_mesh((2, 4), ("fsdp", "expert"), devices=jax.devices()[:8])
+    params = random_tree({"experts": (8, 12, 16), "router": (12, 8), "b": (8,)})
+    tp = {"experts": P("expert"), "router": None, "b": None}
+    dims = {"experts": MDN(1, 2), "router": MDN(), "b": None}
+    plan = vj.plan(params, mesh, tp=tp)
+    assert vjo.muon_routing(plan, dims).axes == ("expert", "fsdp")
+    grads = grads_seq(params, 4)
+    kw = dict(learning_rate=0.05, ns_steps=3, muon_weight_dimension_numbers=dims)
+    got, *_ = run_muon(params, grads, plan, **kw)
+    for g, r in zip(got, muon_reference("expert", params, grads, **kw), strict=True):
+        assert_trees_close(g, r, rtol=1e-5)
+
+
 def test_muon_routing_over_tensor_and_fsdp():
     # A split matrix has one owner across all 8 devices; the replicated head is orthogonalised once per tensor
     # group (4 copies), at the same owner position and slot in each group, from and back to that group only.
