@@ -7,6 +7,10 @@ so every block lies whole on one device and is read straight out of that device'
 tile-major with ``vj.tiles(bh, bw)`` (``bh`` and ``bw`` multiples of ``block_size``) holds each block inside
 one tile, strided by the tile's width; its blocks are listed in storage order.
 
+A leaf split over tensor / expert axes is blocked per TP/EP shard, on its local shape: the tables are the same in
+every group (one layout serves all groups), and :func:`check_tp_blocks` refuses a block size whose shard blocks
+are not blocks of the logical leaf.
+
 Tables are tiny: per device and block *slot*, the local offset of the block's first element, its row
 stride and its rows and columns. The device side (:func:`gather_blocks`, :func:`scatter_blocks`) computes
 element indices from them, so no per-element index constant is baked into the program.
@@ -25,7 +29,15 @@ import numpy as np
 from vescale_jax import _tiles as tiles
 from vescale_jax._plan import Plan
 
-__all__ = ["BlockTables", "build_blocks", "gather_blocks", "matrix_view", "scatter_blocks"]
+__all__ = [
+    "BlockTables",
+    "build_blocks",
+    "check_tp_blocks",
+    "gather_blocks",
+    "logical_layer",
+    "matrix_view",
+    "scatter_blocks",
+]
 
 
 def matrix_view(layer_shape: Sequence[int]) -> tuple[int, int] | None:
@@ -118,6 +130,8 @@ def build_blocks(
     for index, spec in enumerate(plan.leaves):
         if not matrix[index]:
             continue
+        if spec.tp:
+            check_tp_blocks(plan, index, block_size, what=what)
         bucket = plan.buckets[spec.bucket]
         s, offset = bucket.layout.shard_size, bucket.layout.offsets[spec.slot]
         r_total, c_total = views[index]
@@ -184,6 +198,64 @@ def build_blocks(
         leaf,
         tuple(matrix),
     )
+
+
+def logical_layer(plan: Plan, index: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[tuple[str, ...], ...]]:
+    """A leaf's logical per-layer shape, its TP/EP shard's, and the per-dim split axes of one layer."""
+    spec = plan.leaves[index]
+    lead = 0 if plan.buckets[spec.bucket].layers is None else 1
+    return spec.shape[lead:], spec.local_shape[lead:], tuple(spec.tp[lead:])
+
+
+def check_tp_blocks(plan: Plan, index: int, block_size: int, *, what: str = "shampoo") -> None:
+    """Checks that the blocks of a TP/EP-split leaf's shards are blocks of the logical leaf.
+
+    The blocks are cut from each shard's matrix view (its local shape, as the model sees it); they are the
+    logical matrix view's ``block_size`` blocks only if every shard's rows and columns fall on whole blocks of
+    the leaf (e.g. a column-parallel ``(d, f)`` kernel split into ``(d, f / T)`` needs ``f / T`` a multiple of
+    ``block_size``): a block never spans two TP/EP shards.
+
+    Raises:
+      ValueError: naming the leaf, its shape, its split and the shard's shape, and what to change.
+    """
+    spec = plan.leaves[index]
+    shape, local, dims = logical_layer(plan, index)
+    b = block_size
+    view, local_view = matrix_view(shape), matrix_view(local)
+    if view is None or local_view is None:
+        return
+    (r_total, c_total), (r_local, c_local) = view, local_view
+    counts = [n // max(n_l, 1) for n, n_l in zip(shape, local, strict=True)]
+    ok = counts[-1] == 1 or c_local % b == 0  # the columns: shards start on a block and end on one
+    if ok and math.prod(counts[:-1]) > 1:
+        # The rows: each shard's local rows map to logical rows; every local block of rows (b consecutive local
+        # rows from a multiple of b, or the last, shorter one) must be one logical block of rows.
+        index_l = np.unravel_index(np.arange(r_local, dtype=np.int64), local[:-1])
+        starts = np.arange(0, r_local, b)
+        length = np.minimum(b, r_local - starts)
+        for shard in np.ndindex(*counts[:-1]):
+            rows = np.ravel_multi_index(
+                [c * n + i for c, n, i in zip(shard, local[:-1], index_l, strict=True)], shape[:-1]
+            )
+            first = rows[starts]
+            inside = np.arange(r_local) % b != b - 1
+            ok = (
+                bool(np.all(first % b == 0))
+                and bool(np.all((np.diff(rows) == 1)[inside[:-1]]))
+                and bool(np.all(length == np.minimum(b, r_total - first)))
+            )
+            if not ok:
+                break
+    if not ok:
+        split = {d: axes for d, axes in enumerate(dims) if axes}
+        raise ValueError(
+            f"vj.optim.{what}: leaf {spec.path!r} has shape {spec.shape} and is split over {split} (dim: mesh "
+            f"axes) into shards of shape {spec.local_shape}; the block_size={b} blocks of a shard's "
+            f"{r_local}x{c_local} matrix view are not blocks of the leaf's {r_total}x{c_total} view (a block would "
+            f"span two tensor / expert shards). Choose a block_size that divides the shard's split extents (the "
+            f"shard's columns {c_local} for a last-dim split, its rows per shard for an earlier one), or a mesh with "
+            f"fewer {'/'.join(sorted({a for axes in dims for a in axes}))} devices."
+        )
 
 
 def _tiled_blocks(plan: Plan, index: int, gran, b: int, bi, bj, r, c, what: str):

@@ -24,7 +24,7 @@ from vescale_jax._buffer import PerDevice, ShardedParams
 from vescale_jax._collectives import tie
 from vescale_jax._plan import Plan
 from vescale_jax.optim._leaves import check_sharded, is_placeholder, local_vector, place_state, split_local
-from vescale_jax.optim._relayout import CompactLayout
+from vescale_jax.optim._relayout import CompactLayout, per_device_axes
 
 __all__ = ["CompactTables", "build_compact", "on_leaves", "split_leaves"]
 
@@ -94,14 +94,15 @@ def _source_index(tables: CompactTables, k: jax.Array) -> jax.Array:
 
 def _mapped(plan: Plan, tables: CompactTables, fn, in_compact: int, in_buckets: int, out_compact: bool):
     specs = tuple(plan.partition_spec(b) for b in plan.buckets)
-    per_device = jax.sharding.PartitionSpec(plan.axis)
+    per_device = jax.sharding.PartitionSpec(per_device_axes(plan))  # with tp: each TP/EP group's own elements
     in_specs = (per_device,) * in_compact + specs * in_buckets
     out_specs = per_device if out_compact else specs
     return jax.shard_map(fn, mesh=plan.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
 def compact(buffers: Sequence[jax.Array], plan: Plan, tables: CompactTables) -> jax.Array:
-    """``(m * n,)`` global array: each device's chosen elements of ``buffers``, zero-padded."""
+    """``(m * n,)`` global array (``G * m * n`` with ``G`` TP/EP groups): each device's chosen elements of ``buffers``,
+    zero-padded."""
 
     # The widest bucket dtype (buckets of one plan are floating; strict promotion has no bf16/f32 path).
     dtype = max((jnp.dtype(b.dtype) for b in buffers), key=lambda d: d.itemsize, default=jnp.dtype(jnp.float32))
@@ -156,7 +157,8 @@ def on_leaves(tx: optax.GradientTransformation, plan: Plan, chosen: Sequence[boo
     dtype = max((jnp.dtype(b.dtype) for b in plan.buckets), key=lambda d: d.itemsize, default=jnp.dtype(jnp.float32))
 
     def init_zeros():
-        return tx.init(PerDevice(jnp.zeros((plan.num_devices * tables.size,), dtype), plan, layout))
+        rows = plan.num_devices * math.prod(plan.mesh.shape[a] for a in plan.tp_axes) * tables.size
+        return tx.init(PerDevice(jnp.zeros((rows,), dtype), plan, layout))
 
     def init_fn(params):
         # The state's shape and dtype, from zeros: element-wise transformations initialise from shapes (and

@@ -12,6 +12,16 @@ Use inside a ``vj.fsdp`` step (or any ``jit``) like any Optax transformation::
     opt_state = vj.init_opt_state(tx, params)
     updates, opt_state = tx.update(grads, opt_state, params)
 
+Tensor / expert parallelism (a plan made with ``vj.plan(..., tp=...)``): Newton–Schulz needs the whole *logical*
+matrix, so a matrix whose leaf is split over ``tensor`` (e.g. a column-parallel ``(d, 4f)`` kernel held as
+``(d, f)`` by each of 4 ``tensor`` devices, each piece ragged over ``fsdp``) has its pieces routed to one owner
+device of the whole ``tensor x fsdp`` device set: the owner routing runs over the routed buckets' group axes and
+the plan's axis together (``muon_routing(plan).axes``, e.g. ``("tensor", "fsdp")``), its two all-to-alls span
+those axes, and a split class's Gram sums run over them too. A matrix of a bucket replicated over ``tensor``
+(not split) is orthogonalised once per ``tensor`` group, each copy from and back to its own group's devices (no
+traffic over ``tensor`` for it) at the same owner position and slot in every group, so the copies stay equal.
+No bucket is gathered over ``tensor``; the AdamW leaves stay element-wise on each device's shards.
+
 The math is ``optax.contrib.muon``'s (same arguments where they overlap) applied to the logical tree, with
 one difference in the default: a leaf whose per-layer shape is 2-D is a Muon matrix, so a stacked layer
 group's ``(L, p, q)`` leaf is ``L`` matrices (optax's default would hand a 3-D leaf to AdamW; pass

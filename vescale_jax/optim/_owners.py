@@ -47,8 +47,8 @@ def route_newton_schulz(
       routing: from :func:`build_routing`.
       orthogonalize: ``(K, p, q) -> (K, p, q)`` batched Newton–Schulz, ``p <= q``.
       orthogonalize_split: ``(x, axis) -> x`` for split classes: ``x`` is ``(r, p, q_local)``, this device's
-        columns of ``r`` matrices; sums over columns need ``psum`` over ``axis``. Required if the routing
-        has split classes.
+        columns of ``r`` matrices; sums over columns need ``psum`` over ``axis`` (the routing's axes, a tuple
+        with TP/EP-split buckets). Required if the routing has split classes.
       leaf_scale: optional ``(num_leaves,)`` factor per leaf applied on the owner.
       adaptive: multiply each leaf's result by ``sum(input * result)`` over the leaf (``optax``'s adaptive).
       dtype: working dtype (default: the promoted dtype of the routed buckets).
@@ -59,9 +59,9 @@ def route_newton_schulz(
       One global buffer per bucket: the orthogonalised matrices in place, zero elsewhere (buckets without
       Muon leaves are all zero).
     """
-    axis = plan.axis
     rt = routing
-    m = plan.num_devices
+    axis = rt.axes  # the plan's axis, or with TP/EP-split buckets their group axes and the plan's axis
+    m = len(rt.loads)  # devices the routing runs over
     if rt.splits and orthogonalize_split is None:
         raise ValueError("route_newton_schulz: the routing splits matrices; pass orthogonalize_split")
     if dtype is None:
@@ -117,7 +117,8 @@ def route_newton_schulz(
             if adaptive:
                 dots = [jnp.sum(jnp.conj(a) * b, axis=(1, 2)) for a, b in outs]  # <input, result>, conj for complex
                 dots = jnp.concatenate(dots) if outs else jnp.zeros((0,), dtype)
-                per_leaf = jax.ops.segment_sum(dots, leaf_of, num_segments=rt.num_leaves + 1)
+                once = jnp.where(jnp.asarray(rt.matrix_copy)[k], rt.num_leaves, leaf_of)  # replicas count once
+                per_leaf = jax.ops.segment_sum(dots, once, num_segments=rt.num_leaves + 1)
                 per_leaf = jax.lax.psum(per_leaf, axis)
                 factor = factor * jnp.take(per_leaf, leaf_of)
             results, n0 = [], 0

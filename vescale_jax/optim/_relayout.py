@@ -50,7 +50,7 @@ from vescale_jax._stored import check_layout_groups
 from vescale_jax.optim._blocks import build_blocks, matrix_view
 from vescale_jax.optim._exchange import exchange
 
-__all__ = ["BlockLayout", "CompactLayout", "logical_view", "restore_logical"]
+__all__ = ["BlockLayout", "CompactLayout", "logical_view", "per_device_axes", "restore_logical"]
 
 P = jax.sharding.PartitionSpec
 _TRACER = getattr(jax.core, "Tracer", ())  # from_logical inside jit: leave the shardings to the caller
@@ -400,6 +400,14 @@ def _from_logical_cached(layout: _Relayout, dtype: str):
     return fn
 
 
+def per_device_axes(plan: Plan) -> Any:
+    """The mesh axes of per-device rows that differ per tensor / expert group: ``plan.tp_axes`` then the plan's
+    axis (device ``t * m + k`` of ``jax.lax.axis_index``), or the plan's axis alone without ``tp``."""
+    if not plan.tp_axes:
+        return plan.axis
+    return (*plan.tp_axes, *((plan.axis,) if isinstance(plan.axis, str) else plan.axis))
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockLayout(_Relayout):
     """Rows of Shampoo's block statistics and roots: ``(m * B, b, b)``, slot ``s`` of device ``k`` one block
@@ -416,11 +424,24 @@ class BlockLayout(_Relayout):
     plan: Plan
     block_size: int
 
+    @property
+    def axes(self) -> Any:
+        """The mesh axes the rows are sharded over (:attr:`vescale_jax.PerDevice.axes`): the plan's axis, or with
+        leaves split over tensor / expert axes those axes then the plan's axis (every TP/EP group holds the blocks
+        of its own shards)."""
+        return per_device_axes(self.plan)
+
     def default_dtype(self) -> Any:
         return jnp.float32
 
     def _build(self) -> _Tables:
         plan, b = self.plan, self.block_size
+        if plan.tp_axes:
+            raise NotImplementedError(
+                f"BlockLayout: the plan splits leaves over {plan.tp_axes}; the logical view of Shampoo's block state "
+                "(checkpoints, re-placing it under another plan) is not supported for tensor / expert-split plans "
+                "yet. Checkpoint the params and restart Shampoo's statistics, or plan without tp=."
+            )
         t = build_blocks(plan, b, what="shampoo")
         m, bb = plan.num_devices, b * b
         bases, cursor = {}, 0
@@ -513,6 +534,11 @@ class CompactLayout(_Relayout):
     plan: Plan
     chosen: tuple[bool, ...]
 
+    @property
+    def axes(self) -> Any:
+        """The mesh axes the rows are sharded over (see :func:`per_device_axes`)."""
+        return per_device_axes(self.plan)
+
     def default_dtype(self) -> Any:
         dtypes = [jnp.dtype(b.dtype) for b in self.plan.buckets]
         return max(dtypes, key=lambda d: d.itemsize, default=jnp.dtype(jnp.float32))
@@ -521,6 +547,12 @@ class CompactLayout(_Relayout):
         from vescale_jax.optim._compact import build_compact  # compact builds its state with this layout
 
         plan = self.plan
+        if plan.tp_axes:
+            raise NotImplementedError(
+                f"CompactLayout: the plan splits leaves over {plan.tp_axes}; the logical view of compact optimizer "
+                "state (checkpoints, re-placing it under another plan) is not supported for tensor / expert-split "
+                "plans yet."
+            )
         t = build_compact(plan, self.chosen)
         m = plan.num_devices
         bases, cursor = [], 0

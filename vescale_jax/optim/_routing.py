@@ -6,6 +6,10 @@ Everything here is NumPy over the :class:`~vescale_jax._plan.Plan`, built once p
 most matrices of that class on any device (zero matrices pad the rest; Newton–Schulz maps zero to zero). Each of the
 four index tables (``send``, ``gather``, ``back_send``, ``back_gather``; :class:`Routing`) is a run table
 (:mod:`vescale_jax.optim._runs`).
+
+With buckets split over tensor / expert axes the devices are those of the buckets' group axes and the plan's axis
+together (:func:`routing_axes`): a matrix is the whole logical matrix, gathered from every TP/EP group holding a
+piece of it, and a matrix replicated over some of those axes is one copy per replica (see :func:`build_routing`).
 """
 
 from __future__ import annotations
@@ -19,11 +23,12 @@ from typing import Any
 import numpy as np
 
 from vescale_jax import _tiles as tiles
+from vescale_jax import _tp
 from vescale_jax._plan import Plan
 from vescale_jax.optim._matrices import MatrixRoute, matrix_indices, ns_macs, split_macs
 from vescale_jax.optim._runs import RunLookup, _expand_np, _runs
 
-__all__ = ["Routing", "build_routing"]
+__all__ = ["Routing", "build_routing", "routing_axes"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -33,7 +38,12 @@ class Routing:
     ``value[r] + i * stride[r]``; positions outside every run map to the sentinel, the last index of what
     they index (a zero appended there).
 
+    ``m`` here is the number of devices the routing runs over, ``D``: the plan's axis, times the routed buckets'
+    TP/EP groups when some are split over tensor / expert axes (see :attr:`axes`).
+
     Attributes:
+      axes: the mesh axes of the routing's all-to-alls and sums (device ``k`` is ``jax.lax.axis_index(axes)``):
+        the plan's axis, or the routed buckets' group axes then the plan's axis (:func:`routing_axes`).
       buckets: buckets whose local shards are concatenated (in this order) into the local vector ``X``.
       local_size: ``T``, the length of ``X``.
       classes: ``((p, q, K), ...)`` owner work classes: ``K`` matrices of ``(p, q)`` on every device.
@@ -50,6 +60,8 @@ class Routing:
       back_gather: runs over the ``T`` positions of ``X``: indices into ``work + received + [0]``: how a
         device refills ``X`` (runs follow the original rows, stride the stored row length when transposed).
       matrix_leaf: ``(m, sum K)`` leaf index of each work matrix (``num_leaves`` for padding).
+      matrix_copy: ``(m, sum K)`` bool: the work matrix is a second or later copy of a matrix replicated over
+        TP/EP axes (sums over a leaf's matrices, e.g. ``adaptive``'s, count each matrix once).
       matrices: every :class:`MatrixRoute`.
       loads: real Newton–Schulz multiply-adds per iteration per device (:func:`ns_macs`; split matrices
         count :func:`split_macs` on every device).
@@ -58,6 +70,7 @@ class Routing:
       total_cost: ``sum ns_macs`` over all matrices (one device doing everything).
     """
 
+    axes: Any
     buckets: tuple[int, ...]
     local_size: int
     classes: tuple[tuple[int, int, int], ...]
@@ -69,6 +82,7 @@ class Routing:
     back_send: np.ndarray
     back_gather: np.ndarray
     matrix_leaf: np.ndarray
+    matrix_copy: np.ndarray
     matrices: tuple[MatrixRoute, ...]
     loads: tuple[int, ...]
     slot_cost: int
@@ -88,7 +102,7 @@ class Routing:
     @property
     def index_bytes(self) -> int:
         """Bytes of the index constants baked into the update (:attr:`lookups` and ``matrix_leaf``)."""
-        return sum(x.nbytes for x in self.lookups.values()) + self.matrix_leaf.nbytes
+        return sum(x.nbytes for x in self.lookups.values()) + self.matrix_leaf.nbytes + self.matrix_copy.nbytes
 
     def dense(self) -> dict[str, np.ndarray]:
         """The run tables expanded in NumPy: ``send`` and ``back_send`` ``(m, m, W)``, ``gather``
@@ -120,24 +134,80 @@ class Routing:
         return "\n".join(lines)
 
 
-def _element_positions(plan: Plan, leaf: int, bases: dict[int, int]) -> tuple[np.ndarray, np.ndarray]:
-    """For every logical flat element of a leaf: (device, index in that device's local vector X)."""
+def routing_axes(plan: Plan, buckets: Sequence[int]) -> tuple[Any, tuple[str, ...]]:
+    """The mesh axes Muon's owner routing runs over for the routed ``buckets``, and their tensor / expert part.
+
+    Without grouped buckets it is the plan's axis (as given); otherwise the group axes of the routed buckets
+    (in mesh order), then the plan's axis (or axes): device ``d = t * m + k`` is TP/EP group ``t`` (row-major
+    over those axes) at position ``k`` on the plan's axis, as ``jax.lax.axis_index`` numbers the tuple.
+    """
+    used = {a for b in buckets for a in plan.buckets[b].groups}
+    tp_axes = tuple(a for a in plan.mesh.axis_names if a in used)
+    if not tp_axes:
+        return plan.axis, ()
+    fsdp = (plan.axis,) if isinstance(plan.axis, str) else tuple(plan.axis)
+    return (*tp_axes, *fsdp), tp_axes
+
+
+def _group_index(coords: dict[str, Any], axes: Sequence[str], sizes: dict[str, int]) -> Any:
+    g = 0
+    for a in axes:
+        g = g * sizes[a] + coords[a]
+    return g
+
+
+def _replica_groups(plan: Plan, bucket: int, tp_axes: Sequence[str]) -> np.ndarray:
+    """``(G_b, R_b)``: the routing's TP group ``t`` holding bucket group ``g`` as replica ``r`` (the bucket is
+    replicated over the routing's TP axes it is not split over)."""
+    sizes = dict(plan.mesh.shape)
+    groups = plan.buckets[bucket].groups
+    others = [a for a in tp_axes if a not in groups]
+    n_g, n_r = math.prod(sizes[a] for a in groups), math.prod(sizes[a] for a in others)
+    out = np.zeros((n_g, n_r), np.int64)
+    for t in range(n_g * n_r):
+        coords = _tp.group_coords(t, tp_axes, sizes)
+        out[_group_index(coords, groups, sizes), _group_index(coords, others, sizes)] = t
+    return out
+
+
+def _local_elements(plan: Plan, leaf: int) -> tuple[np.ndarray, np.ndarray]:
+    """For every logical flat element of a leaf: (its bucket group, its flat index in that group's TP shard)."""
+    spec = plan.leaves[leaf]
+    i = np.arange(spec.size, dtype=np.int64)
+    if not spec.tp:
+        return np.zeros(spec.size, np.int64), i
+    sizes = dict(plan.mesh.shape)
+    index = np.unravel_index(i, spec.shape)
+    coords: dict[str, Any] = {}
+    within = []
+    for d, axes in enumerate(spec.tp):
+        block, rest = np.divmod(index[d], spec.local_shape[d])
+        within.append(rest)
+        for a in reversed(axes):
+            block, coords[a] = np.divmod(block, sizes[a])
+    group = _group_index(coords, plan.buckets[spec.bucket].groups, sizes)
+    return np.asarray(group, np.int64), np.ravel_multi_index(within, spec.local_shape).astype(np.int64)
+
+
+def _element_positions(plan: Plan, leaf: int, bases: dict[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For every logical flat element of a leaf: (bucket group, device on the plan's axis, index in that
+    device's local vector X)."""
     spec = plan.leaves[leaf]
     bucket = plan.buckets[spec.bucket]
     layout = bucket.layout
     s, offset = layout.shard_size, layout.offsets[spec.slot]
-    i = np.arange(spec.size, dtype=np.int64)
+    group, i = _local_elements(plan, leaf)
     per = layout.sizes[spec.slot]
     layer, within = (0, i) if bucket.layers is None else (i // per, i % per)
     gran = bucket.storage[spec.slot] if bucket.storage else None
-    if gran is not None:  # stored tile-major: logical element e of a layer sits at storage position where[e]
+    if gran is not None:  # stored tile-major: local element e of a layer sits at storage position where[e]
         where = np.empty(per, np.int64)
         where[tiles.storage_index(plan.layer_shape(spec), gran)] = np.arange(per, dtype=np.int64)
         within = where[within]
     g = offset + within
     dev = g // s
     local = layer * s + g % s + bases[spec.bucket]
-    return dev, local
+    return group, dev, local
 
 
 def build_routing(
@@ -146,9 +216,18 @@ def build_routing(
     """Chooses owners and builds the tables.
 
     Every device runs ``K_c`` Newton–Schulz slots of each shape class ``c`` (SPMD shapes are uniform), so a
-    class of ``n_c`` matrices costs ``ceil(n_c / m)`` slots everywhere. When the ``r = n_c mod m`` leftover
-    matrices are cheaper to share than a whole extra slot (``r * split_macs < ns_macs``), they are *split*:
-    each device takes a ``ceil(q / m)``-column piece and the devices run their Newton–Schulz together.
+    class of ``n_c`` matrices costs ``ceil(n_c / D)`` slots everywhere (``D`` devices, see below). When the
+    ``r = n_c mod D`` leftover matrices are cheaper to share than a whole extra slot
+    (``r * split_macs < ns_macs``), they are *split*: each device takes a ``ceil(q / D)``-column piece and the
+    devices run their Newton–Schulz together.
+
+    Tensor / expert parallelism: a matrix of a leaf split over TP/EP axes is the whole *logical* matrix, its
+    pieces gathered from every group's devices. The routing then runs over the routed buckets' group axes and
+    the plan's axis together (:func:`routing_axes`, ``D = G * m`` devices), and a matrix of a bucket replicated
+    over some of those axes (e.g. an ungrouped one, over ``tensor``) is orthogonalised once per replica (group
+    of those axes), each copy gathered from and returned to its own replica's devices, with the same owner
+    position and slot in every replica (so the copies stay bit-identical). Replicated matrices are never
+    split.
 
     Args:
       plan: the plan.
@@ -164,14 +243,20 @@ def build_routing(
     """
     m = plan.num_devices
     buckets = tuple(sorted({plan.leaves[i].bucket for i, d in enumerate(dims) if d is not None}))
+    axes, tp_axes = routing_axes(plan, buckets)
+    n_groups = math.prod(plan.mesh.shape[a] for a in tp_axes)
+    n_dev = n_groups * m
     bases, cursor = {}, 0
     for b in buckets:
         bases[b] = cursor
         cursor += math.prod(plan.buckets[b].local_shape)
     local_size = cursor
+    replicas = {b: _replica_groups(plan, b, tp_axes) for b in buckets}
 
-    # 1. Matrices and the (device, local index) of each element, arranged (p, q) with p <= q.
-    mats, elems = [], []
+    # 1. Matrices (one per replica: ``units[u]`` lists a matrix's copies) and the (device, local index) of each
+    #    element, arranged (p, q) with p <= q. A unit's owner is a position (bucket group g, device k on the plan's
+    #    axis), the same in every replica: ``where[u][g * m + k]`` are that position's devices, one per replica.
+    mats, elems, units, where = [], [], [], []
     for leaf, d in enumerate(dims):
         if d is None:
             continue
@@ -179,81 +264,106 @@ def build_routing(
         transposed = idx.shape[1] > idx.shape[2]
         if transposed:
             idx = idx.transpose(0, 2, 1)
-        dev, local = _element_positions(plan, leaf, bases)
+        rep = replicas[plan.leaves[leaf].bucket]
+        group, dev, local = _element_positions(plan, leaf, bases)
+        spots = (rep[:, None, :] * m + np.arange(m)[None, :, None]).reshape(-1, rep.shape[1])
         for b in range(idx.shape[0]):
-            md, ml = dev[idx[b]], local[idx[b]]
-            devices, counts = np.unique(md, return_counts=True)
-            mats.append((leaf, b, idx.shape[1:], transposed, tuple(int(x) for x in devices), counts))
-            elems.append((md, ml))
+            units.append([])
+            where.append([tuple(int(x) for x in row) for row in spots])
+            gb, kb, ml = group[idx[b]], dev[idx[b]], local[idx[b]]
+            for r in range(rep.shape[1]):
+                md = rep[gb, r] * m + kb
+                devices, counts = np.unique(md, return_counts=True)
+                units[-1].append(len(mats))
+                mats.append((leaf, b, idx.shape[1:], transposed, tuple(int(x) for x in devices), counts))
+                elems.append((md, ml))
     shape_of = [tuple(int(x) for x in mt[2]) for mt in mats]
     cost = [ns_macs(*c) for c in shape_of]
+    unit_of = [u for u, js in enumerate(units) for _ in js]
 
     # 2. Slots per class. A matrix of a vj.whole() leaf stays where the plan put it. K_c = max(those on one
-    #    device, floor(n_c / m)); the r leftovers either take one more slot everywhere or are split.
+    #    device, floor(n_c / D)); the r leftovers either take one more slot everywhere or are split.
     owners = [-1] * len(mats)
     held_c: dict[tuple[int, tuple[int, int]], int] = {}
 
-    def take(j: int, k: int) -> None:
-        owners[j] = k
-        held_c[(k, shape_of[j])] = held_c.get((k, shape_of[j]), 0) + 1
+    def take(u: int, spot: int) -> None:
+        for j, k in zip(units[u], where[u][spot], strict=True):
+            owners[j] = k
+            held_c[(k, shape_of[j])] = held_c.get((k, shape_of[j]), 0) + 1
 
-    for j, (leaf, _, _, _, devices, _) in enumerate(mats):
-        if fixed_whole and len(devices) == 1 and plan.leaves[leaf].granularity.kind == "whole":
-            take(j, devices[0])
+    def home(u: int) -> int | None:
+        """The owner position holding all of unit u's elements, if one does."""
+        devices = mats[units[u][0]][4]
+        return next(s for s, row in enumerate(where[u]) if row[0] == devices[0]) if len(devices) == 1 else None
+
+    for u, js in enumerate(units):
+        leaf = mats[js[0]][0]
+        if fixed_whole and home(u) is not None and plan.leaves[leaf].granularity.kind == "whole":
+            take(u, home(u))
     class_keys = sorted(set(shape_of))
     cap, to_split = {}, set()
     for c in class_keys:
         members = [j for j in range(len(mats)) if shape_of[j] == c]
         movable = [j for j in members if owners[j] < 0]
-        k0 = max([len(members) // m] + [held_c.get((k, c), 0) for k in range(m)])
-        room = sum(k0 - held_c.get((k, c), 0) for k in range(m))
+        k0 = max([len(members) // n_dev] + [held_c.get((k, c), 0) for k in range(n_dev)])
+        room = sum(k0 - held_c.get((k, c), 0) for k in range(n_dev))
         r = len(movable) - room
+        single = [j for j in movable if len(units[unit_of[j]]) == 1]  # only a matrix held once can be split
         if r <= 0:
             cap[c] = k0
-        elif split and m > 1 and r * split_macs(*c, m) < ns_macs(*c):
+        elif split and n_dev > 1 and r <= len(single) and r * split_macs(*c, n_dev) < ns_macs(*c):
             cap[c] = k0
             # Split the most scattered ones: they have to move anyway.
-            to_split |= set(sorted(movable, key=lambda j: (-len(mats[j][4]), j))[:r])
+            to_split |= set(sorted(single, key=lambda j: (-len(mats[j][4]), j))[:r])
         else:
             cap[c] = k0 + 1
     # Every device runs cap[c] slots whatever the assignment, so the assignment only decides communication:
     # a matrix whole on a device with a free slot stays; the others go to the least-loaded device with a free
     # slot (spreading the messages keeps the padded all-to-all narrow), ties to the one holding most of them.
-    rest = [j for j in range(len(mats)) if owners[j] < 0 and j not in to_split]
-    for j in rest:
-        devices = mats[j][4]
-        if len(devices) == 1 and held_c.get((devices[0], shape_of[j]), 0) < cap[shape_of[j]]:
-            take(j, devices[0])
-    loads = [0] * m
+    free = lambda u, spot, c: all(held_c.get((k, c), 0) < cap[c] for k in where[u][spot])
+    rest = [u for u, js in enumerate(units) if owners[js[0]] < 0 and js[0] not in to_split]
+    for u in rest:
+        spot = home(u)
+        if spot is not None and free(u, spot, shape_of[units[u][0]]):
+            take(u, spot)
+    loads = [0] * n_dev
     for j, k in enumerate(owners):
         if k >= 0:
             loads[k] += cost[j]
-    for j in sorted((j for j in rest if owners[j] < 0), key=lambda j: (-cost[j], j)):
+    for u in sorted((u for u in rest if owners[units[u][0]] < 0), key=lambda u: (-cost[units[u][0]], u)):
+        j = units[u][0]
         held = dict(zip(mats[j][4], mats[j][5].tolist(), strict=True))
         c = shape_of[j]
-        room = [k for k in range(m) if held_c.get((k, c), 0) < cap[c]]
-        take(j, min(room, key=lambda k: (loads[k], -held.get(k, 0), k)))
-        loads[owners[j]] += cost[j]
+        room = [s for s in range(len(where[u])) if free(u, s, c)]
+        while not room:  # the replicas' free slots do not line up: one more slot of this class everywhere
+            cap[c] += 1
+            room = [s for s in range(len(where[u])) if free(u, s, c)]
+        spot = min(room, key=lambda s: (sum(loads[k] for k in where[u][s]), -held.get(where[u][s][0], 0), s))
+        take(u, spot)
+        for i in units[u]:
+            loads[owners[i]] += cost[i]
     for j in to_split:
-        for k in range(m):
-            loads[k] += split_macs(*shape_of[j], m)
+        for k in range(n_dev):
+            loads[k] += split_macs(*shape_of[j], n_dev)
 
-    # 3. Work layout: owner classes (K_c, p, q), then split classes (r_c, p, ceil(q / m)).
-    counts = {(k, c): 0 for k in range(m) for c in class_keys}
+    # 3. Work layout: owner classes (K_c, p, q), then split classes (r_c, p, ceil(q / D)).
+    counts = {(k, c): 0 for k in range(n_dev) for c in class_keys}
     split_counts = dict.fromkeys(class_keys, 0)
-    slots = []
-    for j in range(len(mats)):
+    slots = [0] * len(mats)
+    # Replicated matrices first (most replicas first), so that a matrix's copies take the same slot everywhere.
+    order = lambda j: (-len(units[unit_of[j]]), plan.buckets[plan.leaves[mats[j][0]].bucket].groups, j)
+    for j in sorted(range(len(mats)), key=order):
         c = shape_of[j]
         if j in to_split:
-            slots.append(split_counts[c])
+            slots[j] = split_counts[c]
             split_counts[c] += 1
         else:
-            slots.append(counts[(owners[j], c)])
+            slots[j] = counts[(owners[j], c)]
             counts[(owners[j], c)] += 1
     classes, splits, class_base, split_base, mat_base, split_mat_base = [], [], {}, {}, {}, {}
     work_size = n_mats = 0
     for c in class_keys:
-        k_c = max(counts[(k, c)] for k in range(m))
+        k_c = max(counts[(k, c)] for k in range(n_dev))
         if k_c:
             classes.append((c[0], c[1], k_c))
             class_base[c], mat_base[c] = work_size, n_mats
@@ -264,12 +374,14 @@ def build_routing(
         if r:
             splits.append((c[0], c[1], r))
             split_base[c], split_mat_base[c] = work_size, n_mats
-            work_size += r * c[0] * -(-c[1] // m)
+            work_size += r * c[0] * -(-c[1] // n_dev)
             n_mats += r
-    slot_cost = sum(k * ns_macs(p, q) for p, q, k in classes) + sum(r * split_macs(p, q, m) for p, q, r in splits)
+    slot_cost = sum(k * ns_macs(p, q) for p, q, k in classes) + sum(r * split_macs(p, q, n_dev) for p, q, r in splits)
 
     num_leaves = len(plan.leaves)
-    matrix_leaf = np.full((m, n_mats), num_leaves, np.int32)
+    matrix_leaf = np.full((n_dev, n_mats), num_leaves, np.int32)
+    matrix_copy = np.zeros((n_dev, n_mats), bool)
+    copy_of = [r > 0 for js in units for r in range(len(js))]
     routes = []
     src_dev, src_pos, dst_dev, dst_pos = [], [], [], []
     for j, (leaf, b, _, transposed, devices, _) in enumerate(mats):
@@ -277,7 +389,7 @@ def build_routing(
         p, q = c
         md, ml = elems[j]
         if j in to_split:
-            qs = -(-q // m)
+            qs = -(-q // n_dev)
             routes.append(MatrixRoute(leaf, b, c, transposed, devices, -1, slots[j]))
             matrix_leaf[:, split_mat_base[c] + slots[j]] = leaf
             cols = np.arange(q, dtype=np.int64)[None, :]
@@ -287,6 +399,7 @@ def build_routing(
         else:
             routes.append(MatrixRoute(leaf, b, c, transposed, devices, owners[j], slots[j]))
             matrix_leaf[owners[j], mat_base[c] + slots[j]] = leaf
+            matrix_copy[owners[j], mat_base[c] + slots[j]] = copy_of[j]
             dd = np.full((p, q), owners[j], np.int64)
             dp = class_base[c] + slots[j] * p * q + np.arange(p * q, dtype=np.int64).reshape(p, q)
         src_dev.append(md.reshape(-1))
@@ -303,18 +416,18 @@ def build_routing(
     #    original rows: long runs on the source, at most two per stored row and source on the owner).
     n_el = len(src_dev)
     ids = np.int32 if n_el < 2**31 else np.int64
-    at = np.full(m * local_size, -1, ids)
+    at = np.full(n_dev * local_size, -1, ids)
     at[src_dev.astype(np.int64) * local_size + src_pos] = np.arange(n_el, dtype=ids)
     by_pos = at[at >= 0]  # elements in (device, position in X) order
     away = src_dev != dst_dev
     moving = by_pos[away[by_pos]]
-    pair = src_dev[moving] * m + dst_dev[moving]
-    order = np.argsort(pair.astype(np.int16) if m * m < 2**15 else pair, kind="stable")  # radix for int16
+    pair = src_dev[moving] * n_dev + dst_dev[moving]
+    order = np.argsort(pair.astype(np.int16) if n_dev * n_dev < 2**15 else pair, kind="stable")  # radix for int16
     msg, pair = moving[order], pair[order]  # elements in message order
     first = np.flatnonzero(np.r_[True, pair[1:] != pair[:-1]])
     w_msg = np.arange(len(msg), dtype=np.int32) - np.repeat(first, np.diff(np.append(first, len(msg))))
     width = int(w_msg.max()) + 1 if len(msg) else 0
-    if max(local_size, work_size) + m * width >= 2**31:
+    if max(local_size, work_size) + n_dev * width >= 2**31:
         raise ValueError("Muon routing: indices exceed int32")
     w = np.zeros(n_el, np.int32)
     w[msg] = w_msg
@@ -322,13 +435,14 @@ def build_routing(
     # Runs of (device, position) -> index, from the entries listed in an order in which each table's positions
     # run consecutively: message order for the all-to-all tables, element order (stored rows) for the work
     # arrays, position order for X.
-    send = _runs(src_dev[msg], dst_dev[msg] * width + w_msg, src_pos[msg], m)
-    back_send = _runs(dst_dev[msg], src_dev[msg] * width + w_msg, dst_pos[msg], m)
-    gather = _runs(dst_dev, dst_pos, np.where(away, local_size + src_dev * width + w, src_pos), m)
+    send = _runs(src_dev[msg], dst_dev[msg] * width + w_msg, src_pos[msg], n_dev)
+    back_send = _runs(dst_dev[msg], src_dev[msg] * width + w_msg, dst_pos[msg], n_dev)
+    gather = _runs(dst_dev, dst_pos, np.where(away, local_size + src_dev * width + w, src_pos), n_dev)
     index = np.where(away, work_size + dst_dev * width + w, dst_pos)
-    back_gather = _runs(src_dev[by_pos], src_pos[by_pos], index[by_pos], m)
+    back_gather = _runs(src_dev[by_pos], src_pos[by_pos], index[by_pos], n_dev)
 
     return Routing(
+        axes,
         buckets,
         local_size,
         tuple(classes),
@@ -340,6 +454,7 @@ def build_routing(
         back_send,
         back_gather,
         matrix_leaf,
+        matrix_copy,
         tuple(routes),
         tuple(loads),
         slot_cost,

@@ -16,12 +16,19 @@ Math per block ``G`` (``t`` counts steps from 1):
 * then, element-wise on the flat buffers: bias-corrected momentum (``beta1``, optionally Nesterov), decoupled
   weight decay and the learning rate. Other leaves use ``optax.adamw`` with the same betas.
 
+Tensor / expert parallelism (``vj.plan(..., tp=...)``): blocks are cut from each TP/EP shard (the local shape the
+model sees) and stay on the devices holding that shard; they must be blocks of the logical leaf (no block spans two
+shards, checked by :func:`vescale_jax.optim._blocks.check_tp_blocks`), so the update equals Shampoo on the logical
+tree. Every TP/EP group holds different blocks in the same slots: the block state is sharded over the plan's TP/EP
+axes and its axis together (``PerDevice.axes``, e.g. ``("tensor", "fsdp")``), ``G * m * B`` rows.
+
 Edge blocks are zero-padded to ``block_size``; the padding changes nothing (a zero row of ``G`` stays a zero
 row of ``PL G PR``) but costs a full block's roots.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -36,6 +43,7 @@ from vescale_jax.optim._blocks import (
     BlockTables,
     build_blocks,
     gather_blocks,
+    logical_layer,
     matrix_view,
     scatter_blocks,
 )
@@ -63,9 +71,9 @@ class ShampooState(NamedTuple):
     Attributes:
       count: steps taken.
       graft: the graft's second moment, sharded like the params (``()`` for ``graft_type="sgd"``).
-      stats_left, stats_right, root_left, root_right: ``PerDevice`` arrays ``(m * B, b, b)`` fp32: each
-        device's block slots (empty slots are zero), with a :class:`~vescale_jax.optim._relayout.BlockLayout`
-        to re-place them under another plan.
+      stats_left, stats_right, root_left, root_right: ``PerDevice`` arrays ``(m * B, b, b)`` fp32 (``G * m * B``
+        over ``G`` TP/EP groups): each device's block slots (empty slots are zero), with a
+        :class:`~vescale_jax.optim._relayout.BlockLayout` to re-place them under another plan.
     """
 
     count: jax.Array
@@ -91,7 +99,9 @@ def shampoo_blocks(plan: Plan, block_size: int) -> BlockTables:
                 "parts as separate real leaves, or use vj.optim.muon (complex-aware)."
             )
     if not isinstance(block_size, bool) and isinstance(block_size, int) and block_size > 1:
-        dims = [max(v) for v in (matrix_view(plan.layer_shape(s)) for s in plan.leaves) if v is not None]
+        # Logical dims (a TP/EP-split leaf's blocks are its logical blocks, cut from each shard).
+        views = (matrix_view(logical_layer(plan, i)[0]) for i in range(len(plan.leaves)))
+        dims = [max(v) for v in views if v is not None]
         block_size = min(block_size, max(dims, default=block_size))
     return _blocks(plan, block_size)
 
@@ -178,7 +188,10 @@ def scale_by_shampoo(
             f"vj.optim.shampoo: preconditioning_compute_steps must be >= 1, got {preconditioning_compute_steps}"
         )
     tables = shampoo_blocks(plan, block_size)
-    b, m = tables.block_size, plan.num_devices
+    layout = BlockLayout(plan, tables.block_size)
+    axes = layout.axes  # with tp: every TP/EP group's devices hold the blocks of their own shards
+    # Rows of the state: m * B per TP/EP group (the block tables are the same in every group).
+    b, m = tables.block_size, plan.num_devices * math.prod(plan.mesh.shape[a] for a in plan.tp_axes)
     # Numeric hyperparameters may be traced (optax.inject_hyperparams); only block_size fixes shapes.
     exponent = (
         float(exponent_override or 4)
@@ -188,10 +201,9 @@ def scale_by_shampoo(
     gb2 = beta2 if graft_beta2 is None else graft_beta2
     axis = plan.axis
     P = jax.sharding.PartitionSpec
-    layout = BlockLayout(plan, b)
     per_device = lambda x: PerDevice(x, plan, layout)
     # Empty slots (beyond a device's blocks) are padding of the state: kept exactly zero, roots included.
-    used = (tables.rows > 0).reshape(-1)
+    used = np.tile((tables.rows > 0).reshape(-1), m // plan.num_devices)
 
     def init_fn(params):
         if is_placeholder(params):  # optax.tree.map_params: the structure, block slots abstract
@@ -240,7 +252,7 @@ def scale_by_shampoo(
             out = split_local(scatter_blocks(u, tables, k), g_shards, tables.buckets)
             return (*out, left, right, root_l, root_r)
 
-        blocked = P(axis)
+        blocked = P(axes)
         mapped = jax.shard_map(
             local,
             mesh=plan.mesh,
