@@ -74,8 +74,8 @@ class Linear(nnx.Module):
         self.reduce = reduce
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = _psum(x @ self.kernel.value, self.reduce)
-        return y if self.bias is None else y + self.bias.value
+        y = _psum(x @ self.kernel[...], self.reduce)
+        return y if self.bias is None else y + self.bias[...]
 
 
 class Experts(nnx.Module):
@@ -96,11 +96,11 @@ class Experts(nnx.Module):
         return self._mix(x_BxTxD)
 
     def _mix(self, x_BxTxD: jax.Array) -> jax.Array:
-        probs_BxTxE = jax.nn.softmax(x_BxTxD @ self.router.value, axis=-1)
+        probs_BxTxE = jax.nn.softmax(x_BxTxD @ self.router[...], axis=-1)
         kth = jax.lax.top_k(probs_BxTxE, self.top_k)[0][..., -1:]
         gates = jnp.where(probs_BxTxE >= kth, probs_BxTxE, 0.0)
         gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
-        w_in, w_out = self.w_in.value, self.w_out.value  # this device's experts
+        w_in, w_out = self.w_in[...], self.w_out[...]  # this device's experts
         first = 0 if self.axis is None else jax.lax.axis_index(self.axis) * w_in.shape[0]
         local = jax.lax.dynamic_slice_in_dim(gates, first, w_in.shape[0], axis=-1)
         h = jax.nn.gelu(jnp.einsum("btd,edf->btef", x_BxTxD, w_in))
@@ -151,7 +151,7 @@ class GPT(nnx.Module):
         self.head = Linear(cfg.d_model, cfg.vocab, rngs=rngs, bias=False)
 
     def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
-        x_BxTxD = self.embed(tokens_BxT) + self.pos.value[: tokens_BxT.shape[1]]
+        x_BxTxD = self.embed(tokens_BxT) + self.pos[: tokens_BxT.shape[1]]
         return self.head(self.ln_f(vj.flax.nnx_scan_layers(self.blocks, x_BxTxD)))
 
 
