@@ -235,3 +235,85 @@ def test_group_axes_names_the_axes_a_group_spans_and_refuses_a_partial_one():
         vt.group_axes(op(((0, 5), (1, 4), (2, 7), (3, 6))), mesh)
     with pytest.raises(ValueError, match="not a whole sub-mesh"):
         vt.group_axes(op(((0, 1), (2, 3), (4, 5), (6, 7))), mesh)
+
+
+# --- 8-bit AdamW ------------------------------------------------------------------------------------------------
+
+BLOCK8 = (2, 2)  # divides every TP-local split dim (6, 10 of d_model 24 / 4 heads and d_ff 40 over 4)
+ROWS2 = lambda path, leaf: vj.rows(2) if leaf.ndim >= 2 else vj.element()
+
+
+def _grads(params, n, seed=1):
+    rng = np.random.default_rng(seed)
+    return [
+        jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape) * 10.0 ** rng.uniform(-4, 1, x.shape)), params)
+        for _ in range(n)
+    ]
+
+
+def _scales(view):
+    """``{(moment, "<leaf path>/scales"): array}`` of a logical view of the 8-bit state (buckets differ per plan)."""
+    out = {}
+    for path, x in jax.tree_util.tree_flatten_with_path(view)[0]:
+        key = getattr(path[-1], "key", None)
+        if isinstance(key, str) and key.endswith("/scales"):
+            out[(next(p.name for p in path if hasattr(p, "name")), key)] = x
+    return out
+
+
+def test_adamw_8bit_on_tp_tiles_equals_the_fsdp_only_plan_bit_for_bit():
+    params = reference()[1]
+    tp = tp_plan(granularity=ROWS2)
+    flat = vj.plan(
+        params, jax.make_mesh((2,), ("fsdp",), devices=jax.devices()[:2]), stacked=("blocks",), granularity=ROWS2
+    )
+    assert any(b.groups for b in tp.buckets) and not any(b.groups for b in flat.buckets)
+    results = []
+    for plan in (tp, flat):
+        tx = vj.optim.adamw_8bit(1e-3, plan=plan, block=BLOCK8, min_size=64, weight_decay=0.1)
+        sp = vj.shard(params, plan)
+        state = vj.init_opt_state(tx, sp)
+        # Scales of a grouped bucket differ per group: split over (*groups, fsdp) like the bucket.
+        specs = [s.value.sharding.spec[0] for s in state[0].mu_scales]
+        assert specs == [(*b.groups, "fsdp") if b.groups else "fsdp" for b in plan.buckets]
+        step = jax.jit(tx.update)
+        for g in _grads(params, 4):
+            u, state = step(vj.shard(g, plan), state, sp)
+            sp = vj.apply_updates(sp, u)
+        mu, nu = vj.optim.adam_8bit_moments(state)
+        for scales in state[0].mu_scales:  # the logical form goes back into the same rows (the groups' too)
+            back = scales.layout.from_logical(scales.layout.to_logical(scales.value))
+            np.testing.assert_array_equal(np.asarray(back), np.asarray(scales.value))
+        results.append((vj.unshard(sp), vj.unshard(mu), vj.unshard(nu), _scales(vj.optim.logical_view(state))))
+    (p, mu, nu, view), (p0, mu0, nu0, view0) = results
+    # The same blocks on both plans: the moments, their logical scales and the params agree to the rounding of
+    # the moment and update multiply-adds (XLA:CPU fuses the two programs differently; no code flips).
+    assert sorted(view) == sorted(view0) and len(view) == 2 * len(tp.leaves)
+    for name, got, want in (("params", p, p0), ("mu", mu, mu0), ("nu", nu, nu0), ("logical scales", view, view0)):
+        assert_trees_close(got, want, rtol=1e-6, what=name)
+
+
+# --- Gather paths, accumulation, HSDP -----------------------------------------------------------------------------
+
+
+def _hsdp_plan():
+    return tp_plan(mesh=tp_mesh(shape=(2, 2, 2), names=("replica", "fsdp", "tensor")))
+
+
+PATHS = {
+    "prefetch": lambda: (tp_plan(), dict(prefetch=True)),
+    "keep": lambda: (tp_plan(), dict(reshard_after_forward=False)),
+    "split_leaves": lambda: (tp_plan(split="leaves"), {}),
+    "accumulate_each": lambda: (tp_plan(), dict(microbatches=2, accumulate="each")),
+    "accumulate_once": lambda: (tp_plan(), dict(microbatches=2, accumulate="once")),
+    "hsdp": lambda: (_hsdp_plan(), dict(data_axes=("replica", "fsdp"))),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PATHS))
+def test_gather_paths_accumulation_and_hsdp_equal_the_unsharded_run(name):
+    data = list(batches(STEPS, batch=24))
+    plan, kw = PATHS[name]()
+    tx = optax.adamw(1e-3, weight_decay=0.1)
+    check(fsdp_train(plan, tx, data, **kw), unsharded(tx, data))

@@ -109,7 +109,8 @@ class PerDevice:
         checkpointed under one plan and re-placed under another.
 
     Sharding:
-      ``PartitionSpec(plan.axis)`` on dim 0; :func:`vescale_jax.init_opt_state` places it so.
+      ``PartitionSpec(axes)`` on dim 0 (:attr:`axes`: the plan's axis, or the layout's axes for state that differs
+      per tensor / expert group); :func:`vescale_jax.init_opt_state` places it so.
     """
 
     __slots__ = ("layout", "plan", "value")
@@ -125,6 +126,13 @@ class PerDevice:
     @classmethod
     def tree_unflatten(cls, aux, children):
         return cls(children[0], *aux)
+
+    @property
+    def axes(self) -> Any:
+        """The mesh axes dim 0 is sharded over: ``layout.axes`` where the layout has them (rows that differ per
+        tensor / expert group, e.g. Shampoo's blocks under a plan with ``tp``: the group axes, then the plan's
+        axis), else the plan's axis."""
+        return getattr(self.layout, "axes", None) or self.plan.axis
 
     def replace(self, value: Any) -> PerDevice:
         """The same plan and layout around another value (e.g. a sharding or a ``ShapeDtypeStruct``)."""

@@ -7,9 +7,13 @@ weight format. The quantizer is :func:`vescale_jax.quant.quantize`'s, bit for bi
     scale = max|x| over the tile * fp32(1/448)      code = fp8(x / scale)      x' = code * scale
 
 Each device owns whole tiles (the plan never cuts one: see :func:`block_table`), so the scale of a tile is
-computed where the tile lives, with no collective. Vectors and other leaves of fewer than two dims are sent
-exactly: each element is its own block with scale ``x`` and code ``1``, so ``x' = x`` (they are a small part
-of a model; quantizing a norm's scale to 3 mantissa bits would change the numerics for nothing).
+computed where the tile lives, with no collective. A leaf split over tensor / expert axes (``vj.plan(...,
+tp=...)``) is tiled per TP/EP shard, its local shape, as each group gathers it: the tiles are the logical leaf's
+(and the gathered weights the FSDP-only plan's) when every split dim of the shard is a multiple of the tile.
+
+Vectors and other leaves of fewer than two dims are sent exactly: each element is its own block with scale
+``x`` and code ``1``, so ``x' = x`` (they are a small part of a model; quantizing a norm's scale to 3 mantissa
+bits would change the numerics for nothing).
 
 The wire is one ``uint8`` all-gather per bucket: ``S`` code bytes then the device's ``NB`` scales (4 bytes
 each; ``NB`` is the most blocks any device holds, plus one for padding). After the gather every device
@@ -59,8 +63,13 @@ class BlockTable:
 def _refuse(spec: Any, shape: tuple[int, ...], block: tuple[int, int], d: int, why: str) -> ValueError:
     bh, bw = block
     rows = f" (or vj.rows({bh}), whose bands hold whole tiles)" if shape[-2] % bh == 0 else ""
+    if spec.tp:  # a TP/EP-split leaf is quantized in tiles of its shards
+        axes = sorted({a for dim in spec.tp for a in dim})
+        shape_text = f"{spec.shape}, split over {'/'.join(axes)} into shards of {shape} per layer,"
+    else:
+        shape_text = f"{shape}"
     return ValueError(
-        f"vj.MixedPrecision(fp8_gather={block}): leaf {spec.path!r} of shape {shape} is planned with "
+        f"vj.MixedPrecision(fp8_gather={block}): leaf {spec.path!r} of shape {shape_text} is planned with "
         f"{spec.granularity!r}, and {why} (element {d} of the leaf): a block's scale is computed over the whole "
         f"block on the device that owns it, never over part of it. Plan the leaf with "
         f"granularity=vj.tiles({bh}, {bw}){rows}."

@@ -6,6 +6,7 @@ the plan's axis on dim 0, everything else is replicated (state) or left as compu
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -38,12 +39,14 @@ def _bucket_shardings(node: ShardedParams, plan: Plan) -> list[NamedSharding | N
 
 
 def _per_device_sharding(node: PerDevice, plan: Plan) -> NamedSharding | None:
-    """``P(axis, None, ...)`` on the value of a ``PerDevice`` of ``plan`` (the full spec, as shard_map outputs
+    """``P(node.axes, None, ...)`` on the value of a ``PerDevice`` of ``plan`` (the full spec, as shard_map outputs
     carry it: no recompilation), else ``None``."""
     shape = tuple(getattr(node.value, "shape", None) or ())
-    if node.plan != plan or not shape or shape[0] % plan.num_devices:
+    axes = node.axes
+    n = math.prod(plan.mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+    if node.plan != plan or not shape or shape[0] % n:
         return None
-    return NamedSharding(plan.mesh, P(plan.axis, *[None] * (len(shape) - 1)))
+    return NamedSharding(plan.mesh, P(axes, *[None] * (len(shape) - 1)))
 
 
 def _state_shardings(tree: Any, plan: Plan) -> Any:

@@ -234,7 +234,7 @@ def place_state(state: Any, plan: Plan) -> Any:
         if isinstance(x, PerDevice):
             if not hasattr(x.value, "shape"):
                 return x
-            spec = P(plan.axis, *[None] * (len(x.value.shape) - 1))
+            spec = P(x.axes, *[None] * (len(x.value.shape) - 1))
             return x.replace(put(x.value, jax.sharding.NamedSharding(plan.mesh, spec)))
         return put(x, state_sharding(x, plan)) if hasattr(x, "shape") else x
 
