@@ -317,3 +317,44 @@ def test_gather_paths_accumulation_and_hsdp_equal_the_unsharded_run(name):
     plan, kw = PATHS[name]()
     tx = optax.adamw(1e-3, weight_decay=0.1)
     check(fsdp_train(plan, tx, data, **kw), unsharded(tx, data))
+
+
+# --- Low-precision and FP8 gathers --------------------------------------------------------------------------------
+
+
+def _step_grads(plan, cfg, precision, batch):
+    """``(loss, logical grads)`` of one vj.fsdp step of ``cfg``'s model under ``precision``."""
+    g, _ = gpt_tp.abstract_model(cfg)
+
+    @vj.fsdp(plan=plan, precision=precision, donate=False)
+    def step(p, o, b):
+        return jax.value_and_grad(lambda p: loss_fn(vj.flax.nnx_apply(g, p, b["x"]), b["y"]))(p)
+
+    loss, grads = step(vj.shard(reference()[1], plan), {}, batch)
+    return float(loss), vj.unshard(grads)
+
+
+@pytest.mark.parametrize("name", ["bf16", pytest.param("fp8", marks=pytest.mark.slow)])
+def test_bf16_and_fp8_gathers_equal_the_fsdp_only_plan(name):
+    # FP8 tiles of 2x2 divide every split dim of the TP shards: they are the logical leaf's tiles.
+    precision = (
+        vj.MixedPrecision(compute_dtype=jnp.bfloat16) if name == "bf16" else vj.MixedPrecision(fp8_gather=(2, 2))
+    )
+    kw = {} if name == "bf16" else dict(granularity=ROWS2)
+    batch = next(batches(1, batch=24))
+    params = reference()[1]
+    flat = vj.plan(params, jax.make_mesh((2,), ("fsdp",), devices=jax.devices()[:2]), stacked=("blocks",), **kw)
+    want = _step_grads(flat, gpt_tp.Config(**SIZES), precision, batch)
+    got = _step_grads(tp_plan(**kw), config("tensor"), precision, batch)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    assert_trees_close(got[1], want[1], rtol=1e-5)
+
+
+def test_blocks_that_do_not_divide_a_tp_shard_are_refused_naming_the_leaf():
+    plan = tp_plan(granularity=lambda path, leaf: vj.rows(8) if leaf.ndim >= 2 else vj.element())
+    # Kernels split over 4 tensor devices: shards (24, 6) of q/k/v, (10, 24) of down, which 8x8 blocks do not tile.
+    split = r"leaf 'blocks/\w+/kernel' of shape \(2, \d+, \d+\) is split over tensor into shards of \(\d+, \d+\)"
+    with pytest.raises(ValueError, match=split):
+        vj.optim.adamw_8bit(1e-3, plan=plan, block=(8, 8), min_size=64)
+    with pytest.raises(ValueError, match=r"fp8_gather=\(8, 8\).*" + split):
+        _step_grads(plan, config("tensor"), vj.MixedPrecision(fp8_gather=(8, 8)), next(batches(1, batch=24)))

@@ -8,8 +8,9 @@ weight format. The quantizer is :func:`vescale_jax.quant.quantize`'s, bit for bi
 
 Each device owns whole tiles (the plan never cuts one: see :func:`block_table`), so the scale of a tile is
 computed where the tile lives, with no collective. A leaf split over tensor / expert axes (``vj.plan(...,
-tp=...)``) is tiled per TP/EP shard, its local shape, as each group gathers it: the tiles are the logical leaf's
-(and the gathered weights the FSDP-only plan's) when every split dim of the shard is a multiple of the tile.
+tp=...)``) is tiled per TP/EP shard, its local shape, as each group gathers it; a split dim of the shard (one of
+the last two) must be a multiple of the tile's (else ValueError naming the leaf), so the tiles are the logical
+leaf's and the gathered weights the FSDP-only plan's.
 
 Vectors and other leaves of fewer than two dims are sent exactly: each element is its own block with scale
 ``x`` and code ``1``, so ``x' = x`` (they are a small part of a model; quantizing a norm's scale to 3 mantissa
@@ -76,6 +77,22 @@ def _refuse(spec: Any, shape: tuple[int, ...], block: tuple[int, int], d: int, w
     )
 
 
+def _check_split(spec: Any, shape: tuple[int, ...], block: tuple[int, int], *, stacked: bool) -> None:
+    """Refuses a matrix split over tensor / expert axes whose shard's split dim (one of the last two) is not a
+    multiple of the tile's: its shards' edge tiles would not be tiles of the logical leaf (the gathered weights
+    would depend on the TP/EP size)."""
+    dims = spec.tp[1:] if stacked and spec.tp else spec.tp
+    for d in range(max(0, len(dims) - 2), len(dims)):
+        t = block[d - (len(dims) - 2)]
+        if dims[d] and shape[d] % t:
+            raise ValueError(
+                f"vj.MixedPrecision(fp8_gather={block}): leaf {spec.path!r} of shape {spec.shape} is split over "
+                f"{'/'.join(dims[d])} into shards of {shape} (per layer), whose dim {d} ({shape[d]}) is not a "
+                f"multiple of the tile's {t}: the shards' tiles would not be tiles of the leaf. Choose a tile that "
+                f"divides {shape[d]}, or leave that dim unsplit (tp=)."
+            )
+
+
 def _leaf_pieces(spec, shape, gran, d0, d1, lo, block, base):
     """Pieces for elements ``[d0, d1)`` of one leaf (its storage order) at local offset ``lo``; (pieces, blocks)."""
     bh, bw = block
@@ -130,6 +147,7 @@ def block_table(plan: Plan, bucket_index: int, block: tuple[int, int]) -> BlockT
         o, n = layout.offsets[slot], layout.sizes[slot]
         if len(shape) >= 2:
             quantized += n
+            _check_split(spec, shape, block, stacked=bucket.layers is not None)
         for k in range(o // s if s else 0, -(-(o + n) // s) if s else 0):
             a, z = max(o, k * s), min(o + n, (k + 1) * s)
             if z <= a:

@@ -97,9 +97,8 @@ class ScaleLayout:
     Logical form: per leaf of the bucket, key ``"<path>/scales"``: a quantized leaf's block scales at
     ``(*lead, ceil(p / bh), ceil(q / bw))`` (with the layer dim first for a stacked leaf) in logical block
     order; an exact leaf's per-element scales (``|moment|``) at its shape. A leaf split over tensor / expert
-    groups is quantized in tiles of its TP-local shard; its logical scales are the groups' grids put side by
-    side like the leaf (defined when every split dim of the local shard is a multiple of its block dim, else
-    :meth:`to_logical` raises).
+    groups is quantized in tiles of its TP-local shard (whose split dims are block multiples); its logical scales
+    are the groups' grids put side by side like the leaf: the FSDP-only plan's.
 
     Attributes:
       plan: the plan.
@@ -194,28 +193,11 @@ def _group_size(layout: ScaleLayout) -> int:
 
 
 def _grid_dims(layout: ScaleLayout) -> dict[str, tuple[tuple[str, ...], ...]]:
-    """Per entry of a grouped bucket: the TP/EP axes of each dim of its scale grid (the leaf's, checked)."""
-    plan, b = layout.plan, layout.plan.buckets[layout.bucket]
+    """Per entry of a grouped bucket: the TP/EP axes of each dim of its scale grid, the leaf's (its shards'
+    split dims are block multiples: :func:`vescale_jax.optim._blocks8.build` checks it)."""
+    plan = layout.plan
     t = build(plan, layout.block, layout.min_size)[layout.bucket]
-    out = {}
-    for lb in t.leaves:
-        spec = plan.leaves[lb.leaf]
-        dims = spec.tp
-        local = plan.layer_shape(spec)
-        lead = 0 if b.layers is None else 1
-        for d, axes in enumerate(dims[lead:]):
-            if axes and lb.block is not None and d >= len(local) - 2:
-                blk = lb.block[d - (len(local) - 2)]
-                if local[d] % blk:
-                    raise ValueError(
-                        f"vj.optim.adamw_8bit: leaf {spec.path!r} of shape {spec.shape} is split over {axes} into "
-                        f"shards {local} (per layer) whose dim {d} ({local[d]}) is not a multiple of the {blk}-wide "
-                        f"block, so its 8-bit scales have no logical form independent of the "
-                        f"{'/'.join(axes)} size (the blocks of the groups' shards do not tile the leaf). Use a block "
-                        f"that divides {local[d]}, or keep the leaf in fp32 with min_size above {spec.size}."
-                    )
-        out[f"{spec.path}/scales"] = dims
-    return out
+    return {f"{plan.leaves[lb.leaf].path}/scales": plan.leaves[lb.leaf].tp for lb in t.leaves}
 
 
 @plan_cache
