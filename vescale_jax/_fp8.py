@@ -7,9 +7,14 @@ weight format. The quantizer is :func:`vescale_jax.quant.quantize`'s, bit for bi
     scale = max|x| over the tile * fp32(1/448)      code = fp8(x / scale)      x' = code * scale
 
 Each device owns whole tiles (the plan never cuts one: see :func:`block_table`), so the scale of a tile is
-computed where the tile lives, with no collective. Vectors and other leaves of fewer than two dims are sent
-exactly: each element is its own block with scale ``x`` and code ``1``, so ``x' = x`` (they are a small part
-of a model; quantizing a norm's scale to 3 mantissa bits would change the numerics for nothing).
+computed where the tile lives, with no collective. A leaf split over tensor / expert axes (``vj.plan(...,
+tp=...)``) is tiled per TP/EP shard, its local shape, as each group gathers it; a split dim of the shard (one of
+the last two) must be a multiple of the tile's (else ValueError naming the leaf), so the tiles are the logical
+leaf's and the gathered weights the FSDP-only plan's.
+
+Vectors and other leaves of fewer than two dims are sent exactly: each element is its own block with scale
+``x`` and code ``1``, so ``x' = x`` (they are a small part of a model; quantizing a norm's scale to 3 mantissa
+bits would change the numerics for nothing).
 
 The wire is one ``uint8`` all-gather per bucket: ``S`` code bytes then the device's ``NB`` scales (4 bytes
 each; ``NB`` is the most blocks any device holds, plus one for padding). After the gather every device
@@ -59,12 +64,33 @@ class BlockTable:
 def _refuse(spec: Any, shape: tuple[int, ...], block: tuple[int, int], d: int, why: str) -> ValueError:
     bh, bw = block
     rows = f" (or vj.rows({bh}), whose bands hold whole tiles)" if shape[-2] % bh == 0 else ""
+    if spec.tp:  # a TP/EP-split leaf is quantized in tiles of its shards
+        axes = sorted({a for dim in spec.tp for a in dim})
+        shape_text = f"{spec.shape}, split over {'/'.join(axes)} into shards of {shape} per layer,"
+    else:
+        shape_text = f"{shape}"
     return ValueError(
-        f"vj.MixedPrecision(fp8_gather={block}): leaf {spec.path!r} of shape {shape} is planned with "
+        f"vj.MixedPrecision(fp8_gather={block}): leaf {spec.path!r} of shape {shape_text} is planned with "
         f"{spec.granularity!r}, and {why} (element {d} of the leaf): a block's scale is computed over the whole "
         f"block on the device that owns it, never over part of it. Plan the leaf with "
         f"granularity=vj.tiles({bh}, {bw}){rows}."
     )
+
+
+def _check_split(spec: Any, shape: tuple[int, ...], block: tuple[int, int], *, stacked: bool) -> None:
+    """Refuses a matrix split over tensor / expert axes whose shard's split dim (one of the last two) is not a
+    multiple of the tile's: its shards' edge tiles would not be tiles of the logical leaf (the gathered weights
+    would depend on the TP/EP size)."""
+    dims = spec.tp[1:] if stacked and spec.tp else spec.tp
+    for d in range(max(0, len(dims) - 2), len(dims)):
+        t = block[d - (len(dims) - 2)]
+        if dims[d] and shape[d] % t:
+            raise ValueError(
+                f"vj.MixedPrecision(fp8_gather={block}): leaf {spec.path!r} of shape {spec.shape} is split over "
+                f"{'/'.join(dims[d])} into shards of {shape} (per layer), whose dim {d} ({shape[d]}) is not a "
+                f"multiple of the tile's {t}: the shards' tiles would not be tiles of the leaf. Choose a tile that "
+                f"divides {shape[d]}, or leave that dim unsplit (tp=)."
+            )
 
 
 def _leaf_pieces(spec, shape, gran, d0, d1, lo, block, base):
@@ -121,6 +147,7 @@ def block_table(plan: Plan, bucket_index: int, block: tuple[int, int]) -> BlockT
         o, n = layout.offsets[slot], layout.sizes[slot]
         if len(shape) >= 2:
             quantized += n
+            _check_split(spec, shape, block, stacked=bucket.layers is not None)
         for k in range(o // s if s else 0, -(-(o + n) // s) if s else 0):
             a, z = max(o, k * s), min(o + n, (k + 1) * s)
             if z <= a:

@@ -23,7 +23,9 @@ the fix; a leaf that happens to lie on one device is accepted whatever its granu
 **State.** :class:`ScaleByAdam8bitState`: ``count``, the codes of each moment as a ``ShardedParams`` of int8 /
 uint8 buffers (bucket-shaped, sharded like the params, zero at padding), and per bucket one
 :class:`vescale_jax.PerDevice` of scales ``(m * L * NB,)``: device ``k`` holds its ``L × NB`` slots (``NB`` the
-most blocks any device has in one layer of the bucket; unused slots are 0). The scales carry a layout
+most blocks any device has in one layer of the bucket; unused slots are 0). A bucket of leaves split over tensor /
+expert groups quantizes each group's TP-local tiles: its scales are ``(G * m * L * NB,)``, split over
+``(*groups, fsdp)`` like the bucket (``ScaleLayout.groups``). The scales carry a layout
 (:class:`ScaleLayout`), so ``vj.optim.logical_view`` / ``vj.checkpoint`` store them per leaf in logical block
 order and restore them into a plan with the same blocks.
 
@@ -44,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from vescale_jax import quant
+from vescale_jax import _tp, quant
 from vescale_jax._buffer import PerDevice, ShardedParams
 from vescale_jax._cache import plan_cache
 from vescale_jax._plan import Plan
@@ -63,7 +65,7 @@ class ScaleByAdam8bitState(NamedTuple):
     Attributes:
       count: steps taken (int32).
       mu_codes: first-moment codes, a ``ShardedParams`` of int8 buffers.
-      mu_scales: per bucket, a ``PerDevice`` of fp32 scales ``(m * L * NB,)``.
+      mu_scales: per bucket, a ``PerDevice`` of fp32 scales ``(G * m * L * NB,)`` (``G`` its TP/EP groups).
       nu_codes: second-moment codes, a ``ShardedParams`` of uint8 buffers.
       nu_scales: per bucket, like ``mu_scales``.
     """
@@ -94,7 +96,9 @@ class ScaleLayout:
 
     Logical form: per leaf of the bucket, key ``"<path>/scales"``: a quantized leaf's block scales at
     ``(*lead, ceil(p / bh), ceil(q / bw))`` (with the layer dim first for a stacked leaf) in logical block
-    order; an exact leaf's per-element scales (``|moment|``) at its shape.
+    order; an exact leaf's per-element scales (``|moment|``) at its shape. A leaf split over tensor / expert
+    groups is quantized in tiles of its TP-local shard (whose split dims are block multiples); its logical scales
+    are the groups' grids put side by side like the leaf: the FSDP-only plan's.
 
     Attributes:
       plan: the plan.
@@ -111,6 +115,18 @@ class ScaleLayout:
     def default_dtype(self) -> Any:
         return jnp.float32
 
+    @property
+    def groups(self) -> tuple[str, ...]:
+        """The tensor / expert mesh axes the bucket's scales differ over (``()`` for an ungrouped bucket)."""
+        return self.plan.buckets[self.bucket].groups
+
+    @property
+    def axes(self) -> tuple[str, ...] | None:
+        """The mesh axes the scales' dim 0 is split over (``PerDevice.axes``): the bucket's, ``(*groups,
+        fsdp)``, for a grouped bucket; ``None`` (the plan's axis) otherwise."""
+        b = self.plan.buckets[self.bucket]
+        return self.plan.bucket_axes(b) if b.groups else None
+
     def _entries(self) -> list[tuple[str, tuple[int, ...], np.ndarray]]:
         return _scale_entries(self.plan, self.bucket, self.block, self.min_size)
 
@@ -118,7 +134,7 @@ class ScaleLayout:
         """``{key: ShapeDtypeStruct}`` of :meth:`to_logical` (replicated)."""
         dtype = jnp.dtype(jnp.float32 if dtype is None else dtype)
         rep = jax.sharding.NamedSharding(self.plan.mesh, P())
-        return {key: jax.ShapeDtypeStruct(shape, dtype, sharding=rep) for key, shape, _ in self._entries()}
+        return {key: jax.ShapeDtypeStruct(shape, dtype, sharding=rep) for key, shape in _logical_shapes(self).items()}
 
     def to_logical(self, value: jax.Array) -> dict[str, jax.Array]:
         """The scales of each leaf in logical block order (exact: a permutation of the used slots)."""
@@ -138,7 +154,7 @@ class ScaleLayout:
                 f"ScaleLayout.from_logical: missing keys {missing[:5]}, unexpected keys {extra[:5]}; the arrays come "
                 "from another tree or another adamw_8bit configuration (block, min_size)."
             )
-        for key, shape, _ in entries:
+        for key, shape in _logical_shapes(self).items():
             if tuple(arrays[key].shape) != shape:
                 raise ValueError(
                     f"ScaleLayout.from_logical: {key!r} has shape {tuple(arrays[key].shape)}, expected {shape} "
@@ -170,13 +186,52 @@ def _scale_entries(plan: Plan, bucket: int, block: tuple[int, int], min_size: in
     return out
 
 
+def _group_size(layout: ScaleLayout) -> int:
+    """Scale slots of one TP/EP group of the bucket (``m * L * NB``)."""
+    t = build(layout.plan, layout.block, layout.min_size)[layout.bucket]
+    return layout.plan.num_devices * t.layers * t.nb
+
+
+def _grid_dims(layout: ScaleLayout) -> dict[str, tuple[tuple[str, ...], ...]]:
+    """Per entry of a grouped bucket: the TP/EP axes of each dim of its scale grid, the leaf's (its shards'
+    split dims are block multiples: :func:`vescale_jax.optim._blocks8.build` checks it)."""
+    plan = layout.plan
+    t = build(plan, layout.block, layout.min_size)[layout.bucket]
+    return {f"{plan.leaves[lb.leaf].path}/scales": plan.leaves[lb.leaf].tp for lb in t.leaves}
+
+
+@plan_cache
+def _logical_shapes(layout: ScaleLayout) -> dict[str, tuple[int, ...]]:
+    entries = layout._entries()
+    if not layout.groups:
+        return {key: shape for key, shape, _ in entries}
+    sizes = dict(layout.plan.mesh.shape)
+    dims = _grid_dims(layout)
+    out = {}
+    for key, shape, _ in entries:
+        d = dims[key]
+        out[key] = tuple(n * int(np.prod([sizes[a] for a in axes])) for n, axes in zip(shape, d, strict=True))
+    return out
+
+
 @plan_cache
 def _to_logical_fn(layout: ScaleLayout):
     entries = layout._entries()
     rep = jax.sharding.NamedSharding(layout.plan.mesh, P())
+    groups = layout.groups
+    if groups:
+        sizes = dict(layout.plan.mesh.shape)
+        dims, shapes = _grid_dims(layout), _logical_shapes(layout)
+        num, step = layout.plan.buckets[layout.bucket].num_groups, _group_size(layout)
 
     def f(value):
-        return tuple(jnp.reshape(jnp.take(value, jnp.asarray(idx)), shape) for _, shape, idx in entries)
+        if not groups:
+            return tuple(jnp.reshape(jnp.take(value, jnp.asarray(idx)), shape) for _, shape, idx in entries)
+        out = []
+        for key, shape, idx in entries:
+            blocks = [jnp.reshape(jnp.take(value, jnp.asarray(idx + g * step)), shape) for g in range(num)]
+            out.append(_tp.assemble(blocks, shapes[key], dims[key], groups, sizes))
+        return tuple(out)
 
     return jax.jit(f, out_shardings=tuple(rep for _ in entries))
 
@@ -184,14 +239,18 @@ def _to_logical_fn(layout: ScaleLayout):
 @plan_cache
 def _from_logical_fn(layout: ScaleLayout):
     plan, entries = layout.plan, layout._entries()
-    t = build(plan, layout.block, layout.min_size)[layout.bucket]
-    size = plan.num_devices * t.layers * t.nb
-    out = jax.sharding.NamedSharding(plan.mesh, P(plan.axis))
+    step, groups = _group_size(layout), layout.groups
+    num = plan.buckets[layout.bucket].num_groups
+    out = jax.sharding.NamedSharding(plan.mesh, P(layout.axes or plan.axis))
+    sizes = dict(plan.mesh.shape)
+    dims = _grid_dims(layout) if groups else {}
 
     def f(*xs):
-        value = jnp.zeros((size,), jnp.float32)
-        for (_, _, idx), x in zip(entries, xs, strict=True):
-            value = value.at[jnp.asarray(idx)].set(jnp.reshape(x, (-1,)))
+        value = jnp.zeros((num * step,), jnp.float32)
+        for (key, _, idx), x in zip(entries, xs, strict=True):
+            for g in range(num):
+                part = _tp.local_block(x, dims[key], _tp.group_coords(g, groups, sizes), sizes) if groups else x
+                value = value.at[jnp.asarray(idx + g * step)].set(jnp.reshape(part, (-1,)))
         return value
 
     return jax.jit(f, out_shardings=out)
@@ -228,6 +287,11 @@ def adam_direction(mu, nu, count, *, b1, b2, eps, eps_root) -> jax.Array:
 
 def _per_device(plan: Plan, b: int, value: Any, block, min_size) -> PerDevice:
     return PerDevice(value, plan, ScaleLayout(plan, b, block, min_size))
+
+
+def _scale_specs(plan: Plan, block, min_size) -> tuple[Any, ...]:
+    """Per bucket, the ``PartitionSpec`` of its scales: over the plan's axis, or ``(*groups, fsdp)``."""
+    return tuple(P(ScaleLayout(plan, b, block, min_size).axes or plan.axis) for b in range(len(plan.buckets)))
 
 
 def scale_by_adam_8bit(
@@ -276,8 +340,8 @@ def scale_by_adam_8bit(
         mu = ShardedParams([jnp.zeros(b.shape, jnp.int8) for b in plan.buckets], plan)
         nu = ShardedParams([jnp.zeros(b.shape, jnp.uint8) for b in plan.buckets], plan)
         scales = lambda: tuple(
-            _per_device(plan, i, jnp.zeros((m * t.layers * t.nb,), jnp.float32), block, min_size)
-            for i, t in enumerate(tables)
+            _per_device(plan, i, jnp.zeros((b.num_groups * m * t.layers * t.nb,), jnp.float32), block, min_size)
+            for i, (t, b) in enumerate(zip(tables, plan.buckets, strict=True))
         )
         state = ScaleByAdam8bitState(jnp.zeros([], jnp.int32), mu, scales(), nu, scales())
         return place_state(state, plan)
@@ -287,7 +351,6 @@ def scale_by_adam_8bit(
         check_sharded(updates, plan, "adamw_8bit")
         count_inc = optax.safe_increment(state.count)
         specs = tuple(plan.partition_spec(b) for b in plan.buckets)
-        n = len(plan.buckets)
 
         def local(count, grads, mu_c, mu_s, nu_c, nu_s):
             ups, out = [], ([], [], [], [])
@@ -308,7 +371,7 @@ def scale_by_adam_8bit(
                     out[2 * j + 1].append(scales)
             return tuple(ups), *(tuple(o) for o in out)
 
-        flat = (P(axis),) * n
+        flat = _scale_specs(plan, block, min_size)
         mapped = jax.shard_map(
             local,
             mesh=plan.mesh,
@@ -394,7 +457,7 @@ def adam_8bit_moments(state: Any) -> tuple[ShardedParams, ShardedParams]:
     layout = s.mu_scales[0].layout
     tables = build(plan, layout.block, layout.min_size)
     specs = tuple(plan.partition_spec(b) for b in plan.buckets)
-    flat = (P(plan.axis),) * len(plan.buckets)
+    flat = _scale_specs(plan, layout.block, layout.min_size)
 
     def local(mu_c, mu_s, nu_c, nu_s):
         mus, nus = [], []

@@ -18,7 +18,9 @@ The slot of an element comes from a per-device table of its leaf runs (a handful
   owns are one contiguous range of blocks.
 
 :func:`build` refuses (ValueError naming the leaf, its shape, the block, its granularity and the fix) a layout
-that puts a device boundary inside a quantization block.
+that puts a device boundary inside a quantization block. A leaf split over tensor / expert axes is blocked on its
+TP/EP shard (each group holds its own blocks); a split dim of the shard (one of the last two) must be a multiple
+of the block's, so that the shards' blocks are the logical leaf's (else ValueError, naming the leaf).
 """
 
 from __future__ import annotations
@@ -175,6 +177,23 @@ def _row_major_cut(o: int, shape: tuple[int, ...], block: tuple[int, int]) -> bo
     return not ((rr == 0 and col == 0) or (tile_h == 1 and col % bw == 0))
 
 
+def _check_split(spec: Any, shape: tuple[int, ...], block: tuple[int, int], *, stacked: bool) -> None:
+    """Refuses a leaf split over tensor / expert axes whose shard's split dim (one of the last two) is not a
+    multiple of the block's: its shards' edge blocks would not be blocks of the logical leaf, and the state would
+    depend on the TP/EP size."""
+    dims = spec.tp[1:] if stacked and spec.tp else spec.tp
+    for d in range(max(0, len(dims) - 2), len(dims)):
+        blk = block[d - (len(dims) - 2)]
+        if dims[d] and shape[d] % blk:
+            raise ValueError(
+                f"vj.optim.adamw_8bit: leaf {spec.path!r} of shape {spec.shape} is split over "
+                f"{'/'.join(dims[d])} into shards of {shape} (per layer), whose dim {d} ({shape[d]}) is not a "
+                f"multiple of the {block[0]}x{block[1]} block's {blk}: the blocks of the shards would not be blocks "
+                f"of the leaf. Choose a block that divides {shape[d]}, or keep the leaf in fp32 with min_size above "
+                f"{math.prod(shape)}."
+            )
+
+
 def _leaf_blocks(plan: Plan, bucket: int, slot: int, block: tuple[int, int], min_size: int) -> LeafBlocks:
     b = plan.buckets[bucket]
     i = b.leaves[slot]
@@ -185,6 +204,7 @@ def _leaf_blocks(plan: Plan, bucket: int, slot: int, block: tuple[int, int], min
     if len(shape) < 2 or size < min_size or not jnp.issubdtype(jnp.dtype(spec.dtype), jnp.floating):
         return LeafBlocks(i, shape, storage, _EXACT, None, size)
     *lead, h, w = shape
+    _check_split(spec, shape, block, stacked=b.layers is not None)
     nb = math.prod(lead) * -(-h // block[0]) * -(-w // block[1])
     s, o = b.layout.shard_size, b.layout.offsets[slot]
     boundaries = [k * s - o for k in range(o // s + 1, (o + size - 1) // s + 1)]

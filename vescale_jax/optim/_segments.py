@@ -67,21 +67,32 @@ def leaf_sums(tree: ShardedParams, fn: Callable[[jax.Array], jax.Array] = _abs_s
       ``(num_leaves,)`` replicated array, in the plan's leaf order (a stacked leaf's sum covers all layers).
 
     Sharding:
-      A local ``segment_sum`` per device and one ``psum`` of ``num_leaves`` values.
+      A local ``segment_sum`` per device and one ``psum`` of ``num_leaves`` values over the plan's axis per set
+      of bucket axes (``plan.bucket_axes``): a leaf split over tensor / expert groups sums over its groups too.
     """
     plan = tree.plan
     n = len(plan.leaves)
     live = [b for b, x in enumerate(tree.buffers) if isinstance(x, jax.Array | np.ndarray)]
     dtype = jnp.result_type(*[_acc_dtype(tree.buffers[b].dtype) for b in live]) if live else jnp.float32
 
+    # A leaf of a grouped bucket is split over its TP/EP groups too: its sum adds every group's part, so each
+    # set of group axes gets its own accumulator, summed over those axes and the plan's (an ungrouped bucket's
+    # shards are equal copies across the group axes: summing them there would count them G times).
+    by_axes: dict[tuple[str, ...], list[int]] = {}
+    for j, b in enumerate(live):
+        by_axes.setdefault(plan.bucket_axes(plan.buckets[b]), []).append(j)
+
     def local(*shards):
-        acc = jnp.zeros((n + 1,), dtype)
-        for b, x in zip(live, shards, strict=True):
-            v = fn(x).astype(dtype)
-            if v.ndim == 2:  # stacked: every layer of a slot belongs to the same logical leaf
-                v = jnp.sum(v, axis=0)
-            acc = acc + jax.ops.segment_sum(v, local_leaf_ids(plan, b), num_segments=n + 1)
-        return jax.lax.psum(acc, plan.axis)[:n]
+        total = jnp.zeros((n + 1,), dtype)
+        for axes, members in by_axes.items():
+            acc = jnp.zeros((n + 1,), dtype)
+            for j in members:
+                v = fn(shards[j]).astype(dtype)
+                if v.ndim == 2:  # stacked: every layer of a slot belongs to the same logical leaf
+                    v = jnp.sum(v, axis=0)
+                acc = acc + jax.ops.segment_sum(v, local_leaf_ids(plan, live[j]), num_segments=n + 1)
+            total = total + jax.lax.psum(acc, axes)
+        return total[:n]
 
     specs = tuple(plan.partition_spec(plan.buckets[b]) for b in live)
     mapped = jax.shard_map(

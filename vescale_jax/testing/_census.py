@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from vescale_jax.testing._collectives import KINDS, _check_kind, _group_size, wire_bytes
+from vescale_jax.testing._collectives import KINDS, _check_kind, _group_size, parse_replica_groups, wire_bytes
 from vescale_jax.testing._hlo import _hlo_text, _multipliers, _output_shape, _parse_module
 from vescale_jax.testing._shapes import _human, _strip_layout, shape_bytes
 
@@ -28,6 +28,9 @@ class CollectiveOp:
         in_loop: whether it sits (directly or through calls) inside a ``while`` body.
         unknown_trip_count: whether some enclosing loop had no ``known_trip_count`` (counted as 1).
         is_async: whether it appeared as a ``*-start``/``*-done`` pair.
+        replica_groups: the device ids of each replica group (see :func:`parse_replica_groups`; positions in the
+            compiled mesh's ``devices.flat`` order), ``None`` for collective-permute or a form not expanded;
+            :func:`group_axes` names the mesh axes they span.
     """
 
     kind: str
@@ -40,6 +43,7 @@ class CollectiveOp:
     in_loop: bool = False
     unknown_trip_count: bool = False
     is_async: bool = False
+    replica_groups: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def wire_bytes(self) -> float:
@@ -241,6 +245,7 @@ def census(compiled_or_hlo_text: Any) -> Census:
                     in_loop=in_loop[c.name],
                     unknown_trip_count=unk[c.name],
                     is_async=is_async,
+                    replica_groups=None if kind == "collective-permute" else parse_replica_groups(ins.attrs, devices),
                 )
             )
     return Census(tuple(ops), tuple(unknown))
