@@ -164,8 +164,9 @@ def test_each_group_holds_its_shards_in_the_shared_layout():
     ref_cfg, cfg = configs(0, axis)
     mesh = tp_mesh(fsdp, size, axis)
     plan = tp_plan(cfg, mesh)
-    params = gpt_tp.split_model(ref_cfg, jax.random.key(0))[1]
-    sp = vj.shard(params, plan)
+    init = lambda key: gpt_tp.split_model(ref_cfg, key)[1]
+    params = jax.jit(init)(jax.random.key(0))
+    sp = vj.init_sharded(init, plan, jax.random.key(0))  # each group packs its own blocks
     leaves = {vj.plan_path(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
     grouped = [b for b in plan.buckets if b.groups]
     assert grouped and all(b.groups == (axis,) and b.num_groups == size for b in grouped)
