@@ -139,7 +139,7 @@ def test_the_model_sees_tp_local_leaves_and_gradients_match():
     "mesh_id",
     [
         pytest.param("fsdp2xtensor4", marks=pytest.mark.slow),
-        "fsdp3xtensor2",
+        pytest.param("fsdp3xtensor2", marks=pytest.mark.slow),
         pytest.param("fsdp2xexpert4", marks=pytest.mark.slow),
     ],
 )
