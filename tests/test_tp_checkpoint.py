@@ -219,15 +219,15 @@ def test_per_device_state_of_tp_leaves_raises(tmp_path):
 
 
 @pytest.mark.slow
-def test_per_device_state_of_leaves_not_split_round_trips(tmp_path):
+def test_compact_state_on_a_tp_plan_is_refused_not_stored_wrong(tmp_path):
+    # The compact AdamW moments are PerDevice rows split over (tensor, fsdp): their layout has no logical view
+    # of grouped buckets yet, so the view and the save raise instead of storing one group's shards.
     plan = plan_of(mesh_of((2, 4)), tp_specs())
-    state, ref_state = compact_adam(plan, lambda p: jax.tree.map(lambda x: x.shape == (50, 12), p))
-    view = vj.optim.logical_view(state)
-    np.testing.assert_array_equal(np.asarray(view.inner_state.mu["embed"]), ref_state.inner_state.mu["embed"])
-    with vj.checkpoint.Manager(tmp_path) as mngr:
+    state, _ = compact_adam(plan, lambda p: jax.tree.map(lambda x: x.shape == (50, 12), p))
+    with pytest.raises(NotImplementedError, match="CompactLayout"):
+        vj.optim.logical_view(state)
+    with vj.checkpoint.Manager(tmp_path) as mngr, pytest.raises(NotImplementedError, match="CompactLayout"):
         mngr.save(2, params=vj.shard(tree_of(), plan), opt_state=state)
-        r = mngr.restore(2, params=plan, opt_state=state)
-    assert_trees_equal(host(vj.optim.logical_view(r.opt_state)), host(view))
 
 
 @pytest.mark.slow

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vescale_jax import _tp
 from vescale_jax._cache import plan_cache
 from vescale_jax._plan import Bucket, Plan
 
@@ -81,16 +82,17 @@ def _check_split(spec: Any, shape: tuple[int, ...], block: tuple[int, int], *, s
     """Refuses a matrix split over tensor / expert axes whose shard's split dim (one of the last two) is not a
     multiple of the tile's: its shards' edge tiles would not be tiles of the logical leaf (the gathered weights
     would depend on the TP/EP size)."""
-    dims = spec.tp[1:] if stacked and spec.tp else spec.tp
-    for d in range(max(0, len(dims) - 2), len(dims)):
-        t = block[d - (len(dims) - 2)]
-        if dims[d] and shape[d] % t:
-            raise ValueError(
-                f"vj.MixedPrecision(fp8_gather={block}): leaf {spec.path!r} of shape {spec.shape} is split over "
-                f"{'/'.join(dims[d])} into shards of {shape} (per layer), whose dim {d} ({shape[d]}) is not a "
-                f"multiple of the tile's {t}: the shards' tiles would not be tiles of the leaf. Choose a tile that "
-                f"divides {shape[d]}, or leave that dim unsplit (tp=)."
-            )
+    bad = _tp.misaligned_split(spec.tp, shape, block, stacked=stacked)
+    if bad is None:
+        return
+    d, t = bad
+    dims = spec.tp[1:] if stacked else spec.tp
+    raise ValueError(
+        f"vj.MixedPrecision(fp8_gather={block}): leaf {spec.path!r} of shape {spec.shape} is split over "
+        f"{'/'.join(dims[d])} into shards of {shape} (per layer), whose dim {d} ({shape[d]}) is not a "
+        f"multiple of the tile's {t}: the shards' tiles would not be tiles of the leaf. Choose a tile that "
+        f"divides {shape[d]}, or leave that dim unsplit (tp=)."
+    )
 
 
 def _leaf_pieces(spec, shape, gran, d0, d1, lo, block, base):

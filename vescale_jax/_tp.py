@@ -95,6 +95,20 @@ def normalize(
     return tuple(out) if any(out) else ()
 
 
+def misaligned_split(
+    dims: DimAxes, shape: tuple[int, ...], block: tuple[int, int], *, stacked: bool
+) -> tuple[int, int] | None:
+    """The first of a shard's last two dims that is split over tensor / expert axes but not a multiple of the
+    2-D ``block``'s extent there, as ``(dim, extent)`` (``None`` if there is none): a shard whose edge blocks are
+    not blocks of the logical leaf. ``shape`` is the shard's per-layer shape; ``dims`` the leaf's split."""
+    dims = dims[1:] if stacked and dims else dims
+    for d in range(max(0, len(dims) - 2), len(dims)):
+        extent = block[d - (len(dims) - 2)]
+        if dims[d] and shape[d] % extent:
+            return d, extent
+    return None
+
+
 def group_axes(dims: DimAxes, order: Sequence[str]) -> tuple[str, ...]:
     """The mesh axes a leaf is split over, in the mesh's axis order (its bucket's group axes)."""
     used = {a for axes in dims for a in axes}

@@ -107,6 +107,8 @@ class ScaleLayout:
       min_size: the smallest quantized leaf (per layer).
     """
 
+    supports_groups = True  # its logical view assembles the groups' grids (see to_logical)
+
     plan: Plan
     bucket: int
     block: tuple[int, int]

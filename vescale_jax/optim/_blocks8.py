@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vescale_jax import _tiles
+from vescale_jax import _tiles, _tp
 from vescale_jax._cache import plan_cache
 from vescale_jax._granularity import element
 from vescale_jax._plan import Plan
@@ -181,17 +181,18 @@ def _check_split(spec: Any, shape: tuple[int, ...], block: tuple[int, int], *, s
     """Refuses a leaf split over tensor / expert axes whose shard's split dim (one of the last two) is not a
     multiple of the block's: its shards' edge blocks would not be blocks of the logical leaf, and the state would
     depend on the TP/EP size."""
-    dims = spec.tp[1:] if stacked and spec.tp else spec.tp
-    for d in range(max(0, len(dims) - 2), len(dims)):
-        blk = block[d - (len(dims) - 2)]
-        if dims[d] and shape[d] % blk:
-            raise ValueError(
-                f"vj.optim.adamw_8bit: leaf {spec.path!r} of shape {spec.shape} is split over "
-                f"{'/'.join(dims[d])} into shards of {shape} (per layer), whose dim {d} ({shape[d]}) is not a "
-                f"multiple of the {block[0]}x{block[1]} block's {blk}: the blocks of the shards would not be blocks "
-                f"of the leaf. Choose a block that divides {shape[d]}, or keep the leaf in fp32 with min_size above "
-                f"{math.prod(shape)}."
-            )
+    bad = _tp.misaligned_split(spec.tp, shape, block, stacked=stacked)
+    if bad is None:
+        return
+    d, blk = bad
+    dims = spec.tp[1:] if stacked else spec.tp
+    raise ValueError(
+        f"vj.optim.adamw_8bit: leaf {spec.path!r} of shape {spec.shape} is split over "
+        f"{'/'.join(dims[d])} into shards of {shape} (per layer), whose dim {d} ({shape[d]}) is not a "
+        f"multiple of the {block[0]}x{block[1]} block's {blk}: the blocks of the shards would not be blocks "
+        f"of the leaf. Choose a block that divides {shape[d]}, or keep the leaf in fp32 with min_size above "
+        f"{math.prod(shape)}."
+    )
 
 
 def _leaf_blocks(plan: Plan, bucket: int, slot: int, block: tuple[int, int], min_size: int) -> LeafBlocks:
