@@ -468,6 +468,7 @@ def test_inside_a_vj_fsdp_step():
         assert np.mean(diff > 1e-5) <= 0.005, np.mean(diff > 1e-5)
 
 
+@pytest.mark.slow
 # ---------------------------------------------------------------------------------------------- checkpoints
 def test_state_round_trips_through_a_checkpoint_bit_exactly(tmp_path):
     plan = plan_for(3)

@@ -117,6 +117,7 @@ def labels(tree):
 # --- Per-leaf reductions, masks and labels ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_lamb_trust_ratios_sum_each_leaf_over_its_tensor_groups():
     data = list(batches(STEPS, batch=24))
     plan = tp_plan()
