@@ -85,11 +85,10 @@ def _check_split(spec: Any, shape: tuple[int, ...], block: tuple[int, int], *, s
     bad = _tp.misaligned_split(spec.tp, shape, block, stacked=stacked)
     if bad is None:
         return
-    d, t = bad
-    dims = spec.tp[1:] if stacked else spec.tp
+    d, t, axes = bad
     raise ValueError(
         f"vj.MixedPrecision(fp8_gather={block}): leaf {spec.path!r} of shape {spec.shape} is split over "
-        f"{'/'.join(dims[d])} into shards of {shape} (per layer), whose dim {d} ({shape[d]}) is not a "
+        f"{'/'.join(axes)} into shards of {shape} (per layer), whose dim {d} ({shape[d]}) is not a "
         f"multiple of the tile's {t}: the shards' tiles would not be tiles of the leaf. Choose a tile that "
         f"divides {shape[d]}, or leave that dim unsplit (tp=)."
     )

@@ -97,15 +97,16 @@ def normalize(
 
 def misaligned_split(
     dims: DimAxes, shape: tuple[int, ...], block: tuple[int, int], *, stacked: bool
-) -> tuple[int, int] | None:
+) -> tuple[int, int, tuple[str, ...]] | None:
     """The first of a shard's last two dims that is split over tensor / expert axes but not a multiple of the
-    2-D ``block``'s extent there, as ``(dim, extent)`` (``None`` if there is none): a shard whose edge blocks are
-    not blocks of the logical leaf. ``shape`` is the shard's per-layer shape; ``dims`` the leaf's split."""
+    2-D ``block``'s extent there, as ``(dim, extent, axes)`` (``None`` if there is none): a shard whose edge
+    blocks are not blocks of the logical leaf. ``shape`` is the shard's per-layer shape; ``dims`` the leaf's
+    split."""
     dims = dims[1:] if stacked and dims else dims
     for d in range(max(0, len(dims) - 2), len(dims)):
         extent = block[d - (len(dims) - 2)]
         if dims[d] and shape[d] % extent:
-            return d, extent
+            return d, extent, dims[d]
     return None
 
 

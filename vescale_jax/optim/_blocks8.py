@@ -184,11 +184,10 @@ def _check_split(spec: Any, shape: tuple[int, ...], block: tuple[int, int], *, s
     bad = _tp.misaligned_split(spec.tp, shape, block, stacked=stacked)
     if bad is None:
         return
-    d, blk = bad
-    dims = spec.tp[1:] if stacked else spec.tp
+    d, blk, axes = bad
     raise ValueError(
         f"vj.optim.adamw_8bit: leaf {spec.path!r} of shape {spec.shape} is split over "
-        f"{'/'.join(dims[d])} into shards of {shape} (per layer), whose dim {d} ({shape[d]}) is not a "
+        f"{'/'.join(axes)} into shards of {shape} (per layer), whose dim {d} ({shape[d]}) is not a "
         f"multiple of the {block[0]}x{block[1]} block's {blk}: the blocks of the shards would not be blocks "
         f"of the leaf. Choose a block that divides {shape[d]}, or keep the leaf in fp32 with min_size above "
         f"{math.prod(shape)}."
