@@ -6,7 +6,6 @@ the plan's axis on dim 0, everything else is replicated (state) or left as compu
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
@@ -15,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from vescale_jax._buffer import PerDevice, ShardedParams
 from vescale_jax._checks import check_sharded_params
-from vescale_jax._plan import Plan
+from vescale_jax._plan import Plan, _mesh_size
 
 __all__ = ["init_opt_state"]
 
@@ -44,8 +43,7 @@ def _per_device_sharding(node: PerDevice, plan: Plan) -> NamedSharding | None:
     carry it: no recompilation), else ``None``."""
     shape = tuple(getattr(node.value, "shape", None) or ())
     axes = node.axes
-    n = math.prod(plan.mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
-    if node.plan != plan or not shape or shape[0] % n:
+    if node.plan != plan or not shape or shape[0] % _mesh_size(plan.mesh, axes):
         return None
     return NamedSharding(plan.mesh, P(axes, *[None] * (len(shape) - 1)))
 
