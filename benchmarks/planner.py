@@ -9,7 +9,7 @@ parameters (offsets and ``S`` aligned to 16 bytes = 8 elements):
   :func:`vescale_jax.plan_bucket`. Every layout is also verified with ``BucketLayout.check()``.
 * **forced**: the same fraction for a lower bound ``S_lb`` on the optimal ``S`` of each bucket: the smallest
   ``S >= max(ceil(numel/m), largest block)`` that is a multiple of the alignment and of the block of every
-  tensor longer than ``2S`` (``vescale_jax._planner._Candidates``). No planner can pad less than this.
+  tensor longer than ``2S`` (``vescale_jax.layout._planner._Candidates``). No planner can pad less than this.
 * **FSDP2 dim-0**: padding of even dim-0 sharding (each tensor's dim 0, or its only dim, padded up to a
   multiple of ``m``; no alignment), over the whole model.
 * **max load / mean**: the largest, over buckets, of ``max(device load) / (numel/m)``, where a device's load
@@ -46,7 +46,7 @@ import numpy as np
 from model_configs import MODELS, Shape, buckets
 
 import vescale_jax as vj
-from vescale_jax._planner import _Candidates, _plan_bucket_cached
+from vescale_jax.layout._planner import _Candidates, _plan_bucket_cached
 
 DEVICE_COUNTS = (8, 64, 256, 1024)
 QUICK_DEVICE_COUNTS = (8, 256)

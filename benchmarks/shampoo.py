@@ -42,8 +42,8 @@ from jax.sharding import PartitionSpec as P
 
 import vescale_jax as vj
 from vescale_jax import testing
-from vescale_jax._buffer import PerDevice
-from vescale_jax._plan import default_unit
+from vescale_jax.layout._plan import default_unit
+from vescale_jax.state._sharded import PerDevice
 
 M, BLOCK, BOUND = 8, 128, 1.25
 MAIN = {"D": 1024, "F": 4096, "V": 8192, "L": 4}

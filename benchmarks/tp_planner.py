@@ -18,7 +18,7 @@ mode (``"auto"``, ``vj.plan``'s default, and ``"none"``: one bucket per layer an
 * **ragged**: the layout ``vj.plan`` builds: leaves grouped into buckets by ``(unit, dtype, group axes)`` (a
   bucket never mixes expert-split and replicated leaves; one unit per layer, embed / final_norm / lm_head
   their own), cut by ``split``, each bucket laid out by :func:`vescale_jax.plan_bucket` on its leaves'
-  TP/EP-local shapes (:func:`vescale_jax._tp.local_shape`) over the ``fsdp`` size. Padding over the whole model
+  TP/EP-local shapes (:func:`vescale_jax.layout._tp.local_shape`) over the ``fsdp`` size. Padding over the whole model
   (a grouped bucket counts its ``G`` group copies, a replicated leaf once, as ``Plan.padding_fraction``) and
   over the TP/EP-split leaves alone (the experts; Llama's split matrices): those leaves planned by themselves,
   which for the TP/EP configurations are exactly their buckets in the whole plan (checked). **S/device** is
@@ -69,8 +69,8 @@ sys.path.insert(0, HERE)
 from model_configs import buckets  # noqa: E402
 
 import vescale_jax as vj  # noqa: E402
-from vescale_jax._planner import _plan_bucket_cached  # noqa: E402
-from vescale_jax._tp import DimAxes, group_axes, local_shape, normalize  # noqa: E402
+from vescale_jax.layout._planner import _plan_bucket_cached  # noqa: E402
+from vescale_jax.layout._tp import DimAxes, group_axes, local_shape, normalize  # noqa: E402
 
 P = jax.sharding.PartitionSpec
 DTYPE = np.dtype(jax.numpy.bfloat16)
@@ -156,7 +156,7 @@ def configs() -> list[Config]:
 class Leaf:
     """One parameter as ``vj.plan`` sees it (in the tree's flattening order)."""
 
-    path: str  # "unit/param" as vescale_jax._plan.path_str writes it
+    path: str  # "unit/param" as vescale_jax.layout._plan.path_str writes it
     unit: str
     shape: tuple[int, ...]
     dims: DimAxes  # per dim the TP/EP axes (``()``: not split)

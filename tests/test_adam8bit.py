@@ -243,7 +243,7 @@ def test_padding_stays_zero_with_nan_gradients():
     u, state = jax.jit(tx.update)(g, state, sp)
     masks = [np.asarray(x) for x in vj.padding_mask(plan)] if hasattr(vj, "padding_mask") else None
     if masks is None:
-        from vescale_jax._padding import padding_mask
+        from vescale_jax.state._padding import padding_mask
 
         masks = [np.asarray(x) for x in padding_mask(plan)]
     for tree in (u, state.mu_codes, state.nu_codes, *vjo.adam_8bit_moments(state)):

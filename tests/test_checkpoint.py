@@ -25,8 +25,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import vescale_jax as vj
-from vescale_jax import _integrity, _logical
-from vescale_jax._buffer import PerDevice
+from vescale_jax.checkpoint import _integrity as _integrity
+from vescale_jax.relayout import _logical_leaves as _logical
+from vescale_jax.state._sharded import PerDevice
 from vescale_jax.testing import census, memory
 
 

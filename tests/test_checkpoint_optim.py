@@ -22,8 +22,8 @@ from test_relayout import (
 )
 
 import vescale_jax as vj
-from vescale_jax._buffer import ShardedParams
-from vescale_jax.optim._relayout import logical_view
+from vescale_jax.optim._state_layouts import logical_view
+from vescale_jax.state._sharded import ShardedParams
 
 
 @pytest.fixture(autouse=True, scope="module")

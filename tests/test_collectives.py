@@ -9,7 +9,7 @@ import pytest
 from conftest import make_mesh
 
 import vescale_jax as vj
-from vescale_jax import _collectives as collectives
+from vescale_jax.step import _wire as collectives
 
 V, D, L, T = 19, 6, 3, 5
 
@@ -130,7 +130,7 @@ def test_hsdp_replica_sum_does_not_depend_on_the_varying_axes_check():
 
 def test_apply_on_gathered_copies_takes_the_kernel_policy(monkeypatch):
     """vj.apply on the full copies of vj.accumulate(reduce="once") honours kernels= as on shards."""
-    from vescale_jax import _accumulate
+    from vescale_jax.step import _accumulate as _accumulate
 
     params = tiny_params()
     plan = vj.plan(params, make_mesh(2), stacked=("blocks",))
@@ -138,7 +138,7 @@ def test_apply_on_gathered_copies_takes_the_kernel_policy(monkeypatch):
     tok = vj.place_batch(tokens(4), plan)
     calls = []
     real = vj.kernels.unpack
-    monkeypatch.setattr(vj.kernels, "unpack", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(vj.kernels._ragged, "unpack", lambda *a, **k: calls.append(1) or real(*a, **k))
     outs = {
         mode: vj.apply(tiny_model, copies, tok, kernels=vj.kernels.KernelPolicy(mode=mode))
         for mode in ("xla", "pallas")

@@ -8,7 +8,7 @@ import pytest
 from conftest import make_mesh
 
 import vescale_jax as vj
-from vescale_jax.optim._compact import build_compact, compact, expand, on_leaves
+from vescale_jax.optim._on_leaves import build_compact, compact, expand, on_leaves
 
 
 def tree():

@@ -17,8 +17,8 @@ from conftest import make_mesh
 from flax import nnx
 
 import vescale_jax as vj
-from vescale_jax._planner import BucketLayout
 from vescale_jax.kernels import pack, pack_reference, unpack_reference
+from vescale_jax.layout._planner import BucketLayout
 
 
 def tree():

@@ -11,9 +11,9 @@ from flax import nnx
 from helpers import GPTConfig, abstract_model, batches, init_params, loss_fn
 
 import vescale_jax as vj
-from vescale_jax import _collectives as collectives
-from vescale_jax import _fp8 as fp8_tables
 from vescale_jax import testing
+from vescale_jax.step import _fp8 as fp8_tables
+from vescale_jax.step import _wire as collectives
 
 P = jax.sharding.PartitionSpec
 BLOCK = (16, 16)

@@ -10,7 +10,7 @@ from conftest import DEVICE_COUNTS, make_mesh
 from jax.sharding import PartitionSpec as P
 
 import vescale_jax as vj
-from vescale_jax._collectives import gather_bucket, gather_params
+from vescale_jax.step._wire import gather_bucket, gather_params
 
 
 @pytest.fixture(params=DEVICE_COUNTS, ids=lambda m: f"m{m}")

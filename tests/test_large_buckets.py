@@ -8,7 +8,7 @@ import pytest
 from conftest import make_mesh
 
 import vescale_jax as vj
-from vescale_jax.optim import _leaves as leaves
+from vescale_jax.optim import _leaf_tables as leaves
 
 
 def huge_plan(m):

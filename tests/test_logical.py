@@ -12,7 +12,7 @@ from conftest import make_mesh
 from helpers import assert_trees_close
 
 import vescale_jax as vj
-from vescale_jax._guards import PerLeafOnBucketsError
+from vescale_jax.state._guards import PerLeafOnBucketsError
 
 STEPS = 3
 
@@ -47,7 +47,7 @@ def setup(m):
 def sharded(m):
     """The params and grads of ``setup(m)`` as ShardedParams (one compile)."""
     params, plan, grads = setup(m)
-    shard = jax.jit(lambda xs: vj._buffer.pack(xs, plan), out_shardings=plan.shardings())
+    shard = jax.jit(lambda xs: vj.state._sharded.pack(xs, plan), out_shardings=plan.shardings())
     return [vj.ShardedParams(shard(jax.tree.leaves(t)), plan) for t in [params, *grads]]
 
 
@@ -66,7 +66,7 @@ def run_cases(cases, m, steps=STEPS):
                 u, s = tx.update(sg, s, p)
                 p = optax.apply_updates(p, u)
             full = [jax.reshard(x, jax.sharding.PartitionSpec()) for x in p.buffers]  # gathered, as vj.unshard
-            out[name] = (p_ref, jax.tree_util.tree_unflatten(plan.treedef, vj._buffer.unpack(full, plan)))
+            out[name] = (p_ref, jax.tree_util.tree_unflatten(plan.treedef, vj.state._sharded.unpack(full, plan)))
         return out
 
     with jax.set_mesh(plan.mesh):

@@ -11,8 +11,8 @@ from helpers import assert_trees_close, load_script
 import vescale_jax as vj
 import vescale_jax.optim as vjo
 from vescale_jax import testing
-from vescale_jax.optim._matrices import ns_macs, split_macs
-from vescale_jax.optim._muon import resolve_dimension_numbers
+from vescale_jax.optim._muon._matrices import ns_macs, split_macs
+from vescale_jax.optim._muon._transform import resolve_dimension_numbers
 
 STEPS = 10
 MDN = optax.contrib.MuonDimensionNumbers
@@ -78,11 +78,12 @@ def shard_fns(plan):
     """Cached (jitted once) shard / unshard for a plan: vj.shard / vj.unshard re-trace on every call."""
     replicated = jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec())
     pack = jax.jit(
-        lambda xs: vj.ShardedParams(vj._buffer.pack(jax.tree.leaves(xs), plan), plan),
+        lambda xs: vj.ShardedParams(vj.state._sharded.pack(jax.tree.leaves(xs), plan), plan),
         out_shardings=vj.ShardedParams(plan.shardings(), plan),
     )
     unpack_fn = jax.jit(
-        lambda bufs: jax.tree_util.tree_unflatten(plan.treedef, vj._buffer.unpack(bufs, plan)), out_shardings=replicated
+        lambda bufs: jax.tree_util.tree_unflatten(plan.treedef, vj.state._sharded.unpack(bufs, plan)),
+        out_shardings=replicated,
     )
     return pack, lambda sp: unpack_fn([jax.device_put(x, replicated) for x in sp.buffers])
 
@@ -320,7 +321,7 @@ def _simulate_routing(plan, routing, dims_tree):
     sizes = [int(np.prod(s)) for s in shapes]
     bases = np.cumsum([1, *sizes[:-1]])
     ids = [jnp.asarray(b + np.arange(n).reshape(s), jnp.float32) for b, n, s in zip(bases, sizes, shapes, strict=True)]
-    bufs = [jax.device_put(x, s) for x, s in zip(vj._buffer.pack(ids, plan), plan.shardings(), strict=True)]
+    bufs = [jax.device_put(x, s) for x, s in zip(vj.state._sharded.pack(ids, plan), plan.shardings(), strict=True)]
     devices = list(plan.mesh.devices.flat)
     local = [[None] * m for _ in bufs]
     for b, buf in enumerate(bufs):
@@ -371,7 +372,7 @@ def _simulate_routing(plan, routing, dims_tree):
 
 @pytest.mark.parametrize("m,granularity", [(3, None), (3, vj.rows(2)), (8, None), (8, vj.rows(2))])
 def test_run_tables_match_brute_force(m, granularity, monkeypatch):
-    from vescale_jax.optim import _runs as runs
+    from vescale_jax.optim._muon import _runs as runs
 
     shapes = jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s, jnp.float32), RUN_SHAPES, is_leaf=lambda x: isinstance(x, tuple)

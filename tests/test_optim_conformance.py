@@ -16,7 +16,7 @@ import pytest
 from conftest import make_mesh
 
 import vescale_jax as vj
-from vescale_jax._buffer import PerDevice
+from vescale_jax.state._sharded import PerDevice
 
 
 @pytest.fixture(autouse=True, scope="module")

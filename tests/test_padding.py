@@ -9,7 +9,7 @@ import pytest
 from conftest import make_mesh
 
 import vescale_jax as vj
-from vescale_jax._padding import has_padding
+from vescale_jax.state._padding import has_padding
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -8,7 +8,8 @@ from conftest import DEVICE_COUNTS, make_mesh
 from helpers import assert_trees_close
 
 import vescale_jax as vj
-from vescale_jax import _layers, testing
+from vescale_jax import testing
+from vescale_jax.step import _scan_layers as _layers
 
 L, D, F, B = 3, 128, 512, 24
 

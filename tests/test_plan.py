@@ -216,7 +216,7 @@ def test_plan_from_shape_dtype_structs_and_init_sharded_never_holds_the_model():
     model_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
     largest = max(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
     # The compiled init behind init_sharded: its transient memory stays near one leaf, not the model.
-    compiled = vj._buffer.init_sharded_fn(init, plan).lower(jax.random.key(0)).compile()
+    compiled = vj.state._sharded.init_sharded_fn(init, plan).lower(jax.random.key(0)).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
     assert temp < 0.75 * model_bytes, (temp, model_bytes)
     assert temp <= 1.25 * largest, (temp, largest)

@@ -10,7 +10,7 @@ from helpers import assert_trees_close
 
 import vescale_jax as vj
 from vescale_jax import testing
-from vescale_jax._uses import _segments
+from vescale_jax.step._point_of_use import _segments
 
 V, D, B, T = 61, 24, 24, 5
 

@@ -18,8 +18,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import vescale_jax as vj
-from vescale_jax._buffer import PerDevice
 from vescale_jax._cache import PLAN_CACHE_SIZE
+from vescale_jax.state._sharded import PerDevice
 
 
 def tree(seed=0):

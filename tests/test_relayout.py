@@ -12,10 +12,10 @@ from helpers import assert_trees_equal, edge_block_params
 import vescale_jax as vj
 import vescale_jax.optim as vjo
 from vescale_jax import testing
-from vescale_jax._buffer import PerDevice, ShardedParams
-from vescale_jax._plan import path_str
-from vescale_jax.optim._relayout import BlockLayout, CompactLayout, logical_view, restore_logical
-from vescale_jax.optim._shampoo import inverse_root
+from vescale_jax.layout._plan import path_str
+from vescale_jax.optim._shampoo._transform import inverse_root
+from vescale_jax.optim._state_layouts import BlockLayout, CompactLayout, logical_view, restore_logical
+from vescale_jax.state._sharded import PerDevice, ShardedParams
 
 BLOCK = 4
 BEFORE, AFTER = 2, 2  # steps before the move, and after it under both plans
@@ -85,7 +85,7 @@ def setup(opt, name):
             u, state = tx.update(g, state, sp)
             return optax.apply_updates(sp, u), state
 
-        shard = jax.jit(lambda t: vj._buffer.pack(jax.tree.leaves(t), plan), out_shardings=plan.shardings())
+        shard = jax.jit(lambda t: vj.state._sharded.pack(jax.tree.leaves(t), plan), out_shardings=plan.shardings())
         _CACHE[key] = plan, tx, step, lambda t: ShardedParams(shard(t), plan)
     return _CACHE[key]
 
@@ -93,7 +93,7 @@ def setup(opt, name):
 def logical(sp):
     """ShardedParams -> the logical tree as numpy (test helper; gathers everything)."""
     return jax.tree_util.tree_unflatten(
-        sp.plan.treedef, vj._buffer.unpack([np.asarray(b) for b in sp.buffers], sp.plan)
+        sp.plan.treedef, vj.state._sharded.unpack([np.asarray(b) for b in sp.buffers], sp.plan)
     )
 
 
@@ -279,7 +279,7 @@ def test_relayout_moves_pieces_in_bounded_memory(block):
     shapes = layout.logical_shapes()
     split = 0 if block % 8 else 1  # the dim the logical arrays are split on: blocks, or rows inside a block
     assert all(s.sharding.spec[split] == plan.axis for s in shapes.values()), shapes
-    from vescale_jax.optim._relayout import _from_logical_fn, _to_logical_fn
+    from vescale_jax.optim._state_layouts import _from_logical_fn, _to_logical_fn
 
     for compiled in (
         _to_logical_fn(layout).lower(value).compile(),
@@ -316,8 +316,8 @@ def test_relayout_errors_name_the_key_and_shapes():
 def test_exchange_moves_random_ragged_placements_exactly():
     """The piece exchange alone, against numpy: three tensors of two layers each, random (some empty) device
     ranges on both sides, packed at arbitrary offsets of the source and target buffers on 8 devices."""
-    from vescale_jax._layout import RaggedShard
-    from vescale_jax.optim._exchange import exchange as _exchange
+    from vescale_jax.layout._ragged import RaggedShard
+    from vescale_jax.relayout._exchange import exchange as _exchange
 
     m, layers = 8, 2
     rng = np.random.default_rng(5)

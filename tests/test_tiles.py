@@ -26,13 +26,13 @@ from jax.sharding import PartitionSpec as P
 
 import vescale_jax as vj
 import vescale_jax.optim as vjo
-from vescale_jax import _logical
-from vescale_jax import _tiles as tiles
-from vescale_jax._granularity import Granularity
-from vescale_jax.optim._blocks import build_blocks, gather_blocks
-from vescale_jax.optim._compact import build_compact, compact
-from vescale_jax.optim._leaves import local_vector
-from vescale_jax.optim._relayout import BlockLayout, CompactLayout
+from vescale_jax.layout import _tiles as tiles
+from vescale_jax.layout._granularity import Granularity
+from vescale_jax.optim._leaf_tables import local_vector
+from vescale_jax.optim._on_leaves import build_compact, compact
+from vescale_jax.optim._shampoo._blocks import build_blocks, gather_blocks
+from vescale_jax.optim._state_layouts import BlockLayout, CompactLayout
+from vescale_jax.relayout import _logical_leaves as _logical
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -494,7 +494,7 @@ def test_block_and_compact_layouts_of_a_tiles_plan_are_logical(m, other):
 
 # ------------------------------------------------------------------------------------------- Pallas kernels
 def test_pallas_pack_and_unpack_of_tiled_buckets_match_xla(monkeypatch):
-    from vescale_jax import _collectives as collectives
+    from vescale_jax.step import _wire as collectives
 
     tree = tree_of(3)
     plan = plan_of(tree, M, tiled_or_element())
@@ -502,7 +502,9 @@ def test_pallas_pack_and_unpack_of_tiled_buckets_match_xla(monkeypatch):
     calls = {"pack": [], "unpack": []}
     for name in calls:
         real = getattr(vj.kernels, name)
-        monkeypatch.setattr(vj.kernels, name, lambda *a, _r=real, _n=name, **k: calls[_n].append(a[1]) or _r(*a, **k))
+        monkeypatch.setattr(
+            vj.kernels._ragged, name, lambda *a, _r=real, _n=name, **k: calls[_n].append(a[1]) or _r(*a, **k)
+        )
     for bucket in plan.buckets:
         lead = () if bucket.layers is None else (bucket.layers,)
         xs = [jnp.asarray(leaves[i]) for i in bucket.leaves]
@@ -530,7 +532,7 @@ def test_pallas_kernels_on_a_tiles_plan_give_identical_gradients(monkeypatch, re
     batch = {"x": np.arange(48).reshape(6, 8) % cfg.vocab, "y": (np.arange(48).reshape(6, 8) + 1) % cfg.vocab}
     calls = []
     real = vj.kernels.unpack
-    monkeypatch.setattr(vj.kernels, "unpack", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    monkeypatch.setattr(vj.kernels._ragged, "unpack", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
     results = {}
     for policy in (vj.kernels.KernelPolicy(mode="xla"), vj.kernels.KernelPolicy(mode="pallas", interpret=True)):
 

@@ -122,11 +122,12 @@ def shard_fns(plan):
     """Shard / unshard for a plan, jitted once (vj.shard / vj.unshard re-trace on every call)."""
     replicated = jax.sharding.NamedSharding(plan.mesh, P())
     pack = jax.jit(
-        lambda xs: vj.ShardedParams(vj._buffer.pack(jax.tree.leaves(xs), plan), plan),
+        lambda xs: vj.ShardedParams(vj.state._sharded.pack(jax.tree.leaves(xs), plan), plan),
         out_shardings=vj.ShardedParams(plan.shardings(), plan),
     )
     unpack = jax.jit(
-        lambda bufs: jax.tree_util.tree_unflatten(plan.treedef, vj._buffer.unpack(bufs, plan)), out_shardings=replicated
+        lambda bufs: jax.tree_util.tree_unflatten(plan.treedef, vj.state._sharded.unpack(bufs, plan)),
+        out_shardings=replicated,
     )
     return pack, lambda sp: unpack([jax.device_put(x, replicated) for x in sp.buffers])
 

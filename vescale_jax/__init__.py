@@ -8,20 +8,20 @@ estimates). Every other module is private.
 """
 
 from vescale_jax import checkpoint, distributed, flax, kernels, optim, quant, redistribute, testing
-from vescale_jax._accumulate import accumulate
-from vescale_jax._batch import data_sharding, place_batch
-from vescale_jax._buffer import PerDevice, ShardedParams, init_sharded, shard, unshard
-from vescale_jax._fsdp import apply, fsdp
-from vescale_jax._granularity import Granularity, element, rows, tiles, whole
-from vescale_jax._guards import PerLeafOnBucketsError
-from vescale_jax._layers import LayerShard, scan_layers
-from vescale_jax._layout import RaggedShard
-from vescale_jax._padding import apply_updates, global_norm, tree_map, zero_padding
-from vescale_jax._plan import Bucket, LeafSpec, Plan, plan
-from vescale_jax._plan import path_str as plan_path
-from vescale_jax._planner import BucketLayout, plan_bucket
-from vescale_jax._precision import MixedPrecision
-from vescale_jax._state import init_opt_state
+from vescale_jax.layout._granularity import Granularity, element, rows, tiles, whole
+from vescale_jax.layout._plan import Bucket, LeafSpec, Plan, plan
+from vescale_jax.layout._plan import path_str as plan_path
+from vescale_jax.layout._planner import BucketLayout, plan_bucket
+from vescale_jax.layout._ragged import RaggedShard
+from vescale_jax.state._guards import PerLeafOnBucketsError
+from vescale_jax.state._padding import apply_updates, global_norm, tree_map, zero_padding
+from vescale_jax.state._placement import init_opt_state
+from vescale_jax.state._sharded import PerDevice, ShardedParams, init_sharded, shard, unshard
+from vescale_jax.step._accumulate import accumulate
+from vescale_jax.step._batch import data_sharding, place_batch
+from vescale_jax.step._fsdp import apply, fsdp
+from vescale_jax.step._precision import MixedPrecision
+from vescale_jax.step._scan_layers import LayerShard, scan_layers
 
 __all__ = [
     "Bucket",

@@ -13,9 +13,9 @@ from typing import Any
 
 import jax
 
-from vescale_jax._buffer import ShardedParams
-from vescale_jax._fsdp import apply
-from vescale_jax._layers import scan_layers
+from vescale_jax.state._sharded import ShardedParams
+from vescale_jax.step._fsdp import apply
+from vescale_jax.step._scan_layers import scan_layers
 
 __all__ = ["linen_apply", "nnx_apply", "nnx_scan_layers", "partition_specs"]
 

@@ -15,8 +15,8 @@ from typing import Any, Literal
 
 import jax
 
-from vescale_jax._planner import BucketLayout
 from vescale_jax.kernels._ragged import BACKENDS, choose_backend
+from vescale_jax.layout._planner import BucketLayout
 
 __all__ = ["Implementation", "KernelPolicy"]
 

@@ -29,7 +29,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from vescale_jax._planner import BucketLayout
 from vescale_jax.kernels._reference import (
     Scale,
     _check_leaves,
@@ -40,6 +39,7 @@ from vescale_jax.kernels._reference import (
     unpack_reference,
 )
 from vescale_jax.kernels._schedule import ZERO, Schedule, pack_schedule, unpack_schedule
+from vescale_jax.layout._planner import BucketLayout
 
 __all__ = [
     "DEFAULT_CHUNK",

@@ -2,17 +2,14 @@
 ``vj.optim.adamw_8bit`` and their primitives, the inspection tools ``muon_routing`` and ``shampoo_blocks``, and
 the optimizer-state relayout (``logical_view``, ``restore_logical``)."""
 
-from vescale_jax.optim._adam8bit import (
+from vescale_jax.optim._adam8bit._transform import (
     ScaleByAdam8bitState,
     ScaleLayout,
     adam_8bit_moments,
     adamw_8bit,
     scale_by_adam_8bit,
 )
-from vescale_jax.optim._logical import adamw, add_decayed_weights, masked, multi_transform, partition
-from vescale_jax.optim._muon import MuonDimensionNumbers, MuonState, muon, muon_routing, scale_by_muon, scale_by_shape
-from vescale_jax.optim._relayout import BlockLayout, CompactLayout, logical_view, restore_logical
-from vescale_jax.optim._segments import (
+from vescale_jax.optim._leaf_reductions import (
     clip_by_block_rms,
     clip_by_global_norm,
     lamb,
@@ -24,7 +21,17 @@ from vescale_jax.optim._segments import (
     scale_by_trust_ratio,
     scale_leaves,
 )
-from vescale_jax.optim._shampoo import ShampooState, scale_by_shampoo, shampoo, shampoo_blocks
+from vescale_jax.optim._masks import adamw, add_decayed_weights, masked, multi_transform, partition
+from vescale_jax.optim._muon._transform import (
+    MuonDimensionNumbers,
+    MuonState,
+    muon,
+    muon_routing,
+    scale_by_muon,
+    scale_by_shape,
+)
+from vescale_jax.optim._shampoo._transform import ShampooState, scale_by_shampoo, shampoo, shampoo_blocks
+from vescale_jax.optim._state_layouts import BlockLayout, CompactLayout, logical_view, restore_logical
 
 __all__ = [
     "BlockLayout",

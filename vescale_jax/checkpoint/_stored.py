@@ -1,0 +1,288 @@
+"""How a training state is stored: ``ShardedParams`` as logical trees, ``PerDevice`` through its layout, checksums.
+
+Turns ``params`` / an optimizer state into the trees Orbax writes (nested dicts keyed by key path; zero-size
+leaves as ``None``, since Orbax refuses empty arrays) and back, given restore templates. Used by
+:mod:`vescale_jax.checkpoint`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from vescale_jax.checkpoint import _integrity as _integrity
+from vescale_jax.layout._plan import Plan
+from vescale_jax.optim._state_layouts import check_layout_groups
+from vescale_jax.relayout import _logical_leaves as _logical
+from vescale_jax.state._sharded import PerDevice, ShardedParams
+
+__all__ = [
+    "abstract_logical",
+    "check_layout_groups",
+    "first_plan",
+    "logical_and_sums",
+    "logical_tree",
+    "opt_state_items",
+    "opt_state_target",
+    "pack",
+    "rebuild_state",
+    "storable",
+]
+
+OPT = "opt_state"
+
+# ------------------------------------------------------------------------------------------------ key paths
+_name, _raw_path = _integrity.key_name, _integrity.raw_path
+
+
+def is_node(x: Any) -> bool:
+    return isinstance(x, (ShardedParams, PerDevice))
+
+
+def nest(items: list[tuple[list[str], Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for parts, value in items:
+        d = out
+        for p in parts[:-1]:
+            d = d.setdefault(p, {})
+        d[parts[-1] if parts else "value"] = value
+    return out
+
+
+# --------------------------------------------------------------------------------------- logical conversion
+def _leaf_paths(plan: Plan, prefix: str = "") -> list[str]:
+    flat, _ = jax.tree_util.tree_flatten_with_path(jax.tree_util.tree_unflatten(plan.treedef, range(len(plan.leaves))))
+    return [prefix + _raw_path(p) for p, _ in flat]
+
+
+def _named(plan: Plan, sums: np.ndarray, prefix: str = "") -> dict[str, list[int]]:
+    return {p: [int(v) for v in row] for p, row in zip(_leaf_paths(plan, prefix), sums, strict=True)}
+
+
+def logical_and_sums(params: ShardedParams, prefix: str = "") -> tuple[Any, dict[str, list[int]]]:
+    plan = params.plan
+    leaves, sums = _logical.to_logical(params.buffers, plan)
+    return jax.tree_util.tree_unflatten(plan.treedef, leaves), _named(plan, sums, prefix)
+
+
+def logical_tree(params: ShardedParams) -> Any:
+    """The logical parameter tree of ``params``, each leaf a global array evenly sharded for storage.
+
+    Args:
+      params: sharded parameters (or any parameter-shaped optimizer state).
+
+    Returns:
+      A tree of ``params.plan``'s structure (e.g. an NNX ``State``) whose leaves equal ``vj.unshard(params)``'s.
+
+    Sharding:
+      Each leaf is split over the plan's devices on its largest dim sharing the most factors with the device
+      count (replicated only if none does); the buckets are converted by one all-to-all per leaf, never gathered.
+      A leaf split over tensor / expert axes keeps that split (major) and its TP shard is split so inside each
+      group: its shape is still the full logical one.
+    """
+    return logical_and_sums(params)[0]
+
+
+def abstract_logical(plan: Plan, buffers: Sequence[Any] | None = None) -> Any:
+    """The restore target of :func:`logical_tree`: ``jax.ShapeDtypeStruct`` leaves with storage shardings.
+
+    ``buffers`` (e.g. a parameter-shaped optimizer state's) give each bucket's dtype; default the plan's.
+    """
+    shardings = _logical.logical_shardings(plan)
+    dtypes = [np.dtype(s.dtype if buffers is None else buffers[s.bucket].dtype) for s in plan.leaves]
+    leaves = [
+        jax.ShapeDtypeStruct(s.shape, d, sharding=sh) for s, d, sh in zip(plan.leaves, dtypes, shardings, strict=True)
+    ]
+    return jax.tree_util.tree_unflatten(plan.treedef, leaves)
+
+
+def storable(tree: Any) -> Any:
+    """Zero-size leaves as ``None`` (Orbax refuses to write an empty array; there is nothing to store)."""
+    return jax.tree.map(lambda x: None if 0 in tuple(x.shape) else x, tree)
+
+
+def pack(
+    tree: Any,
+    plan: Plan,
+    expected: Mapping[str, list[int]] | None = None,
+    *,
+    prefix: str = "",
+    item: str = "params",
+    where: str = "",
+    buffers: Sequence[Any] | None = None,
+) -> ShardedParams:
+    """Packs restored logical leaves into ``plan``'s buckets, checking their checksums against ``expected``."""
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: x is None)
+    if len(leaves) != len(plan.leaves):
+        raise ValueError(f"vj.checkpoint: restored {len(leaves)} leaves for a plan of {len(plan.leaves)}.")
+    dtypes = [s.dtype if buffers is None else buffers[s.bucket].dtype for s in plan.leaves]
+    leaves = [
+        jax.numpy.zeros(s.shape, d) if x is None else x for x, s, d in zip(leaves, plan.leaves, dtypes, strict=True)
+    ]
+    buffers, sums = _logical.from_logical(leaves, plan)
+    if expected is not None:
+        _integrity.compare(_named(plan, sums, prefix), expected, item=item, where=where)
+    return ShardedParams(buffers, plan)
+
+
+def _replicated(plan: Plan) -> NamedSharding:
+    return NamedSharding(plan.mesh, P())
+
+
+def opt_state_items(opt_state: Any) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, list[int]]]:
+    """``opt_state`` as a nested dict of storable values, the JSON description of each node, its checksums."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=is_node)
+    items, info, others, sums = [], [], [], {}
+    for path, node in flat:
+        parts, name = [_name(k) for k in path], _raw_path(path)
+        if isinstance(node, ShardedParams):
+            tree, node_sums = logical_and_sums(node, prefix=name + "/")
+            items.append((parts, storable(tree)))
+            sums.update(node_sums)
+            info.append({"path": name, "kind": "sharded", "plan": node.plan.fingerprint()})
+            continue
+        if isinstance(node, PerDevice):
+            layout = getattr(node, "layout", None)
+            if layout is not None:
+                check_layout_groups(node, name)
+                value: Any = dict(layout.to_logical(node.value))
+                info.append({"path": name, "kind": "per_device_logical", "layout": type(layout).__name__})
+            else:
+                value = node.value
+                info.append(
+                    {
+                        "path": name,
+                        "kind": "per_device",
+                        "plan": node.plan.fingerprint(),
+                        "shape": list(node.value.shape),
+                    }
+                )
+        else:
+            # A process-local jax.Array (e.g. a scalar made outside jit) cannot be written as a global array in a
+            # multi-process job: it is the same on every process, so store it as host data.
+            is_global = isinstance(node, jax.Array) and (jax.process_count() == 1 or not node.is_fully_addressable)
+            value = node if is_global else np.asarray(node)
+            info.append({"path": name, "kind": "array"})
+        items.append((parts, value))
+        others.append((parts, value))
+    sums.update(_integrity.checksums(nest(others)))
+    return nest(items), info, sums
+
+
+def _abstract(x: Any, sharding: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(x.shape), np.dtype(x.dtype), sharding=sharding)
+
+
+def opt_state_target(template: Any, saved: Mapping[str, dict[str, Any]], default: Plan) -> tuple[dict, list]:
+    """The Orbax restore target of an optimizer-state template, and how to rebuild each node."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(template, is_leaf=is_node)
+    items, rebuild = [], []
+    for path, node in flat:
+        parts, name = [_name(k) for k in path], _raw_path(path)
+        stored = saved.get(name)
+        if stored is None:
+            raise ValueError(
+                f"vj.checkpoint: optimizer-state leaf {name!r} of the target template is not in the checkpoint "
+                f"(it holds {sorted(saved)[:8]}); build the template with the optimizer the checkpoint was saved "
+                "with, or restore params only (opt_state=None) and re-initialise the optimizer."
+            )
+        if isinstance(node, ShardedParams):
+            if stored["kind"] != "sharded":
+                raise ValueError(
+                    f"vj.checkpoint: optimizer-state leaf {name!r} was saved as {stored['kind']}, the "
+                    "template has parameter-shaped ShardedParams there; use the same optimizer."
+                )
+            items.append((parts, storable(abstract_logical(node.plan, node.buffers))))
+            rebuild.append(("sharded", node))
+        elif isinstance(node, PerDevice):
+            layout = getattr(node, "layout", None)
+            if layout is not None:
+                check_layout_groups(node, name)
+                if stored["kind"] != "per_device_logical":
+                    raise ValueError(
+                        f"vj.checkpoint: optimizer-state leaf {name!r} was saved by device index (its PerDevice "
+                        "had no layout), so it can only be restored into the identical plan; restore with the "
+                        "saved plan, or re-initialise this state."
+                    )
+                shapes = {
+                    k: _abstract(
+                        s,
+                        s.sharding
+                        if getattr(s, "sharding", None) is not None
+                        else _logical.storage_sharding(s.shape, node.plan, stacked=False),
+                    )
+                    for k, s in layout.logical_shapes(node.value.dtype).items()
+                }
+                items.append((parts, shapes))
+                rebuild.append(("per_device_logical", node))
+            else:
+                if stored["kind"] != "per_device" or stored["plan"] != node.plan.fingerprint():
+                    raise ValueError(
+                        f"vj.checkpoint: optimizer-state leaf {name!r} is a PerDevice array without a layout: it is "
+                        f"stored by device index and restores only into the plan it was saved with (saved shape "
+                        f"{tuple(stored.get('shape', ()))}, target {tuple(node.value.shape)}, same plan: "
+                        f"{stored.get('plan') == node.plan.fingerprint()}). Give its PerDevice a layout (to_logical "
+                        "/ from_logical) to re-place it under another plan, restore into the saved plan, or restore "
+                        "params only and re-initialise the optimizer."
+                    )
+                spec = P(node.plan.axis, *[None] * (len(node.value.shape) - 1))
+                items.append((parts, _abstract(node.value, NamedSharding(node.plan.mesh, spec))))
+                rebuild.append(("per_device", node))
+        else:
+            sharding = getattr(node, "sharding", None)
+            # jax.eval_shape templates on Explicit axes carry shardings over an AbstractMesh: not placeable.
+            if not isinstance(sharding, jax.sharding.Sharding) or isinstance(
+                getattr(sharding, "mesh", None), jax.sharding.AbstractMesh
+            ):
+                sharding = _replicated(default)
+            items.append((parts, _abstract(np.asarray(node) if not hasattr(node, "shape") else node, sharding)))
+            rebuild.append(("array", node))
+    return nest(items), rebuild
+
+
+def rebuild_state(
+    template: Any, restored: dict[str, Any], rebuild: list, expected: Mapping[str, list[int]], where: str
+) -> Any:
+    flat, treedef = jax.tree_util.tree_flatten_with_path(template, is_leaf=is_node)
+    out, others = [], []
+    for (path, _), (kind, node) in zip(flat, rebuild, strict=True):
+        value: Any = restored
+        for k in path:
+            value = value[_name(k)]
+        if kind == "sharded":
+            out.append(
+                pack(
+                    value,
+                    node.plan,
+                    expected,
+                    prefix=_raw_path(path) + "/",
+                    item=OPT,
+                    where=where,
+                    buffers=node.buffers,
+                )
+            )
+            continue
+        others.append(([_name(k) for k in path], value))
+        if kind == "per_device_logical":
+            children = [node.layout.from_logical(dict(value))]
+            out.append(jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(node), children))
+        elif kind == "per_device":
+            out.append(jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(node), [value]))
+        else:
+            out.append(value)
+    _integrity.compare(_integrity.checksums(nest(others)), expected, item=OPT, where=where)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def first_plan(tree: Any) -> Plan:
+    for node in jax.tree_util.tree_leaves(tree, is_leaf=is_node):
+        if is_node(node):
+            return node.plan
+    raise ValueError(
+        "vj.checkpoint: pass params= (the target plan) to place an optimizer state without ShardedParams in it."
+    )

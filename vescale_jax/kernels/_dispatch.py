@@ -1,0 +1,125 @@
+"""Pack and unpack by policy: XLA's slices and concatenate (the kernels' reference) or the Pallas kernels.
+
+:func:`pack` lays a bucket's leaves into its flat buffer (padding zero), :func:`unpack` reads them back by static
+slices; :func:`unpack_differentiable` is an unpack whose transpose is a pack. A :class:`KernelPolicy` picks the
+implementation per layout and dtype; the XLA path is :func:`pack_reference` / :func:`unpack_reference`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from vescale_jax.kernels import _ragged
+from vescale_jax.kernels._policy import KernelPolicy
+from vescale_jax.layout import _tiles as tiles
+from vescale_jax.layout._planner import BucketLayout
+
+__all__ = ["DEFAULT_KERNELS", "pack", "unpack", "unpack_differentiable"]
+
+DEFAULT_KERNELS = KernelPolicy()
+"""XLA's slices and concatenate (the policy's defaults; immutable, so one shared instance)."""
+
+
+def _how(policy: KernelPolicy, layout: BucketLayout, src: Any, dst: Any) -> tuple[str, dict[str, Any]]:
+    impl = policy.implementation(layout, src, dst)
+    if impl == "xla":
+        return "xla", {}
+    if impl == "interpret":
+        return "pallas", {"interpret": True}
+    return "pallas", {"interpret": False, "backend": impl}
+
+
+def unpack(
+    full: jax.Array,
+    layout: BucketLayout,
+    shapes: Sequence[tuple[int, ...]],
+    *,
+    kernels_policy: KernelPolicy,
+    storage: Sequence[Any] = (),
+) -> list[jax.Array]:
+    """Slot ``i`` of a full ``(..., total_size)`` buffer: ``full[..., o:o+n].reshape(shapes[i])``.
+
+    Leading dims (the layers of a stacked bucket) are mapped over; ``shapes`` then include them. ``storage``
+    (a bucket's ``storage``) names the slots stored tile-major: they are sliced flat, then relaid out."""
+    shapes = [tuple(s) for s in shapes]
+    lead = full.shape[:-1]
+    if any(storage):
+        flat = unpack(full, layout, [(*lead, n) for n in layout.sizes], kernels_policy=kernels_policy)
+        return [
+            jnp.reshape(x, s) if g is None else tiles.from_storage(x, s[len(lead) :], g, jnp)
+            for x, s, g in zip(flat, shapes, storage, strict=True)
+        ]
+    if lead:
+        per = [s[len(lead) :] for s in shapes]
+        fn = lambda f: unpack(f, layout, per, kernels_policy=kernels_policy)
+        for _ in lead:
+            fn = jax.vmap(fn)
+        return list(fn(full))
+    how, kw = _how(kernels_policy, layout, full.dtype, full.dtype)
+    if how == "xla":
+        return _ragged.unpack_reference(full, layout, shapes)
+    return _ragged.unpack(full, layout, shapes, **kw)
+
+
+def pack(
+    leaves: Sequence[jax.Array],
+    layout: BucketLayout,
+    *,
+    dtype: Any,
+    kernels_policy: KernelPolicy,
+    lead: tuple[int, ...] = (),
+    storage: Sequence[Any] = (),
+) -> jax.Array:
+    """The ``(*lead, total_size)`` buffer of ``leaves`` (cast to ``dtype``), padding zero.
+
+    Args:
+      leaves: one array per slot with ``lead + (anything with layout.sizes[i] elements)`` shape (a slot
+        stored tile-major: ``lead + its logical shape``).
+      layout: the bucket layout.
+      dtype: the buffer's dtype (the cast is fused into the kernel).
+      kernels_policy: XLA's concatenate or the Pallas pack kernel.
+      lead: leading dims mapped over (the layers of a stacked bucket).
+      storage: a bucket's ``storage``: the slots laid out tile-major before packing.
+    """
+    if any(storage):
+        leaves = [
+            x if g is None else tiles.to_storage(x, x.shape[len(lead) :], g, jnp)
+            for x, g in zip(leaves, storage, strict=True)
+        ]
+    if lead:
+        fn = lambda *xs: pack(xs, layout, dtype=dtype, kernels_policy=kernels_policy, lead=lead[1:])
+        return jax.vmap(fn)(*leaves)
+    how, kw = _how(kernels_policy, layout, leaves[0].dtype if leaves else dtype, dtype)
+    if how == "xla":
+        return _ragged.pack_reference(list(leaves), layout, dtype=dtype)
+    return _ragged.pack(list(leaves), layout, dtype=dtype, **kw)
+
+
+def unpack_differentiable(
+    full: jax.Array,
+    layout: BucketLayout,
+    shapes: Sequence[tuple[int, ...]],
+    *,
+    kernels_policy: KernelPolicy,
+    storage: Sequence[Any] = (),
+) -> list[jax.Array]:
+    """:func:`unpack` whose transpose is :func:`pack` (one concatenate or one kernel), padding zero."""
+    shapes = tuple(tuple(s) for s in shapes)
+    lead = tuple(full.shape[:-1])
+
+    @jax.custom_vjp
+    def run(f):
+        return unpack(f, layout, shapes, kernels_policy=kernels_policy, storage=storage)
+
+    def fwd(f):
+        return run(f), None
+
+    def bwd(_, cts):
+        return (pack(cts, layout, dtype=full.dtype, kernels_policy=kernels_policy, lead=lead, storage=storage),)
+
+    run.defvjp(fwd, bwd)
+    return list(run(full))

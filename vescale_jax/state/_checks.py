@@ -1,0 +1,66 @@
+"""Checks on sharded state passed to the public functions: each names what was passed and the fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from vescale_jax.state._containers import GatheredParams, PerDevice, ShardedParams
+
+__all__ = ["check_sharded_params", "check_state_not_logical", "plan_states"]
+
+
+def check_sharded_params(x: Any, fn: str, *, what: str = "params") -> None:
+    """TypeError unless ``x`` is a ``vj.ShardedParams`` (the fix depends on what was passed instead)."""
+
+    if isinstance(x, ShardedParams):
+        return
+    if isinstance(x, GatheredParams | PerDevice):
+        hint = f"a {type(x).__name__} is internal state, not parameters; pass the vj.ShardedParams instead."
+    elif x is None:
+        hint = "build them with vj.shard(params, plan) or vj.init_sharded(init_fn, plan, key)."
+    else:
+        inner = [
+            type(v).__name__
+            for v in jax.tree.leaves(x, is_leaf=lambda v: isinstance(v, ShardedParams))
+            if isinstance(v, ShardedParams)
+        ]
+        hint = (
+            "it holds a vj.ShardedParams inside; pass that one, not the container."
+            if inner
+            else "a logical tree is not sharded yet: pass vj.shard(params, plan) (or vj.init_sharded(init_fn, "
+            "plan, key))."
+        )
+    raise TypeError(f"{fn}: {what} must be a vj.ShardedParams, got {type(x).__name__}; {hint}")
+
+
+def plan_states(tree: Any) -> list[tuple[str, Any]]:
+    """``(key path, node)`` of every ``ShardedParams`` / ``PerDevice`` inside an optimizer-state tree."""
+
+    kinds = ShardedParams | PerDevice
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda v: isinstance(v, kinds))[0]
+    return [(jax.tree_util.keystr(p) or "<root>", v) for p, v in flat if isinstance(v, kinds)]
+
+
+def check_state_not_logical(opt_state: Any, plan: Any) -> None:
+    """ValueError if the optimizer state holds the plan's *logical* tree (``tx.init`` ran on unsharded params)."""
+    if plan.treedef.num_leaves < 2 or plan_states(opt_state):  # state built on the shards: nothing to say
+        return
+    shapes = [s.shape for s in plan.leaves]
+
+    def logical(x: Any) -> bool:
+        try:
+            flat, treedef = jax.tree.flatten(x)
+        except Exception:
+            return False
+        return treedef == plan.treedef and [tuple(np.shape(v)) for v in flat] == shapes
+
+    for path, node in jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=logical)[0]:
+        if logical(node):
+            raise ValueError(
+                f"vj.fsdp: opt_state{jax.tree_util.keystr(path)} has the structure of the logical parameter tree: the "
+                "optimizer state was initialised on the unsharded params (tx.init(params)); initialise it on the "
+                "ShardedParams: opt_state = vj.init_opt_state(tx, params)."
+            )

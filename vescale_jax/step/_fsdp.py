@@ -1,0 +1,395 @@
+"""The FSDP train-step transform: ``vj.fsdp`` and ``vj.apply``.
+
+A ``vj.fsdp`` step is traced at the global level: parameters (:class:`ShardedParams`) and optimizer state are
+flat buffers sharded over the plan's axis, so element-wise Optax transforms run on the shards unchanged and
+reductions such as a global norm are global (the partitioner adds a scalar all-reduce). The model itself runs
+through :func:`apply`, a ``shard_map`` over the mesh in which each device sees its batch shard and gathers the
+parameters it needs. Every collective on parameters and gradients is in :mod:`vescale_jax.step._wire`:
+
+* every non-stacked bucket is all-gathered at its point of use (:mod:`._point_of_use`: the model's jaxpr cut
+  into segments by parameter reads); with reshard-after-forward (the default) the backward gathers it again,
+  after reduce-scattering its gradient where the segment is affine in it;
+* stacked layer groups stay as :class:`vescale_jax.LayerShard` stand-ins that :func:`vescale_jax.scan_layers`
+  gathers one layer per loop iteration (a cut layer's backward in two halves, :mod:`vescale_jax.step._layer_split`);
+* the transpose of each gather is one reduce-scatter of the packed gradient into the local shard, so ``grads``
+  come back as a :class:`ShardedParams` in the same layout, with exactly zero gradient in the padding.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from vescale_jax.kernels import KernelPolicy
+from vescale_jax.layout._checks import int_grad_message, plan_difference
+from vescale_jax.layout._plan import Plan
+from vescale_jax.state._checks import check_sharded_params, check_state_not_logical, plan_states
+from vescale_jax.state._containers import GatheredParams, ShardedParams
+from vescale_jax.state._padding import zero_padding
+from vescale_jax.state._placement import _constrain_outputs
+from vescale_jax.step._batch import _axes, _check_batch, _check_placed, _data_size, data_sharding, place_batch
+from vescale_jax.step._checks import check_kernel_policy, check_microbatches, check_precision_type, check_step_outputs
+from vescale_jax.step._fp32_grads import widened
+from vescale_jax.step._point_of_use import at_point_of_use
+from vescale_jax.step._policy import _OPTIONS, _Options, _options
+from vescale_jax.step._precision import MixedPrecision
+from vescale_jax.step._scan_layers import LayerShard
+from vescale_jax.step._wire import Gather, unpack_copies
+
+__all__ = ["apply", "fsdp"]
+
+
+def _check_params(params: Any, plan: Plan, what: str = "params", fn: str = "vj.fsdp") -> None:
+    check_sharded_params(params, fn, what=what)
+    if params.plan != plan:
+        raise ValueError(
+            f"{fn}: {what} were sharded with another plan (fingerprint {params.plan.fingerprint()[:12]}, expected "
+            f"{plan.fingerprint()[:12]}: {plan_difference(params.plan, plan)}); re-shard them with this plan "
+            "(vj.shard(vj.unshard(params), plan)) or compile the step with plan=params.plan."
+        )
+    for bucket, buf in zip(plan.buckets, params.buffers, strict=True):
+        if tuple(getattr(buf, "shape", ())) != bucket.shape or np.dtype(buf.dtype) != np.dtype(bucket.dtype):
+            raise ValueError(
+                f"vj.fsdp: {what} buffer of bucket {bucket.name!r} has shape {tuple(buf.shape)} {buf.dtype}, the plan "
+                f"expects {bucket.shape} {bucket.dtype}."
+            )
+
+
+def _check_not_donated(params: ShardedParams, opt_state: Any, *rest: Any) -> None:
+    """Raises, naming the bucket or state leaf, on an input whose buffers were deleted (donated to an earlier
+    step): executing a step on them crashes the process instead of raising."""
+    names = [f"the buffer of bucket {b.name!r}" for b in params.plan.buckets]
+    trees = [("params", "these params", list(zip(names, params.buffers, strict=True)))]
+    for what, tree in (("opt_state", opt_state), ("batch", rest[0] if rest else None), ("extra argument", rest[1:])):
+        leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+        trees.append(
+            (what, f"this {what}", [(f"{what} leaf {jax.tree_util.keystr(p) or '<root>'}", x) for p, x in leaves])
+        )
+    for what, these, named in trees:
+        for name, leaf in named:
+            if isinstance(leaf, jax.Array) and leaf.is_deleted():
+                one = "ones" if what == "params" else "one"
+                raise ValueError(
+                    f"vj.fsdp: {these} {'were' if what == 'params' else 'was'} donated to the last step; use the "
+                    f"returned {one} ({name} is deleted). The step donates params and opt_state: write "
+                    "`params, opt_state, ... = step(params, opt_state, batch)`, or compile with donate=False to "
+                    "keep the inputs."
+                )
+
+
+def _check_opt_state(opt_state: Any, plan: Plan) -> None:
+    """Every ``ShardedParams`` / ``PerDevice`` in the optimizer state must belong to the step's plan."""
+    for path, node in plan_states(opt_state):
+        if node.plan != plan:
+            raise ValueError(
+                f"vj.fsdp: opt_state{path} is a {type(node).__name__} of another plan "
+                f"({plan_difference(node.plan, plan)}); build the state from this step's params: "
+                "opt_state = vj.init_opt_state(tx, params)."
+            )
+
+
+def _check_precision(precision: MixedPrecision | None, plan: Plan, fn: str = "vj.fsdp") -> None:
+    check_precision_type(precision, fn)
+    if precision is None or precision.master_dtype is None:
+        return
+    for bucket in plan.buckets:
+        if jnp.issubdtype(np.dtype(bucket.dtype), jnp.floating) and bucket.dtype != precision.master_dtype:
+            raise ValueError(
+                f"vj.fsdp: bucket {bucket.name!r} holds {bucket.dtype} parameters but the policy's master dtype is "
+                f"{precision.master_dtype}; plan and shard the parameters in {precision.master_dtype} "
+                "(e.g. jax.tree.map(lambda x: x.astype(...), params) before vj.plan)."
+            )
+
+
+def _gather(plan: Plan, opts: _Options) -> Gather:
+    """The gather options of a step: low-precision buckets are gathered wide (see :mod:`._fp32_grads`)."""
+    return Gather(opts.precision, opts.replica_axes, opts.kernels, widen=True)
+
+
+def _tree(plan: Plan, buffers: Sequence[jax.Array], gathered: dict[int, jax.Array], opts: _Options) -> Any:
+    """The logical tree the model sees: gathered leaves, and stand-ins for stacked layer groups."""
+    leaves: list[Any] = [None] * len(plan.leaves)
+    for bucket, local in zip(plan.buckets, buffers, strict=True):
+        for i in bucket.leaves:
+            leaves[i] = (
+                LayerShard(
+                    local,
+                    plan,
+                    i,
+                    opts.reshard_after_forward,
+                    opts.prefetch,
+                    opts.precision,
+                    opts.replica_axes,
+                    kernels=opts.kernels,
+                )
+                if bucket.layers is not None
+                else gathered[i]
+            )
+    return jax.tree_util.tree_unflatten(plan.treedef, leaves)
+
+
+def _narrow_leaves(plan: Plan, how: Gather) -> list[Any]:
+    """Per leaf: the dtype the model sees for a leaf gathered wide (:meth:`Gather.widens`), else None."""
+    out: list[Any] = [None] * len(plan.leaves)
+    for bucket in plan.buckets:
+        if bucket.layers is None:
+            for i in bucket.leaves:
+                out[i] = how.model_dtype(bucket.dtype)
+    return out
+
+
+def apply(
+    fn: Callable[..., Any],
+    params: ShardedParams,
+    *args: Any,
+    data_axes: str | Sequence[str] | None = None,
+    reshard_after_forward: bool | None = None,
+    prefetch: bool | None = None,
+    precision: MixedPrecision | None = None,
+    in_specs: Any = None,
+    out_specs: Any = None,
+    kernels: KernelPolicy | None = None,
+) -> Any:
+    """Runs ``fn(logical_params, *args)`` on every device's batch shard with gathered parameters.
+
+    Args:
+      fn: the model: ``(params_tree, *args) -> outputs``. It sees the plan's logical tree: non-stacked leaves as
+        full arrays, stacked layer groups as stand-ins to pass to :func:`vj.scan_layers`.
+      params: the sharded parameters (global buffers; under ``vj.fsdp`` these are the step's params).
+      *args: batch-like inputs whose dim 0 is split over the data axes.
+      data_axes: mesh axes the batch is split over (default: the enclosing ``vj.fsdp``'s, else the plan's axis).
+      reshard_after_forward: drop gathered parameters after the forward and gather them again in backward
+        (default: the enclosing ``vj.fsdp``'s, else True).
+      prefetch: in :func:`vj.scan_layers`, gather the next layer while computing the current one (default: the
+        enclosing ``vj.fsdp``'s, else False).
+      precision: a :class:`vj.MixedPrecision` policy (default: the enclosing ``vj.fsdp``'s, else none).
+      in_specs: ``PartitionSpec`` prefix for ``args`` (default: dim 0 over the data axes).
+      out_specs: ``PartitionSpec`` prefix for the outputs (default: dim 0 over the data axes, i.e. per-example
+        outputs; a scalar computed per device needs ``P()`` and a ``lax.pmean`` over the data axes in ``fn``).
+      kernels: a :class:`vj.kernels.KernelPolicy`: XLA or the Pallas kernels for unpack and pack (default: the
+        enclosing ``vj.fsdp``'s, else ``KernelPolicy.from_env()``).
+
+    Returns:
+      ``fn``'s outputs as global arrays.
+
+    Sharding:
+      A ``shard_map`` over the plan's mesh. Each non-stacked bucket is all-gathered once, right before the first
+      operation that reads it, and dropped after the last (gathered again in backward with
+      reshard-after-forward, where the backward reads its values); its gradient is reduce-scattered back into the
+      bucket's layout.
+    """
+    if isinstance(params, GatheredParams):
+        return _apply_gathered(fn, params, args, data_axes, in_specs, out_specs, kernels)
+    if not callable(fn):
+        raise TypeError(
+            f"vj.apply: the first argument must be the model function (params_tree, *args) -> outputs, got "
+            f"{type(fn).__name__}; call vj.apply(fn, params, *batch)."
+        )
+    check_sharded_params(params, "vj.apply")
+    check_precision_type(precision, "vj.apply")
+    plan = params.plan
+    outer = _OPTIONS.get() or _Options(_axes(plan.axis), True, False, None, kernels=KernelPolicy.from_env())
+    axes = _axes(data_axes) if data_axes is not None else outer.data_axes
+    data_sharding(plan, axes)  # checks the axes
+    opts = _Options(
+        axes,
+        outer.reshard_after_forward if reshard_after_forward is None else reshard_after_forward,
+        outer.prefetch if prefetch is None else prefetch,
+        outer.precision if precision is None else precision,
+        tuple(a for a in axes if a not in _axes(plan.axis)),
+        kernels=outer.kernels if kernels is None else check_kernel_policy(kernels, "vj.apply"),
+    )
+    fn, in_specs, out_specs = _batch_specs(fn, args, plan, axes, in_specs, out_specs)
+
+    how = _gather(plan, opts)
+    fn = widened(fn, _narrow_leaves(plan, how), is_leaf=lambda x: isinstance(x, LayerShard))
+    build = lambda buffers, gathered: _tree(plan, buffers, gathered, opts)
+    local = at_point_of_use(fn, plan, how, build, keep=not opts.reshard_after_forward)
+
+    specs = tuple(plan.partition_spec(b) for b in plan.buckets)
+    # The Pallas interpreter's loops do not track varying mesh axes: the policy turns the check off then.
+    mapped = jax.shard_map(
+        local, mesh=plan.mesh, in_specs=(specs, *in_specs), out_specs=out_specs, check_vma=opts.kernels.check_vma
+    )
+    return mapped(params.buffers, *args)
+
+
+def _batch_specs(fn, args, plan: Plan, axes: tuple[str, ...], in_specs: Any, out_specs: Any):
+    """``(fn, in_specs, out_specs)`` with the defaults filled in: arguments split on dim 0 over ``axes``
+    (checked and, on Explicit axes, required to be placed so), per-example outputs (checked)."""
+    if in_specs is None:
+        _check_batch(args, _data_size(plan.mesh, axes), axes, what="vj.apply argument")
+        _check_placed(args, plan, axes)
+        in_specs = tuple(P(axes) for _ in args)
+    if out_specs is None:
+        out_specs = P(axes)
+        fn = _per_example_outputs(fn, axes)
+    return fn, in_specs, out_specs
+
+
+def _per_example_outputs(fn: Callable[..., Any], axes: tuple[str, ...]) -> Callable[..., Any]:
+    """Wraps ``fn`` to check its outputs have a batch dim (the default ``out_specs`` splits dim 0)."""
+
+    @functools.wraps(fn)
+    def checked(*a):
+        out = fn(*a)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
+            if not np.shape(leaf):
+                raise ValueError(
+                    f"vj.apply: output {jax.tree_util.keystr(path) or '<root>'} of the model is a scalar; by default "
+                    f"outputs are per-example, dim 0 split over {axes}. Return per-example values and reduce "
+                    "outside (jnp.mean(vj.apply(...))), or pass out_specs=P() and average inside with "
+                    f"jax.lax.pmean(x, {axes})."
+                )
+        return out
+
+    return checked
+
+
+def _apply_gathered(fn, params, args, data_axes, in_specs, out_specs, kernels):
+    """``vj.apply`` on full per-device copies (``vj.accumulate(..., reduce="once")``): no collective at all."""
+    plan = params.plan
+    outer = _OPTIONS.get()
+    axes = _axes(data_axes) if data_axes is not None else (outer.data_axes if outer else _axes(plan.axis))
+    data_sharding(plan, axes)  # checks the axes
+    fn, in_specs, out_specs = _batch_specs(fn, args, plan, axes, in_specs, out_specs)
+    if kernels is None:
+        kernels = outer.kernels if outer else KernelPolicy.from_env()
+    how = Gather(kernels=check_kernel_policy(kernels, "vj.apply"))
+
+    def local(copies, *local_args):
+        return fn(jax.tree_util.tree_unflatten(plan.treedef, unpack_copies(copies, plan, how)), *local_args)
+
+    specs = tuple(plan.partition_spec(b) for b in plan.buckets)
+    mapped = jax.shard_map(
+        local, mesh=plan.mesh, in_specs=(specs, *in_specs), out_specs=out_specs, check_vma=how.kernels.check_vma
+    )
+    return mapped(params.buffers, *args)
+
+
+def fsdp(
+    step: Callable[..., Any] | None = None,
+    *,
+    plan: Plan | None = None,
+    data_axes: str | Sequence[str] | None = None,
+    reshard_after_forward: bool = True,
+    prefetch: bool = False,
+    precision: MixedPrecision | None = None,
+    microbatches: int | None = None,
+    donate: bool = True,
+    kernels: KernelPolicy | None = None,
+) -> Callable[..., Any]:
+    """Compiles a train step ``step(params, opt_state, batch, *rest) -> (params, opt_state, ...)`` for FSDP.
+
+    Usable as ``@vj.fsdp(plan=plan)`` or ``vj.fsdp(step, plan=plan)``. Inside the step, ``params`` is a
+    :class:`ShardedParams` of global flat buffers: compute the loss with :func:`vj.apply` (or an adapter in
+    ``vj.flax``), then use ``jax.value_and_grad``, ``tx.update`` and ``optax.apply_updates`` as usual.
+
+    Args:
+      step: the train step.
+      plan: the plan the params were sharded with.
+      data_axes: mesh axes the batch's dim 0 is split over (default: the plan's axis).
+      reshard_after_forward: drop gathered parameters after the forward and gather again in backward (default)
+        or keep them for the backward (fewer all-gathers, more memory).
+      prefetch: in stacked layer groups, gather layer ``j + 1`` while layer ``j`` computes, so the collective can
+        overlap compute. It costs one to two more gathered layers of memory (XLA double-buffers the loop-carried
+        copy), so the default gathers each layer right before its use and leaves overlap to XLA's scheduler
+        (on GPU, ``--xla_gpu_enable_pipelined_all_gather`` pipelines the loop's gathers itself).
+      precision: a :class:`vj.MixedPrecision` policy: gather and compute in ``compute_dtype`` (the local shard
+        is cast before the all-gather), reduce-scatter gradients in ``reduce_dtype``; the master shards,
+        gradients and optimizer state keep the plan's dtype.
+      microbatches: hand the step the batch as ``k`` micro-batches (leaves ``(k, B/k, ...)``, dim 1 split over
+        the data axes) for :func:`vj.accumulate`.
+      donate: donate ``params`` and ``opt_state`` buffers to the outputs. The step must then return
+        ``(params, opt_state, *rest)`` (checked when it is first traced); with ``donate=False`` (an evaluation
+        step) it may return anything.
+      kernels: a :class:`vj.kernels.KernelPolicy`: how gathered buckets are unpacked and gradients packed
+        (XLA or the Pallas kernels). Default: ``KernelPolicy.from_env()``, read once, here.
+
+    Returns:
+      The compiled step. It checks its inputs (params and every ``ShardedParams`` / ``PerDevice`` of the
+      optimizer state against the plan, the batch against the data-parallel size), places the batch with
+      :func:`data_sharding` and keeps the outputs' ``ShardedParams`` sharded like their buckets and their
+      ``PerDevice`` values split on dim 0 (any other output keeps the sharding its computation gives it).
+      ``.lower(...)`` gives the lowered computation for inspection.
+
+    Sharding:
+      Params and optimizer state stay sharded over the plan's axis; the batch (argument 2 and any further
+      arguments) is split on dim 0 over ``data_axes``; other outputs (loss, metrics) are global values.
+    """
+    if isinstance(step, Plan):
+        raise TypeError("vj.fsdp: the plan is keyword-only: write @vj.fsdp(plan=plan) or vj.fsdp(step, plan=plan).")
+    if step is not None and not callable(step):
+        raise TypeError(f"vj.fsdp: step must be the train-step function, got {type(step).__name__}.")
+    if not isinstance(plan, Plan):
+        raise TypeError(
+            f"vj.fsdp: plan= must be a vj.Plan (from vj.plan(params, mesh)), got {type(plan).__name__}; "
+            "write @vj.fsdp(plan=plan) or vj.fsdp(step, plan=plan)."
+        )
+    microbatches = check_microbatches(microbatches, "vj.fsdp")
+    if step is None:
+        return functools.partial(
+            fsdp,
+            plan=plan,
+            data_axes=data_axes,
+            reshard_after_forward=reshard_after_forward,
+            prefetch=prefetch,
+            precision=precision,
+            microbatches=microbatches,
+            donate=donate,
+            kernels=kernels,
+        )
+    axes = _axes(plan.axis if data_axes is None else data_axes)
+    data_sharding(plan, axes)  # checks the axes
+    _check_precision(precision, plan)
+    replica_axes = tuple(a for a in axes if a not in _axes(plan.axis))
+    kernels = KernelPolicy.from_env() if kernels is None else check_kernel_policy(kernels, "vj.fsdp")
+    opts = _Options(axes, reshard_after_forward, prefetch, precision, replica_axes, microbatches, kernels)
+    auto = all(t == jax.sharding.AxisType.Auto for t in plan.mesh.axis_types)
+
+    def traced(params, opt_state, batch, *rest):
+        check_state_not_logical(opt_state, plan)  # at trace time: jit retraces for another state structure
+        with _options(opts):
+            try:
+                out = step(params, opt_state, batch, *rest)
+            except TypeError as e:
+                hint = int_grad_message(plan) if "grad requires real- or complex-valued inputs" in str(e) else None
+                if hint is None:
+                    raise
+                raise TypeError(f"vj.fsdp: {hint}") from e
+        out = zero_padding(out)  # the padding invariant: params and optimizer moments keep exactly zero padding
+        if donate:  # the inputs are gone after the call: the step must hand back their successors
+            check_step_outputs(out, plan, opt_state)
+        if auto:  # Explicit axes carry shardings in the types; Auto ones need a hint on the outputs.
+            out = _constrain_outputs(out, plan)
+        return out
+
+    compiled = jax.jit(traced, donate_argnums=(0, 1) if donate else ())
+
+    def prepare(params, opt_state, batch, *rest):
+        _check_params(params, plan)
+        _check_not_donated(params, opt_state, batch, *rest)
+        _check_opt_state(opt_state, plan)
+        batch = place_batch(batch, plan, axes, microbatches=microbatches)
+        return params, opt_state, batch, *rest
+
+    @functools.wraps(step)
+    def run(params, opt_state, batch, *rest):
+        args = prepare(params, opt_state, batch, *rest)
+        with jax.set_mesh(plan.mesh):
+            return compiled(*args)
+
+    def lower(params, opt_state, batch, *rest):
+        args = prepare(params, opt_state, batch, *rest)
+        with jax.set_mesh(plan.mesh):
+            return compiled.lower(*args)
+
+    run.lower = lower
+    run.plan = plan
+    return run

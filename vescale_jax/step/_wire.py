@@ -1,0 +1,554 @@
+"""Every collective on parameters and gradients: the bucket all-gather and its transpose, in one place.
+
+Forward, :func:`gather_leaves` (one bucket, or one layer of a stacked bucket, inside ``shard_map``)::
+
+    local (S,) master dtype
+      -> cast to the gather dtype          the wire carries the compute dtype (MixedPrecision.gather_dtype)
+      -> vary over the replica axes        HSDP: the per-replica computation stays varying (see vary)
+      -> all_gather(tiled) over plan.axis  (m*S,)
+      -> unpack                            static slices, or the Pallas unpack kernel (KernelPolicy)
+      -> leaves                            logical shapes; upcast to the reduce dtype when widened
+
+Transpose, :func:`scatter_leaves`::
+
+    the leaves' cotangents
+      -> pack in the reduce dtype          one concatenate with zero padding, or the Pallas pack kernel
+      -> psum_scatter(tiled) over axis     (S,)
+      -> psum over the replica axes        HSDP: replicas saw other data
+      -> cast to the master dtype
+
+:func:`gather_bucket` is the two as one ``custom_vjp``;
+:func:`gather_segment` runs a segment of the model with its buckets gathered at the point of use (the backward
+gathers again, after reduce-scattering where the segment is affine);
+``vj.scan_layers`` calls them once per layer; :func:`gather_copies` / :func:`reduce_copies` are the whole-buffer
+versions for ``vj.accumulate(reduce="once")``. :func:`pack` / :func:`unpack` pick XLA or the kernels by policy;
+the XLA path is the kernels' own reference (``vescale_jax.kernels.pack_reference`` / ``unpack_reference``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex_core
+
+from vescale_jax.kernels import KernelPolicy
+from vescale_jax.kernels._dispatch import DEFAULT_KERNELS, pack, unpack, unpack_differentiable
+from vescale_jax.layout._plan import Bucket, Plan
+from vescale_jax.step import _fp8 as fp8
+from vescale_jax.step._jaxpr import bind, read
+from vescale_jax.step._precision import MixedPrecision
+
+__all__ = [
+    "Gather",
+    "example_leaves",
+    "gather_bucket",
+    "gather_copies",
+    "gather_flat",
+    "gather_leaves",
+    "gather_params",
+    "gather_segment",
+    "gather_stacked",
+    "pack",
+    "reduce_copies",
+    "scatter_leaves",
+    "tie",
+    "unpack",
+    "unpack_copies",
+    "unpack_differentiable",
+    "vary",
+    "varying_axes",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Gather:
+    """How buckets are gathered and their gradients reduced (static: part of what a step is compiled for).
+
+    Attributes:
+      precision: the mixed-precision policy (gather / compute dtype, reduce dtype); None keeps each bucket's.
+      replica_axes: HSDP replica axes: the shard is marked varying over them before the gather and the
+        gradient is summed over them after the reduce-scatter.
+      kernels: how buffers are packed and unpacked (XLA or the Pallas kernels).
+      widen: hand the model low-precision leaves upcast to their reduce dtype where it is wider
+        (:meth:`widens`); ``vj.apply`` does, wrapping the model so it still sees the narrow dtype.
+    """
+
+    precision: MixedPrecision | None = None
+    replica_axes: tuple[str, ...] = ()
+    kernels: KernelPolicy = DEFAULT_KERNELS
+    widen: bool = False
+
+    @property
+    def policy(self) -> MixedPrecision:
+        return self.precision or MixedPrecision()
+
+    def widens(self, dtype: Any) -> bool:
+        """Whether a bucket of ``dtype`` is gathered wide: a low-precision bucket whose gradient reduces in a
+        wider dtype (bf16 parameters reduce in fp32 by default) hands the model an upcast copy, so the model's
+        per-device partial sums reach the reduce-scatter unrounded (see :mod:`vescale_jax.step._fp32_grads`). fp32
+        masters computing in bf16 keep the bf16 gathered copy."""
+        gather, grad = self.policy.gather_dtype(dtype), self.policy.grad_dtype(dtype)
+        return (
+            self.widen
+            and jnp.issubdtype(gather, jnp.floating)
+            and np.dtype(dtype).itemsize < 4
+            and grad.itemsize > gather.itemsize
+        )
+
+    def leaf_dtype(self, dtype: Any) -> np.dtype:
+        """The dtype :func:`gather_leaves` returns a bucket of ``dtype``'s leaves in."""
+        return self.policy.grad_dtype(dtype) if self.widens(dtype) else self.policy.gather_dtype(dtype)
+
+    def model_dtype(self, dtype: Any) -> np.dtype | None:
+        """The dtype the model sees a widened bucket's leaves in (None when the bucket is not widened)."""
+        return self.policy.gather_dtype(dtype) if self.widens(dtype) else None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Varying mesh axes (HSDP)
+
+
+def varying_axes(x: Any) -> frozenset[str]:
+    """Mesh axes ``x`` varies over inside ``shard_map`` (empty outside, or when the check is off)."""
+    t = jax.typeof(x)
+    mat = getattr(t, "manual_axis_type", None)
+    return frozenset(getattr(t, "vma", None) or (mat.varying if mat is not None else ()))
+
+
+def vary(x: jax.Array, axes: Any) -> jax.Array:
+    """Marks ``x`` as varying over ``axes`` (``lax.pcast``) where it does not already.
+
+    HSDP gathers each shard within its replica and computes on that replica's batch: marking the local shard as
+    varying over the replica axes *before* the all-gather keeps the per-replica computation varying, so the
+    gradient's sum over replicas is left to :func:`scatter_leaves`, on the shard after the reduce-scatter,
+    instead of being inserted by autodiff on every full-size gathered leaf.
+    """
+    axes = tuple(a for a in axes if a not in varying_axes(x))
+    if not axes or not varying_axes(x):  # outside shard_map, or with the varying-axes check off
+        return x
+    return jax.lax.pcast(x, axes, to="varying")
+
+
+def _like(x: jax.Array, axes: frozenset[str]) -> jax.Array:
+    """``x`` marked varying over ``axes`` (a gradient that must carry its primal's varying axes)."""
+    missing = tuple(sorted(axes - varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _replica_sum(x: jax.Array, like_axes: frozenset[str]) -> jax.Array:
+    """Sums a reduce-scattered gradient over the mesh axes it varies over but its shard does not (HSDP's
+    replica axes, where each replica saw other data).
+
+    With ``shard_map``'s ``check_vma`` off nothing is typed as varying and this is the identity: ``shard_map``'s
+    own transpose then sums the cotangent of each input over the mesh axes its spec does not name, which are
+    the same replica axes (``tests/test_collectives.py`` checks both give the unsharded gradient)."""
+    extra = varying_axes(x) - like_axes
+    return jax.lax.psum(x, tuple(sorted(extra))) if extra else x
+
+
+def tie(buffers: Sequence[jax.Array], anchor: Any) -> list[jax.Array]:
+    """``buffers`` unchanged bit for bit, as values computed from ``anchor`` (the incoming cotangent).
+
+    The backward re-gather of reshard-after-forward is tied to the cotangent this way, so XLA can neither
+    merge it with the forward's all-gather (same operand: the gathered copy would stay alive through the whole
+    forward) nor hoist it. (``lax.optimization_barrier`` does not do this on CPU: XLA expands it before CSE.)
+    The dependency is ``-0.0`` whatever the cotangent holds: ``select(isfinite(c), -(|c| * 0), -0.0)`` for
+    its first inexact element ``c``; XLA does not fold ``|c| * 0`` (it is NaN for non-finite ``c``, which the
+    select discards), and ``x + -0.0 == x`` for every ``x``, signed zeros and NaN included.
+    """
+    c = next(
+        (
+            jnp.ravel(a)[0]
+            for a in jax.tree.leaves(anchor)
+            if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jnp.inexact) and a.size
+        ),
+        None,
+    )
+    if c is None:
+        return list(buffers)
+    if jnp.issubdtype(c.dtype, jnp.complexfloating):
+        c = jnp.real(c)
+    neg_zero = jnp.array(-0.0, c.dtype)
+    dep = jnp.where(jnp.isfinite(c), -(jnp.abs(c) * jnp.zeros((), c.dtype)), neg_zero)
+    return [b + dep.astype(b.dtype) if b.size and jnp.issubdtype(b.dtype, jnp.number) else b for b in buffers]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One bucket: gather and its transpose
+
+
+def _layer_shapes(bucket: Bucket, plan: Plan) -> list[tuple[int, ...]]:
+    return [plan.layer_shape(plan.leaves[i]) for i in bucket.leaves]
+
+
+def gather_leaves(local: jax.Array, bucket: Bucket, plan: Plan, how: Gather) -> list[jax.Array]:
+    """Cast, vary, all-gather and unpack one bucket's local ``(S,)`` shard (not differentiable by itself:
+    :func:`scatter_leaves` is its transpose).
+
+    Returns:
+      The bucket's leaves in slot order (per-layer shapes for a stacked bucket), in ``how.leaf_dtype``.
+
+    Sharding:
+      Input varies over ``plan.axis``; the leaves are the full tensors on every device.
+    """
+    out_dtype = how.leaf_dtype(local.dtype)
+    shapes = _layer_shapes(bucket, plan)
+    if not bucket.layout.total_size:  # only zero-size leaves: nothing to gather (XLA rejects an empty all-gather)
+        x = vary(local, how.replica_axes).astype(how.policy.gather_dtype(local.dtype))
+        return [jnp.reshape(x, s).astype(out_dtype) for s in shapes]
+    full = _all_gather(local, bucket, plan, how)
+    leaves = unpack(full, bucket.layout, shapes, kernels_policy=how.kernels, storage=bucket.storage)
+    return [leaf.astype(out_dtype) for leaf in leaves]
+
+
+def _all_gather(local: jax.Array, bucket: Bucket, plan: Plan, how: Gather) -> jax.Array:
+    """The full buffer of a local ``(S,)`` (stacked rows ``(L, S)``) shard in the gather dtype: cast then
+    all-gather, or the FP8 block-scaled gather (:mod:`vescale_jax.step._fp8`) when the policy asks for one."""
+    x = vary(local, how.replica_axes)
+    gather_dtype = how.policy.gather_dtype(local.dtype)
+    block = how.policy.fp8_block(local.dtype)
+    if block is not None:
+        table = fp8.block_table(plan, plan.buckets.index(bucket), block)
+        return fp8.wire_gather(x, table, plan.axis, gather_dtype)
+    return jax.lax.all_gather(x.astype(gather_dtype), plan.axis, axis=x.ndim - 1, tiled=True)
+
+
+def example_leaves(local: jax.Array, bucket: Bucket, plan: Plan, how: Gather) -> list[jax.Array]:
+    """Leaves with :func:`gather_leaves`'s shapes, dtypes and varying axes for the local ``(S,)`` shard ``local``,
+    computed without a collective (they only shape a trace and are dead code once it is evaluated)."""
+    full = jnp.tile(vary(local, how.replica_axes), bucket.layout.num_devices)
+    full = full.astype(how.policy.gather_dtype(local.dtype))
+    shapes = [plan.layer_shape(plan.leaves[i]) for i in bucket.leaves]
+    leaves = unpack(full, bucket.layout, shapes, kernels_policy=DEFAULT_KERNELS, storage=bucket.storage)
+    return [x.astype(how.leaf_dtype(local.dtype)) for x in leaves]
+
+
+def scatter_leaves(
+    cts: Sequence[jax.Array], bucket: Bucket, plan: Plan, how: Gather, *, like_axes: frozenset[str] = frozenset()
+) -> jax.Array:
+    """Pack, cast, reduce-scatter and replica-sum one bucket's leaf cotangents into its ``(S,)`` shard.
+
+    Args:
+      cts: the leaves' cotangents, in slot order (per-layer shapes for a stacked bucket).
+      bucket: the bucket.
+      plan: the plan.
+      how: the gather options (reduce dtype, replica axes, kernels).
+      like_axes: the mesh axes the local shard varies over (:func:`varying_axes` of it).
+
+    Returns:
+      The local gradient shard, in the bucket's dtype; padding exactly zero.
+    """
+    master = np.dtype(bucket.dtype)
+    grad_dtype = how.policy.grad_dtype(master)
+    if not bucket.layout.total_size:  # nothing to reduce
+        return _like(jnp.zeros((0,), master), like_axes)
+    packed = pack(cts, bucket.layout, dtype=grad_dtype, kernels_policy=how.kernels, storage=bucket.storage)
+    out = jax.lax.psum_scatter(packed, plan.axis, tiled=True)
+    return _replica_sum(out, like_axes).astype(master)
+
+
+def gather_bucket(
+    local: jax.Array,
+    bucket: Bucket,
+    plan: Plan,
+    *,
+    precision: MixedPrecision | None = None,
+    vary_axes: tuple[str, ...] = (),
+    widen: bool = False,
+    kernels_policy: KernelPolicy | None = None,
+) -> list[jax.Array]:
+    """All-gathers one bucket's local shard and unpacks its leaves; differentiable, its transpose is
+    :func:`scatter_leaves` (one pack and one reduce-scatter).
+
+    Args:
+      local: this device's ``(S,)`` shard of the bucket (for a stacked bucket, one layer's ``(S,)`` row).
+      bucket: the bucket.
+      plan: the plan it belongs to.
+      precision: cast the local shard to the policy's compute dtype before the all-gather (and reduce-scatter
+        the gradient in its reduce dtype).
+      vary_axes: HSDP replica axes (see :func:`vary`).
+      widen: return low-precision leaves upcast to their reduce dtype where it is wider, so their cotangents
+        arrive unrounded (see :meth:`Gather.widens`).
+      kernels_policy: XLA or the Pallas kernels for the unpack and the pack (default XLA).
+
+    Returns:
+      The bucket's leaves in slot order, with their logical shapes (per-layer shapes for a stacked bucket).
+
+    Sharding:
+      Input varies over ``plan.axis``; outputs are the full tensors on every device. The transpose is one
+      reduce-scatter of the packed gradient (and a replica all-reduce of the shard under HSDP).
+    """
+    if tuple(local.shape) != (bucket.layout.shard_size,):
+        raise ValueError(
+            f"gather_bucket: bucket {bucket.name!r} expects a local shard of shape ({bucket.layout.shard_size},), "
+            f"got {tuple(local.shape)}; pass one layer's row for a stacked bucket, inside shard_map over "
+            f"{plan.axis!r}."
+        )
+    return _gather_bucket(
+        local, bucket, plan, Gather(precision, tuple(vary_axes), kernels_policy or DEFAULT_KERNELS, widen)
+    )
+
+
+def _gather_bucket(local: jax.Array, bucket: Bucket, plan: Plan, how: Gather) -> list[jax.Array]:
+    """:func:`gather_leaves` with :func:`scatter_leaves` as its VJP (:func:`gather_bucket` after its checks)."""
+    if not bucket.layout.total_size:  # zero-size leaves: nothing to gather or reduce, plain autodiff
+        return gather_leaves(local, bucket, plan, how)
+    like_axes = varying_axes(local)
+
+    @jax.custom_vjp
+    def run(x):
+        return gather_leaves(x, bucket, plan, how)
+
+    def fwd(x):
+        return run(x), None
+
+    def bwd(_, cts):
+        return (scatter_leaves(cts, bucket, plan, how, like_axes=like_axes),)
+
+    run.defvjp(fwd, bwd)
+    return list(run(local))
+
+
+def gather_stacked(rows: jax.Array, bucket: Bucket, plan: Plan, how: Gather) -> list[jax.Array]:
+    """Every layer of a stacked bucket at once: its local ``(L, S)`` rows all-gathered in one collective and
+    unpacked into ``(L, ...)`` leaves; differentiable, its transpose packs the stacked cotangents and
+    reduce-scatters them in one collective. For a layer group's small leaves (norms, biases): one launch per
+    step in each direction instead of one per layer.
+
+    Sharding:
+      Inside ``shard_map``; ``rows`` vary over ``plan.axis``, the leaves are the full tensors on every device.
+    """
+    like = varying_axes(rows)
+    master = np.dtype(bucket.dtype)
+    shapes = [(rows.shape[0], *plan.layer_shape(plan.leaves[i])) for i in bucket.leaves]
+
+    @jax.custom_vjp
+    def run(r):
+        full = _all_gather(r, bucket, plan, how)
+        return [
+            leaf.astype(how.leaf_dtype(master))
+            for leaf in unpack(full, bucket.layout, shapes, kernels_policy=how.kernels, storage=bucket.storage)
+        ]
+
+    def fwd(r):
+        return run(r), None
+
+    def bwd(_, cts):
+        packed = pack(
+            cts,
+            bucket.layout,
+            dtype=how.policy.grad_dtype(master),
+            kernels_policy=how.kernels,
+            lead=shapes[0][:1],
+            storage=bucket.storage,
+        )
+        out = jax.lax.psum_scatter(packed, plan.axis, scatter_dimension=1, tiled=True)
+        return (_replica_sum(out, like).astype(master),)
+
+    run.defvjp(fwd, bwd)
+    return list(run(rows))
+
+
+def gather_flat(local_buffers: Sequence[jax.Array], plan: Plan, how: Gather | None = None) -> dict[int, jax.Array]:
+    """Every non-stacked bucket gathered by :func:`gather_bucket` (differentiable): ``{leaf index: leaf}``."""
+    how = how or Gather()
+    out: dict[int, jax.Array] = {}
+    for bucket, local in zip(plan.buckets, local_buffers, strict=True):
+        if bucket.layers is None:
+            out.update(zip(bucket.leaves, _gather_bucket(local, bucket, plan, how), strict=True))
+    return out
+
+
+def gather_params(local_buffers: Sequence[jax.Array], plan: Plan, how: Gather | None = None) -> Any:
+    """All-gathers every non-stacked bucket and returns the logical tree (differentiable).
+
+    Stacked buckets are returned as their local ``(L, S)`` shards in place of each leaf's slot: gather them
+    one layer at a time inside the scan body with :func:`gather_bucket`.
+    """
+    gathered = gather_flat(local_buffers, plan, how)
+    leaves = [gathered.get(i) for i in range(len(plan.leaves))]
+    for bucket, local in zip(plan.buckets, local_buffers, strict=True):
+        if bucket.layers is not None:
+            for i in bucket.leaves:
+                leaves[i] = local
+    return jax.tree_util.tree_unflatten(plan.treedef, leaves)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A segment of the model with its buckets gathered at the point of use
+
+
+def gather_segment(
+    fn: Callable[[list[list[jax.Array]], list[Any]], list[Any]],
+    locals_: Sequence[jax.Array],
+    buckets: Sequence[Bucket],
+    plan: Plan,
+    how: Gather,
+    others: Sequence[Any],
+    *,
+    keep: bool,
+    affine: bool,
+) -> list[Any]:
+    """``fn(leaves, others)`` with ``buckets`` gathered right before it and reduce-scattered inside its backward.
+
+    ``fn`` is a segment of the model: the operations from the first to the last read of these buckets' leaves
+    (``leaves[k]``: bucket ``k``'s leaves in slot order). Forward: the local shards are tied to ``others`` (the
+    segment's other inputs, :func:`tie`), so XLA cannot gather before the values arriving at the segment exist,
+    and the gathered leaves die with the segment. Backward:
+
+    * an *affine* segment (its Jacobian in the leaves does not read the leaves: matmuls, embedding lookups,
+      scales and biases) computes the leaves' cotangents first, without the leaves, and reduce-scatters them;
+      only then are the leaves gathered again (tied to the reduce-scatter), for the other inputs' cotangents,
+      and only if those read them (a bias or a lookup needs no gather at all). A gathered leaf and its
+      full-size gradient are never alive together;
+    * any other segment gathers again (tied to the cotangent) and takes the VJP as usual.
+
+    With ``keep`` the forward's gathered leaves are saved instead of gathered again (no reshard).
+    Constant-initialised arrays of the leaves' backward (e.g. the zeros an embedding's gradient is scattered
+    into) are tied to the cotangent too, so XLA cannot allocate them before the backward reaches them.
+
+    Returns:
+      ``fn``'s outputs.
+
+    Sharding:
+      Inside ``shard_map``; ``locals_`` vary over ``plan.axis``. One all-gather per bucket forward (and at most
+      one again backward); one reduce-scatter per bucket backward (plus the replica sum under HSDP).
+    """
+    buckets = list(buckets)
+    like = [varying_axes(x) for x in locals_]
+    shapes = [_layer_shapes(b, plan) for b in buckets]
+
+    def gathered(locs, anchor):
+        return [gather_leaves(x, b, plan, how) for x, b in zip(tie(locs, anchor), buckets, strict=True)]
+
+    def zeros():  # typed like the gathered leaves: varying over the shard's axes and the replica axes
+        return [
+            [_like(jnp.zeros(s, how.leaf_dtype(b.dtype)), ax | frozenset(how.replica_axes) if ax else ax) for s in ss]
+            for ss, b, ax in zip(shapes, buckets, like, strict=True)
+        ]
+
+    def scatter(dws):
+        return tuple(
+            scatter_leaves(dw, b, plan, how, like_axes=ax) for dw, b, ax in zip(dws, buckets, like, strict=True)
+        )
+
+    @jax.custom_vjp
+    def run(locs, others_):
+        return fn(gathered(locs, others_), others_)
+
+    def run_fwd(locs, others_):
+        ws = gathered(locs, others_)
+        return fn(ws, others_), (locs, others_, ws if keep else None)
+
+    def run_bwd(res, ct):
+        locs, others_, ws = res
+        if not affine:
+            ws = ws if ws is not None else gathered(locs, ct)
+            dws, d_others = jax.vjp(fn, ws, others_)[1](ct)
+            return scatter(dws), d_others
+        z = zeros()
+        dws = anchored(lambda c: jax.vjp(lambda w: fn(w, others_), z)[1](c)[0], ct)(ct)
+        d_locs = scatter(dws)
+        d_of_others = lambda w, c: jax.vjp(lambda o: fn(w, o), others_)[1](c)[0]
+        if reads(d_of_others, (z, ct), 0):
+            ws = ws if ws is not None else gathered(locs, d_locs)  # after the reduce-scatter
+        else:
+            ws = z  # the other inputs' cotangents do not read the leaves: no gather (z is dead code)
+        return d_locs, d_of_others(ws, ct)
+
+    run.defvjp(run_fwd, run_bwd)
+    return run(tuple(locals_), list(others))
+
+
+def reads(f: Callable[..., Any], args: Sequence[Any], argnum: int) -> bool:
+    """Whether ``f(*args)`` reads any leaf of ``args[argnum]`` (traced; dead operations do not count)."""
+    flat, tree = jax.tree.flatten(tuple(args))
+    counts = [len(jax.tree.leaves(a)) for a in args]
+    lo = sum(counts[:argnum])
+    closed = jax.make_jaxpr(lambda *xs: f(*jax.tree.unflatten(tree, xs)))(*flat)
+    jaxpr = closed.jaxpr
+    live = {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
+    for eqn in reversed(jaxpr.eqns):
+        if any(v in live for v in eqn.outvars) or eqn.effects:
+            live.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
+    return any(v in live for v in jaxpr.invars[lo : lo + counts[argnum]])
+
+
+def anchored(f: Callable[..., Any], anchor: Any) -> Callable[..., Any]:
+    """``f`` whose operations with only constant inputs (``zeros``, ``full``, ``iota`` buffers) are tied to
+    ``anchor`` (:func:`tie`): XLA schedules a constant's allocation wherever it likes, and may place a large
+    one at the very start of the step; tied, it cannot come before ``anchor`` exists."""
+
+    def run(*args):
+        flat, tree = jax.tree.flatten(args)
+        closed, shape = jax.make_jaxpr(lambda *xs: f(*jax.tree.unflatten(tree, xs)), return_shape=True)(*flat)
+        jaxpr = closed.jaxpr
+        env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+        env.update(zip(jaxpr.invars, flat, strict=True))
+        for eqn in jaxpr.eqns:
+            invals = [read(env, v) for v in eqn.invars]
+            if eqn.primitive.name == "pvary" and all(
+                set(eqn.params["axes"]) <= varying_axes(x) for x in invals
+            ):  # a tied constant varies already
+                env.update(zip(eqn.outvars, invals, strict=True))
+                continue
+            outs = bind(eqn, invals)
+            if all(isinstance(v, jex_core.Literal) for v in eqn.invars) and not eqn.effects:
+                outs = [tie([o], anchor)[0] if isinstance(o, jax.Array) and o.ndim else o for o in outs]
+            env.update(zip(eqn.outvars, outs, strict=True))
+        return jax.tree.unflatten(jax.tree.structure(shape), [read(env, v) for v in jaxpr.outvars])
+
+    return run
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Whole buffers: vj.accumulate(reduce="once")
+
+
+def gather_copies(buffers: Sequence[jax.Array], plan: Plan, how: Gather) -> tuple[jax.Array, ...]:
+    """Every bucket's full ``(m*S,)`` (stacked ``(L, m*S)``) buffer on each device, in the gather dtype.
+
+    Call inside ``shard_map``; the result's transpose is not needed (gradients come back through
+    :func:`reduce_copies`)."""
+    out = []
+    for bucket, b in zip(plan.buckets, buffers, strict=True):
+        if b.shape[-1]:
+            out.append(_all_gather(b, bucket, plan, how))
+        else:
+            out.append(vary(b, how.replica_axes).astype(how.policy.gather_dtype(b.dtype)))
+    return tuple(out)
+
+
+def unpack_copies(copies: Sequence[jax.Array], plan: Plan, how: Gather) -> list[jax.Array]:
+    """The logical leaves (flattened, plan order) of full per-device copies; the transpose packs each bucket's
+    cotangents into a full per-device gradient (padding zero) for :func:`reduce_copies`."""
+    leaves: list[Any] = [None] * len(plan.leaves)
+    for bucket, copy in zip(plan.buckets, copies, strict=True):
+        shapes = [plan.leaves[i].local_shape for i in bucket.leaves]
+        for i, x in zip(
+            bucket.leaves,
+            unpack_differentiable(copy, bucket.layout, shapes, kernels_policy=how.kernels, storage=bucket.storage),
+            strict=True,
+        ):
+            leaves[i] = x
+    return leaves
+
+
+def reduce_copies(grads: Sequence[jax.Array], plan: Plan, how: Gather) -> tuple[jax.Array, ...]:
+    """Reduce-scatters full per-device gradients into the plan's shards (in the reduce dtype, then the
+    bucket's); inside ``shard_map``."""
+    out = []
+    for g, bucket in zip(grads, plan.buckets, strict=True):
+        g = g.astype(how.policy.grad_dtype(bucket.dtype))
+        if not g.shape[-1]:  # a bucket of zero-size leaves: nothing to reduce
+            out.append(g.astype(bucket.dtype))
+            continue
+        r = jax.lax.psum_scatter(g, plan.axis, scatter_dimension=g.ndim - 1, tiled=True)
+        shard_axes = frozenset(plan.bucket_axes(bucket))
+        out.append(_replica_sum(r, shard_axes).astype(bucket.dtype))
+    return tuple(out)
