@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import vescale_jax as vj
 from vescale_jax.checkpoint import _integrity as _integrity
-from vescale_jax.checkpoint import _stored as _stored
+from vescale_jax.checkpoint import _storable as _stored
 from vescale_jax.relayout import _logical_leaves as _logical
 from vescale_jax.state._sharded import PerDevice
 

@@ -33,8 +33,8 @@ from typing import Any, NamedTuple
 import orbax.checkpoint as ocp
 
 from vescale_jax.checkpoint import _integrity as _integrity
-from vescale_jax.checkpoint import _stored as _stored
-from vescale_jax.checkpoint._stored import abstract_logical, logical_tree
+from vescale_jax.checkpoint import _storable as _stored
+from vescale_jax.checkpoint._storable import abstract_logical, logical_tree
 from vescale_jax.layout._plan import Plan
 from vescale_jax.state._sharded import ShardedParams
 
