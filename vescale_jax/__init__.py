@@ -8,20 +8,35 @@ estimates). Every other module is private.
 """
 
 from vescale_jax import checkpoint, distributed, flax, kernels, optim, quant, redistribute, testing
-from vescale_jax.layout._granularity import Granularity, element, rows, tiles, whole
-from vescale_jax.layout._plan import Bucket, LeafSpec, Plan, plan
+from vescale_jax.layout import (
+    Bucket,
+    BucketLayout,
+    Granularity,
+    LeafSpec,
+    Plan,
+    RaggedShard,
+    element,
+    plan,
+    plan_bucket,
+    rows,
+    tiles,
+    whole,
+)
 from vescale_jax.layout._plan import path_str as plan_path
-from vescale_jax.layout._planner import BucketLayout, plan_bucket
-from vescale_jax.layout._ragged import RaggedShard
-from vescale_jax.state._guards import PerLeafOnBucketsError
-from vescale_jax.state._padding import apply_updates, global_norm, tree_map, zero_padding
-from vescale_jax.state._placement import init_opt_state
-from vescale_jax.state._sharded import PerDevice, ShardedParams, init_sharded, shard, unshard
-from vescale_jax.step._accumulate import accumulate
-from vescale_jax.step._batch import data_sharding, place_batch
-from vescale_jax.step._fsdp import apply, fsdp
-from vescale_jax.step._precision import MixedPrecision
-from vescale_jax.step._scan_layers import LayerShard, scan_layers
+from vescale_jax.state import (
+    PerDevice,
+    PerLeafOnBucketsError,
+    ShardedParams,
+    apply_updates,
+    global_norm,
+    init_opt_state,
+    init_sharded,
+    shard,
+    tree_map,
+    unshard,
+    zero_padding,
+)
+from vescale_jax.step import LayerShard, MixedPrecision, accumulate, apply, data_sharding, fsdp, place_batch, scan_layers
 
 __all__ = [
     "Bucket",

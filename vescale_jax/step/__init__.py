@@ -1,0 +1,14 @@
+"""The train step: ``vj.fsdp`` compiles it over sharded state, ``vj.apply`` calls the model inside it.
+
+The step's options form one frozen policy; the wire gathers each bucket at its point of use and
+reduce-scatters its gradient; stacked layer groups are gathered one layer per scan iteration; micro-batches
+accumulate; batches are placed over the data axes.
+"""
+
+from vescale_jax.step._accumulate import accumulate
+from vescale_jax.step._batch import data_sharding, place_batch
+from vescale_jax.step._fsdp import apply, fsdp
+from vescale_jax.step._precision import MixedPrecision
+from vescale_jax.step._scan_layers import LayerShard, scan_layers
+
+__all__ = ["LayerShard", "MixedPrecision", "accumulate", "apply", "data_sharding", "fsdp", "place_batch", "scan_layers"]
