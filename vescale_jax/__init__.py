@@ -36,7 +36,16 @@ from vescale_jax.state import (
     unshard,
     zero_padding,
 )
-from vescale_jax.step import LayerShard, MixedPrecision, accumulate, apply, data_sharding, fsdp, place_batch, scan_layers
+from vescale_jax.step import (
+    LayerShard,
+    MixedPrecision,
+    accumulate,
+    apply,
+    data_sharding,
+    fsdp,
+    place_batch,
+    scan_layers,
+)
 
 __all__ = [
     "Bucket",
