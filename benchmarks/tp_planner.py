@@ -81,7 +81,7 @@ PAD_LIMIT = {"auto": 0.01, "none": 0.03}  # TP/EP leaves and whole model; "none"
 TIME_LIMIT_S = 0.3
 GRANULARITIES = (("element()", vj.element()), ("rows(1)", vj.rows(1)))
 SPLITS = ("auto", "none")
-# vj.plan's split="auto" rule (vescale_jax/_plan.py): a unit of >= 4 MiB per layer gets one bucket per leaf of
+# vj.plan's split="auto" rule (vescale_jax/layout/_plan.py): a unit of >= 4 MiB per layer gets one bucket per leaf of
 # >= 1 MiB and one for the rest, if that pads at most 0.5 % of the unit more than one bucket.
 UNIT_BYTES = 4 << 20
 LEAF_BYTES = 1 << 20
