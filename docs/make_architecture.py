@@ -65,8 +65,12 @@ class Graph:
         imports = s._imports()
         # (module, imported module) pairs, each counted once however many import statements spell it.
         self.pairs: set[tuple[str, str]] = {(m, t) for m, edges in imports.items() for t, _, _ in edges if t != m}
+        # Modules of a top-level entry LAYERS does not name (tests/test_structure.py fails on them too).
+        self.unplaced = sorted(m for m in self.paths if self.layer_of(m) not in self.rank)
         self.edges: collections.Counter[tuple[str, str]] = collections.Counter(
-            (self.layer_of(m), self.layer_of(t)) for m, t in self.pairs if self.layer_of(m) != self.layer_of(t)
+            (a, b)
+            for a, b in ((self.layer_of(m), self.layer_of(t)) for m, t in self.pairs)
+            if a != b and a in self.rank and b in self.rank
         )
         self.docs = {m: _docstring(p) for m, p in self.paths.items()}
 
@@ -221,7 +225,11 @@ def check(g: Graph) -> list[str]:
         )
         problems.append("the generated regions differ from the code:\n" + "\n".join(diff))
     for p in stale_paths(text):
-        problems.append(f"the page names {p}, which does not exist")
+        problems.append(f"the page's prose names {p}, which does not exist: correct the prose")
+    if not FIGURE.is_file():
+        problems.append(f"{FIGURE.relative_to(ROOT)} is missing")
+    for m in g.unplaced:
+        problems.append(f"{g.paths[m].relative_to(ROOT)} is in no layer of LAYERS (tests/test_structure.py)")
     return problems
 
 
@@ -230,8 +238,7 @@ def check(g: Graph) -> list[str]:
 
 WIDTH_PX = 1200
 DPI = 100
-LEFT = 12  # layer names from here
-BOXES = 150  # module boxes from here ...
+LEFT = 12  # layer names from here; the module boxes from right of the longest name ...
 BOXES_END = 780  # ... to here; the arrows run right of it
 ROW = 24  # one row of boxes
 PAD = 7  # band padding above and below the rows
@@ -257,6 +264,12 @@ def draw(g: Graph, path: Path = FIGURE) -> None:
         t.remove()
         return w
 
+    def layer_name(i: int, name: str) -> str:
+        return f"{i}  {'vescale_jax' if name == '__init__' else name}"
+
+    boxes_x = (
+        LEFT + 14 + max(text_width(layer_name(i, n), NAME_FONT, weight="bold") for i, (n, _) in enumerate(g.layers))
+    )
     # Rows of boxes per layer (greedy), then the bands' heights, bottom (layer 0) to top.
     placed: dict[str, list[list[tuple[str, float]]]] = {}
     for name, _ in g.layers:
@@ -264,7 +277,7 @@ def draw(g: Graph, path: Path = FIGURE) -> None:
         used = 0.0
         for m in g.modules(name):
             w = text_width(g.label(m), BOX_FONT, family="monospace") + 14
-            if rows[-1] and used + w > BOXES_END - BOXES:
+            if rows[-1] and used + w > BOXES_END - boxes_x:
                 rows.append([])
                 used = 0.0
             rows[-1].append((m, w))
@@ -292,12 +305,11 @@ def draw(g: Graph, path: Path = FIGURE) -> None:
         band[name] = (y, y + h)
         ax.add_patch(Rectangle((0, y), WIDTH_PX, h, color="#f4f4f4" if i % 2 else "#ffffff", zorder=0, lw=0))
         ax.add_patch(Rectangle((0, y), 6, h, color=colour[name], zorder=1, lw=0))
-        shown = "vescale_jax" if name == "__init__" else name
-        texts.append(ax.text(LEFT, y + h / 2, f"{i}  {shown}", fontsize=NAME_FONT, weight="bold", va="center"))
+        texts.append(ax.text(LEFT, y + h / 2, layer_name(i, name), fontsize=NAME_FONT, weight="bold", va="center"))
         rows = placed[name]
         for r, row in enumerate(rows):
             cy = y + h - PAD - ROW * r - ROW / 2
-            x = BOXES
+            x = boxes_x
             for m, w in row:
                 ax.add_patch(
                     FancyBboxPatch(
@@ -352,7 +364,8 @@ def draw(g: Graph, path: Path = FIGURE) -> None:
         y0 = spread(lo + 2, (lo + hi) / 2, len(outs), outs.index(b))
         lo, hi = band[b]
         y1 = spread((lo + hi) / 2, hi - 2, len(ins), ins.index(a))
-        bulge = 12 + step_px * (g.rank[a] - g.rank[b])  # longer arrows run further right: nested, not crossed
+        up = g.rank[a] < g.rank[b]  # an import up a layer: tests/test_structure.py fails; drawn red and dashed
+        bulge = 12 + step_px * abs(g.rank[a] - g.rank[b])  # longer arrows run further right: nested, not crossed
         curve = MplPath(
             [(port_x, y0), (port_x + bulge, y0), (port_x + bulge, y1), (port_x, y1)],
             [MplPath.MOVETO, MplPath.CURVE4, MplPath.CURVE4, MplPath.CURVE4],
@@ -363,9 +376,10 @@ def draw(g: Graph, path: Path = FIGURE) -> None:
                 path=curve,
                 arrowstyle="-|>,head_length=6,head_width=3.5",
                 lw=0.6 + 4.4 * n / widest,
-                color="#bbbbbb" if reexport else colour[a],
-                alpha=1.0 if reexport else 0.9,
-                zorder=3 if reexport else 4,
+                color="#000000" if up else "#bbbbbb" if reexport else colour[a],
+                alpha=1.0 if reexport or up else 0.9,
+                linestyle="--" if up else "-",
+                zorder=5 if up else 3 if reexport else 4,
             )
         )
     texts.append(
@@ -379,7 +393,7 @@ def draw(g: Graph, path: Path = FIGURE) -> None:
         )
     )
     legend = [1, max(widest // 2, 1), widest] if widest > 2 else [widest]
-    x = BOXES
+    x = LEFT + 110
     texts.append(ax.text(LEFT, 20, "arrow width:", fontsize=9, va="center"))
     for n in dict.fromkeys(legend):
         ax.add_patch(
