@@ -80,9 +80,14 @@ class Graph:
         return path.name != "__init__.py" or path.parent == self.pkg or bool(path.read_text().strip())
 
     def modules(self, layer: str) -> list[str]:
-        """The layer's shown modules, in path order (a package's ``__init__`` first)."""
+        """The layer's shown modules, in path order, each package's ``__init__`` before its modules."""
         mods = [m for m in self.paths if self.layer_of(m) == layer and self.shown(m)]
-        return sorted(mods, key=lambda m: (self.paths[m].name != "__init__.py", str(self.paths[m])))
+
+        def key(m: str) -> tuple[str, ...]:
+            parts = self.paths[m].relative_to(self.pkg).parts
+            return (*parts[:-1], "" if parts[-1] == "__init__.py" else parts[-1])
+
+        return sorted(mods, key=key)
 
     def rel(self, module: str) -> str:
         """The module's file, relative to the package (``step/_wire.py``)."""
