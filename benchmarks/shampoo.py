@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 import vescale_jax as vj
 from vescale_jax import testing
-from vescale_jax.layout._plan import default_unit
+from vescale_jax.layout._paths import default_unit
 from vescale_jax.state._sharded import PerDevice
 
 M, BLOCK, BOUND = 8, 128, 1.25

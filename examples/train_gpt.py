@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt import GPTConfig, abstract_model, init_params, loss_fn, muon_dimension_numbers
 
 import vescale_jax as vj
-from vescale_jax.layout._plan import default_unit
+from vescale_jax.layout._paths import default_unit
 
 
 def stdlib_text(max_bytes: int) -> np.ndarray:

@@ -12,7 +12,7 @@ from helpers import assert_trees_equal, edge_block_params
 import vescale_jax as vj
 import vescale_jax.optim as vjo
 from vescale_jax import testing
-from vescale_jax.layout._plan import path_str
+from vescale_jax.layout._paths import path_str
 from vescale_jax.optim._shampoo._transform import inverse_root
 from vescale_jax.optim._state_layouts import BlockLayout, CompactLayout, logical_view, restore_logical
 from vescale_jax.state._sharded import PerDevice, ShardedParams

@@ -13,7 +13,7 @@ from shampoo_reference import reference_shampoo
 import vescale_jax as vj
 import vescale_jax.optim as vjo
 from vescale_jax import testing
-from vescale_jax.layout._plan import path_str
+from vescale_jax.layout._paths import path_str
 from vescale_jax.optim._shampoo._transform import inverse_root
 
 STEPS = 10

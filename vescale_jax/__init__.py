@@ -22,7 +22,7 @@ from vescale_jax.layout import (
     tiles,
     whole,
 )
-from vescale_jax.layout._plan import path_str as plan_path
+from vescale_jax.layout._paths import path_str as plan_path
 from vescale_jax.state import (
     PerDevice,
     PerLeafOnBucketsError,

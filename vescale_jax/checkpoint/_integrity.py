@@ -15,15 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vescale_jax.layout._plan import _key_name
+from vescale_jax.layout._paths import key_name
 from vescale_jax.relayout._logical_leaves import words
 
 __all__ = ["check_against", "checksums", "compare", "flat_shapes", "raw_path", "stored_shapes", "words"]
 
 Shapes = Mapping[str, tuple[tuple[int, ...], str]]
-
-
-key_name = _key_name  # one spelling of a key, as the plan's paths use
 
 
 def raw_path(path: Any) -> str:

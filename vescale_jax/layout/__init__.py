@@ -9,9 +9,10 @@
 """
 
 from vescale_jax.layout._granularity import Granularity, element, rows, tiles, whole
-from vescale_jax.layout._plan import Bucket, LeafSpec, Plan, plan
+from vescale_jax.layout._plan import Bucket, LeafSpec, Plan
 from vescale_jax.layout._planner import BucketLayout, plan_bucket
 from vescale_jax.layout._ragged import RaggedShard
+from vescale_jax.layout._tree_planner import plan
 
 __all__ = [
     "Bucket",

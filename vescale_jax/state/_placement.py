@@ -12,7 +12,7 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from vescale_jax.layout._plan import Plan, _mesh_size
+from vescale_jax.layout._plan import Plan, mesh_size
 from vescale_jax.state._checks import check_sharded_params
 from vescale_jax.state._sharded import PerDevice, ShardedParams
 
@@ -43,7 +43,7 @@ def _per_device_sharding(node: PerDevice, plan: Plan) -> NamedSharding | None:
     carry it: no recompilation), else ``None``."""
     shape = tuple(getattr(node.value, "shape", None) or ())
     axes = node.axes
-    if node.plan != plan or not shape or shape[0] % _mesh_size(plan.mesh, axes):
+    if node.plan != plan or not shape or shape[0] % mesh_size(plan.mesh, axes):
         return None
     return NamedSharding(plan.mesh, P(axes, *[None] * (len(shape) - 1)))
 
