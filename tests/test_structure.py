@@ -157,3 +157,22 @@ def test_layer_exists(layer):
     assert (PKG / layer).is_dir() or (PKG / f"{layer}.py").is_file(), (
         f"LAYERS names {layer!r}, which is not in the package"
     )
+
+
+def test_no_private_name_crosses_a_sub_package():
+    """A sub-package uses another one through names without a leading underscore (its modules may share
+    private helpers among themselves)."""
+    mods = _modules()
+    known = set(mods)
+    bad = []
+    for module, path in mods.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom) or node.level or not (node.module or "").startswith("vescale_jax"):
+                continue
+            for alias in node.names:
+                if not alias.name.startswith("_") or f"{node.module}.{alias.name}" in known:
+                    continue  # a public name, or a module imported by name
+                if _layer(node.module) != _layer(module):
+                    bad.append(f"{_name(module)}:{node.lineno} imports private {alias.name} from {node.module}")
+    assert not bad, "\n".join(bad)

@@ -16,7 +16,7 @@ from vescale_jax.layout._plan import Plan, mesh_size
 from vescale_jax.state._checks import check_sharded_params
 from vescale_jax.state._sharded import PerDevice, ShardedParams
 
-__all__ = ["init_opt_state"]
+__all__ = ["constrain_outputs", "init_opt_state"]
 
 
 def _is_node(x: Any) -> bool:
@@ -102,7 +102,7 @@ def init_opt_state(tx: Any, params: ShardedParams) -> Any:
         return jax.jit(tx.init, out_shardings=_state_shardings(shapes, plan))(params)
 
 
-def _constrain_outputs(out: Any, plan: Plan) -> Any:
+def constrain_outputs(out: Any, plan: Plan) -> Any:
     """Sharding hints on a step's outputs, by type: children of a ``ShardedParams`` of ``plan`` like their
     bucket, ``PerDevice`` values split on dim 0; any other output keeps the sharding its computation gives it
     (even one shaped like a bucket)."""

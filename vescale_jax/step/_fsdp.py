@@ -32,7 +32,7 @@ from vescale_jax.layout._plan import Plan
 from vescale_jax.state._checks import check_sharded_params, check_state_not_logical, plan_states
 from vescale_jax.state._containers import GatheredParams, ShardedParams
 from vescale_jax.state._padding import zero_padding
-from vescale_jax.state._placement import _constrain_outputs
+from vescale_jax.state._placement import constrain_outputs
 from vescale_jax.step._batch import _axes, _check_batch, _check_placed, _data_size, data_sharding, place_batch
 from vescale_jax.step._checks import check_kernel_policy, check_microbatches, check_precision_type, check_step_outputs
 from vescale_jax.step._fp32_grads import widened
@@ -367,7 +367,7 @@ def fsdp(
         if donate:  # the inputs are gone after the call: the step must hand back their successors
             check_step_outputs(out, plan, opt_state)
         if auto:  # Explicit axes carry shardings in the types; Auto ones need a hint on the outputs.
-            out = _constrain_outputs(out, plan)
+            out = constrain_outputs(out, plan)
         return out
 
     compiled = jax.jit(traced, donate_argnums=(0, 1) if donate else ())
