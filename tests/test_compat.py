@@ -72,6 +72,22 @@ def test_literal_is_a_constant_atom():
     hash(eqn.invars[0])  # variables are dictionary keys in every caller
 
 
+def test_jaxpr_structure_is_the_public_one():
+    import jax.extend.core as jex  # the public types whose fields the callers read
+
+    closed = closed_of(lambda x, y: jnp.sin(x) * y, jnp.ones(2), jnp.ones(2))
+    users = "step/_jaxpr, step/_point_of_use, step/_layer_split, step/_fp32_grads, step/_wire"
+    assert isinstance(closed, _compat.ClosedJaxpr) and isinstance(closed.jaxpr, jex.Jaxpr), broke(
+        "ClosedJaxpr", "jax.make_jaxpr gives a jax.extend.core.ClosedJaxpr of a jax.extend.core.Jaxpr", users
+    )
+    for field in ("eqns", "constvars", "invars", "outvars"):
+        assert hasattr(closed.jaxpr, field), broke("(module docstring)", f"a Jaxpr has .{field}", users)
+    for eqn in closed.jaxpr.eqns:
+        assert isinstance(eqn, jex.JaxprEqn), broke("(module docstring)", "equations are JaxprEqn", users)
+        for field in ("invars", "outvars", "params", "effects"):
+            assert hasattr(eqn, field), broke("(module docstring)", f"a JaxprEqn has .{field}", users)
+
+
 def test_as_closed_closes_an_open_jaxpr():
     closed = closed_of(lambda x: jnp.sin(x) + 1.0, jnp.ones(3))
     again = _compat.as_closed(closed.jaxpr)

@@ -14,7 +14,8 @@ Sections:
   :func:`primitive_name`, :func:`bind_equation`; tracers: :data:`TRACER_TYPES`, :func:`is_tracer`.
 * primitive names, by what the callers need to know about them: :data:`NESTED_CALL_PRIMITIVES`
   (:func:`is_nested_call`, :func:`nested_call_jaxpr`), :data:`VIEW_PRIMITIVES` (:func:`is_view`),
-  :data:`LINEAR_OPERANDS` / :data:`BILINEAR_PRIMITIVES` (:func:`is_linear_in`), :data:`CONVERT_ELEMENT_TYPE`
+  :data:`LINEAR_OPERANDS` / :data:`BILINEAR_PRIMITIVES` / :data:`SELECT_N` (:func:`is_linear_in`),
+  :data:`CONVERT_ELEMENT_TYPE`
   (:func:`is_convert`, :func:`convert_dtype`), :data:`PVARY` (:func:`is_pvary`, :func:`pvary_axes`).
 * the process's JAX runtime: :func:`backends_are_initialized`, :func:`cluster_types`,
   :func:`distributed_job`.
@@ -22,6 +23,10 @@ Sections:
   :data:`MUON_DEFAULT_NS_COEFFS`, :data:`MUON_PRECONDITIONINGS`, :func:`muon_orthogonalize`,
   :func:`muon_normalize_axes`), and the modules that define optax's per-leaf mapping transformations
   (:data:`OPTAX_MUON_MODULE`, :data:`OPTAX_MASKING_MODULE`, :data:`OPTAX_PARTITION_MODULE`).
+
+The callers read a jaxpr's structure directly (``jaxpr.eqns`` / ``constvars`` / ``invars`` / ``outvars``,
+``eqn.invars`` / ``outvars`` / ``effects``): those are the fields of JAX's public ``jax.extend.core.Jaxpr`` and
+``JaxprEqn``. What an equation *is* (its primitive's name, its parameters, how to bind it) is read only here.
 
 This module is the package's lowest layer: it imports only JAX, optax, NumPy and the standard library.
 """
@@ -110,8 +115,8 @@ def as_closed(jaxpr: Any) -> Any:
 def primitive_name(eqn: Any) -> str:
     """The name of the primitive equation ``eqn`` applies (``eqn.primitive.name``), e.g. ``"dot_general"``.
 
-    Verified on JAX 0.10.2. Assumes a ``JaxprEqn`` has ``.primitive`` with a string ``.name``. Used by
-    ``step/_point_of_use`` (:func:`is_linear_in`) and every predicate below.
+    Verified on JAX 0.10.2. Assumes a ``JaxprEqn`` has ``.primitive`` with a string ``.name``. Used by every
+    predicate below (the callers ask the predicates, never the name).
     """
     return eqn.primitive.name
 
@@ -131,7 +136,10 @@ def bind_equation(eqn: Any, invals: Sequence[Any]) -> list[Any]:
     return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
-try:  # public: jax.core.Tracer
+# TRACER_TYPES: the types of traced values, ``jax.core.Tracer`` (public), fallback ``jax._src.core.Tracer``; empty
+# if neither exists, and then nothing counts as traced. Verified on JAX 0.10.2. Assumes every value seen while
+# tracing (``jit``, ``grad``, ``vmap``, ``shard_map``) is an instance. Used through is_tracer below.
+try:
     TRACER_TYPES: tuple[type, ...] = (jax.core.Tracer,)
 except AttributeError:  # pragma: no cover - a JAX without jax.core.Tracer
     try:
@@ -140,11 +148,6 @@ except AttributeError:  # pragma: no cover - a JAX without jax.core.Tracer
         TRACER_TYPES = (_Tracer,)
     except ImportError:
         TRACER_TYPES = ()
-"""The types of traced values (``jax.core.Tracer``, fallback ``jax._src.core.Tracer``; empty if neither
-exists, and then nothing counts as traced).
-
-Verified on JAX 0.10.2. Assumes every value seen while tracing (``jit``, ``grad``, ``vmap``, ``shard_map``) is
-an instance. Used by ``optim/_leaf_tables``, ``optim/_state_layouts``, ``optim/_shampoo/_transform``."""
 
 
 def is_tracer(x: Any) -> bool:
