@@ -33,6 +33,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from vescale_jax._compat import backends_are_initialized, cluster_types, distributed_job
 from vescale_jax.distributed._rendezvous import rendezvous
 
 __all__ = [
@@ -60,30 +61,9 @@ class _Setup:
 _SETUP: _Setup | None = None
 
 
-def _backends_initialized() -> bool:
-    """Whether JAX's backends have started (without starting them)."""
-    from jax._src import xla_bridge  # private: no public API asks this without starting the backends
-
-    return xla_bridge.backends_are_initialized()
-
-
-def _cluster_types() -> list[Any]:
-    """JAX's cluster detectors (SLURM, Open MPI, Kubernetes, Cloud TPU, ...), or ``[]`` if the private API moved."""
-    try:
-        from jax._src import clusters  # private: jax.distributed exposes no detection without initialising
-
-        return list(clusters.ClusterEnv._cluster_types)
-    except (ImportError, AttributeError):
-        return []
-
-
 def _job() -> _Setup:
     """The job ``jax.distributed`` was initialised with (however it was called)."""
-    from jax._src.distributed import global_state  # private: no public coordinator address; process_count() starts XLA
-
-    return _Setup(
-        global_state.coordinator_address, int(global_state.num_processes or 1), int(global_state.process_id or 0), None
-    )
+    return _Setup(*distributed_job(), None)
 
 
 def detect_cluster() -> str | None:
@@ -96,7 +76,7 @@ def detect_cluster() -> str | None:
       The detector's name (e.g. ``"SlurmCluster"``, ``"OmpiCluster"``, ``"K8sCluster"``), ``"env"`` when only
       ``JAX_COORDINATOR_ADDRESS`` is set, or ``None`` when no cluster is detected.
     """
-    for env in _cluster_types():  # empty if the private API moved: then JAX's own call detects
+    for env in cluster_types():  # empty if the private API moved: then JAX's own call detects
         if getattr(env, "opt_in_only_method", False):
             continue
         try:
@@ -111,7 +91,7 @@ def detect_cluster() -> str | None:
 
 def _detected_process_count(name: str) -> int | None:
     try:
-        env = next(e for e in _cluster_types() if e.__name__ == name)
+        env = next(e for e in cluster_types() if e.__name__ == name)
         return int(env.get_process_count())
     except Exception:
         return None
@@ -208,7 +188,7 @@ def initialize(
         _SETUP = _Setup(None, 1, 0, local_device_count)
         return False
 
-    if _backends_initialized():
+    if backends_are_initialized():
         where = f"the {cluster} cluster environment" if cluster else f"coordinator {coordinator_address}"
         raise RuntimeError(
             f"vj.distributed.initialize: cannot join the multi-process job ({where}): JAX backends are already "
@@ -243,7 +223,7 @@ def initialize(
 
 def _configure_cpu(local_device_count: int | None, cpu_collectives: str | None, *, multiprocess: bool) -> None:
     if local_device_count is not None:
-        if _backends_initialized():
+        if backends_are_initialized():
             if jax.local_device_count() != local_device_count:
                 raise RuntimeError(
                     f"vj.distributed.initialize: local_device_count={local_device_count} but JAX backends are "

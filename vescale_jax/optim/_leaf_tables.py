@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from vescale_jax._compat import is_tracer
 from vescale_jax.layout._checks import plan_difference
 from vescale_jax.layout._plan import Plan
 from vescale_jax.state._containers import PerDevice, ShardedParams
@@ -223,7 +224,7 @@ def place_state(state: Any, plan: Plan) -> Any:
     def put(x, sharding):
         if not isinstance(x, jax.Array):
             return x
-        if isinstance(x, jax.core.Tracer):
+        if is_tracer(x):
             return jax.lax.with_sharding_constraint(x, sharding) if auto else jax.sharding.reshard(x, sharding)
         return jax.device_put(x, sharding)
 

@@ -23,9 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-# private: optax.tree.map_params hands init this placeholder, and optax exports no type to test for it.
-from optax.tree_utils import _state_utils as optax_state_utils
-
+from vescale_jax._compat import is_params_placeholder
 from vescale_jax.layout._plan import Plan
 from vescale_jax.optim._leaf_tables import abstract_params
 from vescale_jax.optim._on_leaves import on_leaves
@@ -222,7 +220,7 @@ def masked(
         return p, leaf_table(p, mask, what="masked")
 
     def init_fn(params):
-        if isinstance(params, optax_state_utils._ParamsPlaceholder):  # optax.tree.map_params
+        if is_params_placeholder(params):  # optax.tree.map_params
             return optax.MaskedState(inner_state=inner.init(params))
         p, table = resolve(params)
         if compact:
@@ -301,7 +299,7 @@ def partition(
             )
 
     def init_fn(params):
-        if not isinstance(params, optax_state_utils._ParamsPlaceholder):
+        if not is_params_placeholder(params):
             check(params)
         return optax.PartitionState({k: tx.init(params) for k, tx in parts.items()})
 

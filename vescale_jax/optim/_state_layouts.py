@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from vescale_jax._cache import plan_cache
+from vescale_jax._compat import is_tracer
 from vescale_jax.layout import _tiles as tiles
 from vescale_jax.layout._plan import Plan
 from vescale_jax.layout._ragged import RaggedShard
@@ -53,7 +54,6 @@ from vescale_jax.state._sharded import PerDevice
 __all__ = ["BlockLayout", "CompactLayout", "logical_view", "per_device_axes", "restore_logical"]
 
 P = jax.sharding.PartitionSpec
-_TRACER = getattr(jax.core, "Tracer", ())  # from_logical inside jit: leave the shardings to the caller
 
 
 def _even_spec(per_layer: tuple[int, ...], layers: int | None, chunked: bool, axis: Any, m: int) -> P:
@@ -253,7 +253,7 @@ class _Relayout:
         for e in entries:
             x, want = arrays[e.key], self._sharding(e)
             sharding = getattr(x, "sharding", None)
-            if not isinstance(x, _TRACER) and not (
+            if not is_tracer(x) and not (  # inside jit: leave the shardings to the caller
                 isinstance(sharding, jax.sharding.Sharding)
                 and sharding.device_set == want.device_set
                 and sharding.is_equivalent_to(want, len(e.shape))

@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from vescale_jax._compat import OPTAX_MASKING_MODULE, OPTAX_MUON_MODULE, OPTAX_PARTITION_MODULE
+
 __all__ = ["PerLeafOnBucketsError", "check_children"]
 
 
@@ -26,14 +28,14 @@ class PerLeafOnBucketsError(TypeError):
 
 # optax module -> (what it is, the vescale_jax replacement)
 _REPLACEMENTS = (
-    ("optax.contrib._muon", "optax.contrib.muon", "vj.optim.muon(learning_rate, plan=plan, ...)"),
+    (OPTAX_MUON_MODULE, "optax.contrib.muon", "vj.optim.muon(learning_rate, plan=plan, ...)"),
     (
-        "optax.transforms._masking",
+        OPTAX_MASKING_MODULE,
         "optax.masked (or the mask= of optax.adamw / add_decayed_weights / lamb)",
         "vj.optim.masked(inner, mask), vj.optim.adamw(..., mask=mask) or vj.optim.add_decayed_weights(wd, mask)",
     ),
     (
-        "optax.transforms._combining",
+        OPTAX_PARTITION_MODULE,
         "optax.partition / optax.multi_transform",
         "vj.optim.partition(transforms, param_labels)",
     ),

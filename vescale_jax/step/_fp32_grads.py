@@ -21,9 +21,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jex_core
 
-from vescale_jax.step._jaxpr import bind
+from vescale_jax._compat import bind_equation, convert_dtype, is_convert, is_literal
 
 __all__ = ["wide_dtype", "widened"]
 
@@ -85,7 +84,7 @@ def _eval(closed: Any, in_flat: Sequence[Any], wide: dict[int, tuple[Any, np.dty
     copies: dict[Any, tuple[Any, np.dtype]] = {}
 
     def read(v):
-        if isinstance(v, jex_core.Literal):
+        if is_literal(v):
             return v.val
         if v not in env:  # a wide input used in its own dtype
             copy, dtype = copies[v]
@@ -102,12 +101,12 @@ def _eval(closed: Any, in_flat: Sequence[Any], wide: dict[int, tuple[Any, np.dty
     for eqn in jaxpr.eqns:
         src = eqn.invars[0] if eqn.invars else None
         if (
-            eqn.primitive.name == "convert_element_type"
-            and not isinstance(src, jex_core.Literal)
+            is_convert(eqn)
+            and not is_literal(src)
             and src in copies
-            and np.dtype(eqn.params["new_dtype"]) == np.dtype(copies[src][0].dtype)
+            and convert_dtype(eqn) == np.dtype(copies[src][0].dtype)
         ):
             env[eqn.outvars[0]] = copies[src][0]  # astype(f32) of the leaf: its exact fp32 copy
             continue
-        env.update(zip(eqn.outvars, bind(eqn, [read(v) for v in eqn.invars]), strict=True))
+        env.update(zip(eqn.outvars, bind_equation(eqn, [read(v) for v in eqn.invars]), strict=True))
     return [read(v) for v in jaxpr.outvars]

@@ -7,50 +7,23 @@ jaxpr equation by equation and reads which equations touch which variables. Thes
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
-from jax.extend import core as jex_core
+from vescale_jax._compat import bind_equation, is_literal, is_view
 
-__all__ = ["VIEWS", "bind", "bucket_reads", "evaluate", "last_reads", "read"]
-
-# Outputs that are copies or views of operand 0.
-VIEWS = frozenset(
-    {
-        "broadcast_in_dim",
-        "convert_element_type",
-        "copy",
-        "copy_p",
-        "dynamic_slice",
-        "expand_dims",
-        "pcast",
-        "pvary",
-        "reduce_precision",
-        "reshape",
-        "rev",
-        "slice",
-        "squeeze",
-        "transpose",
-    }
-)
+__all__ = ["bucket_reads", "evaluate", "last_reads", "read"]
 
 
 def read(env: dict[Any, Any], v: Any) -> Any:
     """The value of jaxpr variable or literal ``v`` in ``env``."""
-    return v.val if isinstance(v, jex_core.Literal) else env[v]
-
-
-def bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
-    """Binds one equation on ``invals`` (as ``jax.core.eval_jaxpr`` does); always a list of outputs."""
-    with eqn.ctx.manager:
-        outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-    return list(outs) if eqn.primitive.multiple_results else [outs]
+    return v.val if is_literal(v) else env[v]
 
 
 def evaluate(eqns: Iterable[Any], env: dict[Any, Any]) -> dict[Any, Any]:
     """Binds ``eqns`` in order, reading and extending ``env`` (returned)."""
     for eqn in eqns:
-        env.update(zip(eqn.outvars, bind(eqn, [read(env, v) for v in eqn.invars]), strict=True))
+        env.update(zip(eqn.outvars, bind_equation(eqn, [read(env, v) for v in eqn.invars]), strict=True))
     return env
 
 
@@ -59,23 +32,23 @@ def last_reads(jaxpr: Any) -> dict[Any, int]:
     out: dict[Any, int] = {}
     for k, eqn in enumerate(jaxpr.eqns):
         for v in eqn.invars:
-            if not isinstance(v, jex_core.Literal):
+            if not is_literal(v):
                 out[v] = k
     for v in jaxpr.outvars:
-        if not isinstance(v, jex_core.Literal):
+        if not is_literal(v):
             out[v] = len(jaxpr.eqns)
     return out
 
 
 def bucket_reads(jaxpr: Any, leaf_bucket: dict[Any, int]) -> tuple[list[set[int]], dict[Any, int]]:
     """Per equation, the buckets whose leaves it reads (``leaf_bucket``: leaf variable -> bucket), where a copy or
-    view of a leaf (:data:`VIEWS`: a cast, reshape, transpose, broadcast, slice) stands for the leaf; and the
-    map of every such variable to its bucket."""
+    view of a leaf (:func:`vescale_jax._compat.is_view`: a cast, reshape, transpose, broadcast, slice) stands for
+    the leaf; and the map of every such variable to its bucket."""
     like = dict(leaf_bucket)
     reads = []
     for eqn in jaxpr.eqns:
-        reads.append({like[v] for v in eqn.invars if not isinstance(v, jex_core.Literal) and v in like})
+        reads.append({like[v] for v in eqn.invars if not is_literal(v) and v in like})
         src = eqn.invars[0] if eqn.invars else None
-        if eqn.primitive.name in VIEWS and not isinstance(src, jex_core.Literal) and src in like:
+        if is_view(eqn) and not is_literal(src) and src in like:
             like.update((v, like[src]) for v in eqn.outvars)
     return reads, like

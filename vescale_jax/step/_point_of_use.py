@@ -12,6 +12,7 @@ function), without the user restructuring it.
 A segment is *affine* in its leaves when every operation that depends on them is linear in them given its
 other inputs (matmuls, lookups, scales, biases, data movement): its backward then reduce-scatters the leaves'
 gradient before gathering them again, so a gathered matrix and its full-size gradient are never alive together.
+Which JAX primitives count as linear, and which nested calls are inlined, is written in :mod:`vescale_jax._compat`.
 """
 
 from __future__ import annotations
@@ -21,51 +22,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-from jax.extend import core as jex_core
 
+from vescale_jax._compat import bind_equation, is_linear_in, is_literal, is_nested_call, nested_call_jaxpr
 from vescale_jax.layout._plan import Plan
 from vescale_jax.step import _wire as collectives
-from vescale_jax.step._jaxpr import bind, bucket_reads, evaluate, last_reads, read
+from vescale_jax.step._jaxpr import bucket_reads, evaluate, last_reads, read
 from vescale_jax.step._wire import Gather, example_leaves, gather_leaves, gather_segment
 
 __all__ = ["at_point_of_use"]
-
-_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
-
-# Linear in an operand given the others: which operand positions may carry the leaves (None: any).
-_LINEAR: dict[str, tuple[int, ...] | None] = {
-    "add": None,
-    "add_any": None,
-    "sub": None,
-    "neg": None,
-    "reduce_sum": None,
-    "broadcast_in_dim": None,
-    "reshape": None,
-    "transpose": None,
-    "squeeze": None,
-    "expand_dims": None,
-    "slice": None,
-    "rev": None,
-    "copy": None,
-    "copy_p": None,
-    "concatenate": None,
-    "convert_element_type": None,
-    "reduce_precision": None,
-    "pvary": None,
-    "pcast": None,
-    "cumsum": None,
-    "real": None,
-    "imag": None,
-    "complex": None,
-    "conj": None,
-    "dynamic_slice": (0,),
-    "gather": (0,),
-    "pad": (0,),
-    "select_n": None,  # the predicate (operand 0) is checked separately
-    "div": (0,),
-}
-# Linear in each operand separately: at most one operand may depend on the leaves.
-_BILINEAR = frozenset({"mul", "dot_general", "conv_general_dilated"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,25 +52,12 @@ def _eval_inlined(closed: Any, xs: Sequence[Any]) -> list[Any]:
     env.update(zip(jaxpr.invars, xs, strict=True))
     for eqn in jaxpr.eqns:
         invals = [read(env, v) for v in eqn.invars]
-        if eqn.primitive.name in _CALLS and "jaxpr" in eqn.params:
-            inner = eqn.params["jaxpr"]
-            outs = _eval_inlined(inner if hasattr(inner, "consts") else jex_core.ClosedJaxpr(inner, ()), invals)
+        if is_nested_call(eqn):
+            outs = _eval_inlined(nested_call_jaxpr(eqn), invals)
         else:
-            outs = bind(eqn, invals)
+            outs = bind_equation(eqn, invals)
         env.update(zip(eqn.outvars, outs, strict=True))
     return [read(env, v) for v in jaxpr.outvars]
-
-
-def _is_linear(eqn: Any, dep_positions: list[int]) -> bool:
-    name = eqn.primitive.name
-    if name in _BILINEAR:
-        return len(dep_positions) == 1
-    if name not in _LINEAR:
-        return False
-    allowed = _LINEAR[name]
-    if name == "select_n" and 0 in dep_positions:
-        return False
-    return allowed is None or all(p in allowed for p in dep_positions)
 
 
 def _segments(jaxpr: Any, leaf_vars: dict[Any, int]) -> tuple[list[_Segment], set[int]]:
@@ -120,7 +71,7 @@ def _segments(jaxpr: Any, leaf_vars: dict[Any, int]) -> tuple[list[_Segment], se
         for b in bs:
             first.setdefault(b, k)
             last[b] = k
-    upfront = {like[v] for v in jaxpr.outvars if not isinstance(v, jex_core.Literal) and v in like}
+    upfront = {like[v] for v in jaxpr.outvars if not is_literal(v) and v in like}
     spans = sorted((first[b], last[b] + 1, b) for b in first if b not in upfront)
     merged: list[list[Any]] = []
     for lo, hi, b in spans:
@@ -134,9 +85,9 @@ def _segments(jaxpr: Any, leaf_vars: dict[Any, int]) -> tuple[list[_Segment], se
         dep = {v for v, b in leaf_vars.items() if b in bs}
         affine = True
         for eqn in jaxpr.eqns[lo:hi]:
-            pos = [i for i, v in enumerate(eqn.invars) if not isinstance(v, jex_core.Literal) and v in dep]
+            pos = [i for i, v in enumerate(eqn.invars) if not is_literal(v) and v in dep]
             if pos:
-                affine = affine and _is_linear(eqn, pos)
+                affine = affine and is_linear_in(eqn, pos)
                 dep.update(eqn.outvars)
         out.append(_Segment(lo, hi, tuple(bs), affine))
     return out, upfront
@@ -205,10 +156,7 @@ def at_point_of_use(
             defined = {v for e in eqns for v in e.outvars}
             inputs = list(
                 dict.fromkeys(
-                    v
-                    for e in eqns
-                    for v in e.invars
-                    if not isinstance(v, jex_core.Literal) and v not in defined and v not in leaf_set
+                    v for e in eqns for v in e.invars if not is_literal(v) and v not in defined and v not in leaf_set
                 )
             )
             outputs = [v for v in dict.fromkeys(v for e in eqns for v in e.outvars) if last_read.get(v, -1) >= seg.stop]

@@ -34,13 +34,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jex_core
 
+from vescale_jax._compat import bind_equation, is_literal, is_pvary, pvary_axes
 from vescale_jax.kernels import KernelPolicy
 from vescale_jax.kernels._dispatch import DEFAULT_KERNELS, pack, unpack, unpack_differentiable
 from vescale_jax.layout._plan import Bucket, Plan
 from vescale_jax.step import _fp8 as fp8
-from vescale_jax.step._jaxpr import bind, read
+from vescale_jax.step._jaxpr import read
 from vescale_jax.step._precision import MixedPrecision
 
 __all__ = [
@@ -472,10 +472,10 @@ def reads(f: Callable[..., Any], args: Sequence[Any], argnum: int) -> bool:
     lo = sum(counts[:argnum])
     closed = jax.make_jaxpr(lambda *xs: f(*jax.tree.unflatten(tree, xs)))(*flat)
     jaxpr = closed.jaxpr
-    live = {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
+    live = {v for v in jaxpr.outvars if not is_literal(v)}
     for eqn in reversed(jaxpr.eqns):
         if any(v in live for v in eqn.outvars) or eqn.effects:
-            live.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
+            live.update(v for v in eqn.invars if not is_literal(v))
     return any(v in live for v in jaxpr.invars[lo : lo + counts[argnum]])
 
 
@@ -492,13 +492,13 @@ def anchored(f: Callable[..., Any], anchor: Any) -> Callable[..., Any]:
         env.update(zip(jaxpr.invars, flat, strict=True))
         for eqn in jaxpr.eqns:
             invals = [read(env, v) for v in eqn.invars]
-            if eqn.primitive.name == "pvary" and all(
-                set(eqn.params["axes"]) <= varying_axes(x) for x in invals
+            if is_pvary(eqn) and all(
+                set(pvary_axes(eqn)) <= varying_axes(x) for x in invals
             ):  # a tied constant varies already
                 env.update(zip(eqn.outvars, invals, strict=True))
                 continue
-            outs = bind(eqn, invals)
-            if all(isinstance(v, jex_core.Literal) for v in eqn.invars) and not eqn.effects:
+            outs = bind_equation(eqn, invals)
+            if all(is_literal(v) for v in eqn.invars) and not eqn.effects:
                 outs = [tie([o], anchor)[0] if isinstance(o, jax.Array) and o.ndim else o for o in outs]
             env.update(zip(eqn.outvars, outs, strict=True))
         return jax.tree.unflatten(jax.tree.structure(shape), [read(env, v) for v in jaxpr.outvars])

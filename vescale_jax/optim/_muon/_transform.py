@@ -39,11 +39,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-# private: optax publishes no table of its Newton–Schulz presets and default; reading them keeps
-# ns_coeffs="standard" / "dion" and the default identical to the installed optax.contrib.muon's.
-from optax.contrib import _muon as optax_muon
-
 from vescale_jax._cache import plan_cache
+from vescale_jax._compat import (
+    MUON_DEFAULT_NS_COEFFS,
+    MUON_NS_COEFFS_PRESETS,
+    MUON_PRECONDITIONINGS,
+    muon_normalize_axes,
+    muon_orthogonalize,
+)
 from vescale_jax.layout._plan import Plan
 from vescale_jax.optim._leaf_tables import (
     abstract_params,
@@ -121,9 +124,9 @@ def _drop_empty(plan: Plan, dims: list[Any]) -> list[Any]:
 
 def _coeffs(ns_coeffs: Any, ns_steps: int) -> np.ndarray:
     if isinstance(ns_coeffs, str):
-        if ns_coeffs not in optax_muon._NS_COEFFS_PRESET_DICT:
+        if ns_coeffs not in MUON_NS_COEFFS_PRESETS:
             raise ValueError(f"Unknown ns_coeff preset string: {ns_coeffs}")
-        ns_coeffs = optax_muon._NS_COEFFS_PRESET_DICT[ns_coeffs]
+        ns_coeffs = MUON_NS_COEFFS_PRESETS[ns_coeffs]
     c = np.asarray(ns_coeffs, np.float32)
     if c.ndim > 2 or c.shape[-1] != 3:
         raise ValueError(f"ns_coeffs must have shape (3,) or (n, 3), got {c.shape}")
@@ -190,7 +193,7 @@ def _hashable(axes: Any) -> Any:
 
 
 def scale_by_muon(
-    ns_coeffs: Any = optax_muon._DEFAULT_NS_COEFFS,
+    ns_coeffs: Any = MUON_DEFAULT_NS_COEFFS,
     ns_steps: int = 5,
     beta: float = 0.95,
     eps: float = 1e-8,
@@ -223,7 +226,7 @@ def scale_by_muon(
     mu_dtype = None if mu_dtype is None else jnp.dtype(mu_dtype)
     ns_steps = static_int(ns_steps, "ns_steps", "scale_by_muon")
     coeffs = _coeffs(ns_coeffs, ns_steps)
-    if preconditioning not in optax_muon._PRECONDITIONINGS:
+    if preconditioning not in MUON_PRECONDITIONINGS:
         raise ValueError(f"Unknown preconditioning {preconditioning}")
     routing = muon_routing(plan, weight_dimension_numbers, split=preconditioning == "frobenius")
 
@@ -235,7 +238,7 @@ def scale_by_muon(
         if preconditioning == "frobenius":
             return newton_schulz(x_kpq, coeffs, ns_steps, eps, unroll=ns_unroll)
         c = jnp.asarray(coeffs).astype(x_kpq.dtype)
-        ns = lambda x: optax_muon.orthogonalize_via_newton_schulz(x, c, ns_steps, preconditioning, eps)
+        ns = lambda x: muon_orthogonalize(x, c, ns_steps, preconditioning, eps)
         return jax.vmap(ns)(x_kpq)
 
     def init_fn(params):
@@ -254,11 +257,11 @@ def scale_by_muon(
         del params, extra_args
         check_sharded(updates, plan, "scale_by_muon")
         mu = optax.tree.update_moment(updates, state.mu, beta, 1)
-        count_inc = optax_muon.numerics.safe_increment(state.count)
+        count_inc = optax.safe_increment(state.count)
         if nesterov:
             mu_hat = jax.tree.map(
                 lambda m, g: beta * m + (1 - beta) * g,
-                optax.tree.bias_correction(mu, beta, optax_muon.numerics.safe_increment(count_inc)),
+                optax.tree.bias_correction(mu, beta, optax.safe_increment(count_inc)),
                 optax.tree.bias_correction(updates, beta, count_inc),
             )
         else:
@@ -285,7 +288,7 @@ def _shape_scales(plan: Plan, dims: Sequence[Any], consistent_rms: Any) -> np.nd
         if d is None:
             continue
         shape = plan.leaves[i].shape
-        red = optax_muon._normalize_axes(np.empty(shape), MuonDimensionNumbers(*d))
+        red = muon_normalize_axes(shape, MuonDimensionNumbers(*d))
         fan_in = math.prod(shape[a] for a in red[0])
         fan_out = math.prod(shape[a] for a in red[1])
         if consistent_rms is None:
@@ -330,7 +333,7 @@ class SelectState(NamedTuple):
 
 def muon(
     learning_rate: optax.ScalarOrSchedule,
-    ns_coeffs: Any = optax_muon._DEFAULT_NS_COEFFS,
+    ns_coeffs: Any = MUON_DEFAULT_NS_COEFFS,
     ns_steps: int = 5,
     beta: float = 0.95,
     eps: float = 1e-8,

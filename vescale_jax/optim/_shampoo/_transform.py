@@ -37,6 +37,7 @@ import numpy as np
 import optax
 
 from vescale_jax._cache import plan_cache
+from vescale_jax._compat import is_tracer
 from vescale_jax.layout._plan import Plan
 from vescale_jax.optim._leaf_tables import (
     check_sharded,
@@ -299,7 +300,7 @@ def scale_by_shampoo(
 
 
 def _concrete(value: Any) -> bool:
-    return not isinstance(value, jax.core.Tracer)
+    return not is_tracer(value)
 
 
 class MomentumState(NamedTuple):

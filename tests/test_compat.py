@@ -1,0 +1,581 @@
+"""Each JAX / optax internal the package relies on (``vescale_jax._compat``), pinned by one test.
+
+A JAX or optax upgrade that breaks an assumption fails here first, with a message naming the assumption, the
+``_compat`` entry and the vescale_jax modules that depend on it. The last test keeps those internals in
+``_compat`` alone.
+"""
+
+from __future__ import annotations
+
+import inspect
+import pathlib
+import re
+import subprocess
+import sys
+import typing
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import make_mesh
+
+from vescale_jax import _compat
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+P = jax.sharding.PartitionSpec
+VERSIONS = f"JAX {jax.__version__}, optax {optax.__version__}"
+
+
+def broke(entry: str, assumption: str, users: str) -> str:
+    """The failure message: which assumption of which ``_compat`` entry broke, and who depends on it."""
+    return f"[{VERSIONS}] vescale_jax._compat.{entry}: {assumption} no longer holds; {users} depend on it."
+
+
+def closed_of(f, *args):
+    return jax.make_jaxpr(f)(*args)
+
+
+def out_eqn(f, *args):
+    """The equation producing ``f(*args)``'s (single) output."""
+    jaxpr = closed_of(f, *args).jaxpr
+    (out,) = jaxpr.outvars
+    return next(e for e in jaxpr.eqns if out in e.outvars)
+
+
+def run_by_equations(closed, *args):
+    """Evaluates ``closed`` equation by equation with ``_compat.bind_equation``, as ``step/_jaxpr`` does."""
+    jaxpr = closed.jaxpr
+    env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    rd = lambda v: v.val if _compat.is_literal(v) else env[v]
+    for eqn in jaxpr.eqns:
+        env.update(zip(eqn.outvars, _compat.bind_equation(eqn, [rd(v) for v in eqn.invars]), strict=True))
+    return [rd(v) for v in jaxpr.outvars]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# jaxpr types and equations
+
+
+def test_literal_is_a_constant_atom():
+    jaxpr = closed_of(lambda x: x * 3.0, jnp.ones(2)).jaxpr
+    (eqn,) = jaxpr.eqns
+    kinds = [_compat.is_literal(v) for v in eqn.invars]
+    assert kinds == [False, True], broke(
+        "is_literal",
+        "a Python scalar operand is a jax.extend.core.Literal and a traced input is not",
+        "step/_jaxpr, step/_point_of_use, step/_fp32_grads, step/_wire",
+    )
+    assert float(eqn.invars[1].val) == 3.0, broke("is_literal", "a Literal holds its value in .val", "step/_jaxpr")
+    hash(eqn.invars[0])  # variables are dictionary keys in every caller
+
+
+def test_jaxpr_structure_is_the_public_one():
+    import jax.extend.core as jex  # the public types whose fields the callers read
+
+    closed = closed_of(lambda x, y: jnp.sin(x) * y, jnp.ones(2), jnp.ones(2))
+    users = "step/_jaxpr, step/_point_of_use, step/_layer_split, step/_fp32_grads, step/_wire"
+    assert isinstance(closed, _compat.ClosedJaxpr) and isinstance(closed.jaxpr, jex.Jaxpr), broke(
+        "ClosedJaxpr", "jax.make_jaxpr gives a jax.extend.core.ClosedJaxpr of a jax.extend.core.Jaxpr", users
+    )
+    for field in ("eqns", "constvars", "invars", "outvars"):
+        assert hasattr(closed.jaxpr, field), broke("(module docstring)", f"a Jaxpr has .{field}", users)
+    for eqn in closed.jaxpr.eqns:
+        assert isinstance(eqn, jex.JaxprEqn), broke("(module docstring)", "equations are JaxprEqn", users)
+        for field in ("invars", "outvars", "params", "effects"):
+            assert hasattr(eqn, field), broke("(module docstring)", f"a JaxprEqn has .{field}", users)
+
+
+def test_as_closed_closes_an_open_jaxpr():
+    closed = closed_of(lambda x: jnp.sin(x) + 1.0, jnp.ones(3))
+    again = _compat.as_closed(closed.jaxpr)
+    assert isinstance(again, _compat.ClosedJaxpr) and tuple(again.consts) == (), broke(
+        "as_closed", "ClosedJaxpr(jaxpr, ()) closes an open jaxpr over no constants", "step/_point_of_use"
+    )
+    assert _compat.as_closed(closed) is closed, broke("as_closed", "a ClosedJaxpr has .consts", "step/_point_of_use")
+    x = jnp.arange(3.0)
+    np.testing.assert_array_equal(run_by_equations(again, x)[0], jnp.sin(x) + 1.0)
+
+
+def test_nested_jit_is_a_nested_call_that_inlines():
+    f = lambda x: jax.jit(lambda y: jnp.sin(y) * 2.0)(x)
+    eqn = out_eqn(f, jnp.ones(3))
+    assert _compat.is_nested_call(eqn), broke(
+        "is_nested_call / NESTED_CALL_PRIMITIVES",
+        f"jax.jit inside a traced function is an equation named in NESTED_CALL_PRIMITIVES (got "
+        f"{_compat.primitive_name(eqn)!r}) holding params['jaxpr']",
+        "step/_point_of_use (inlines nested jits to find each parameter's point of use), step/_layer_split",
+    )
+    inner = _compat.nested_call_jaxpr(eqn)
+    assert "sin" in [_compat.primitive_name(e) for e in inner.jaxpr.eqns], broke(
+        "nested_call_jaxpr", "params['jaxpr'] of a nested jit is the jitted function's jaxpr", "step/_point_of_use"
+    )
+    x = jnp.arange(3.0)
+    np.testing.assert_array_equal(run_by_equations(inner, x)[0], f(x))
+
+
+@jax.custom_jvp
+def _cube(x):
+    return x**3
+
+
+_cube.defjvp(lambda primals, tangents: (_cube(primals[0]), 3.0 * primals[0] ** 2 * tangents[0]))
+
+
+@jax.custom_vjp
+def _clip_grad(x):
+    return jnp.sin(x)
+
+
+_clip_grad.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda c, g: (jnp.clip(c * g, -0.5, 0.5),))
+
+WHOLE = {  # higher-order equations that stay whole (bound as they are), never inlined
+    "scan": lambda x: jax.lax.scan(lambda c, s: (c * s + jnp.sin(c), None), x, jnp.stack([x, 2.0 * x]))[0],
+    "cond": lambda x: jax.lax.cond(jnp.sum(x) > 0, jnp.sin, jnp.cos, x),
+    "checkpoint": lambda x: jax.checkpoint(lambda y: jnp.sin(y) ** 2)(x),
+    "custom_jvp": _cube,
+    "custom_vjp": _clip_grad,
+}
+
+
+@pytest.mark.parametrize("kind", sorted(WHOLE))
+def test_higher_order_equations_stay_whole_and_rebind(kind):
+    f = WHOLE[kind]
+    x = jnp.linspace(-1.0, 2.0, 4)
+    eqn = out_eqn(f, x)
+    users = "step/_point_of_use, step/_layer_split, step/_fp32_grads, step/_wire (they re-bind every equation)"
+    assert not _compat.is_nested_call(eqn), broke(
+        "NESTED_CALL_PRIMITIVES", f"a {kind} equation ({_compat.primitive_name(eqn)!r}) is not inlined", users
+    )
+    assert not _compat.is_view(eqn) and not _compat.is_linear_in(eqn, [0]), broke(
+        "VIEW_PRIMITIVES / LINEAR_OPERANDS", f"a {kind} equation is neither a view nor linear", "step/_point_of_use"
+    )
+    closed = closed_of(f, x)
+    np.testing.assert_allclose(
+        run_by_equations(closed, x)[0],
+        f(x),
+        rtol=1e-6,
+        err_msg=broke("bind_equation", f"re-binding a {kind} equation reproduces it", users),
+    )
+    np.testing.assert_allclose(
+        jax.grad(lambda y: jnp.sum(run_by_equations(closed, y)[0]))(x),
+        jax.grad(lambda y: jnp.sum(f(y)))(x),
+        rtol=1e-6,
+        err_msg=broke("bind_equation", f"the gradient through a re-bound {kind} equation is its own", users),
+    )
+
+
+def test_while_loop_rebinds():
+    f = lambda x: jax.lax.while_loop(lambda c: jnp.sum(c) < 10.0, lambda c: c * 1.5 + 0.1, x)
+    x = jnp.linspace(0.1, 1.0, 4)
+    assert not _compat.is_nested_call(out_eqn(f, x))
+    np.testing.assert_array_equal(
+        run_by_equations(closed_of(f, x), x)[0],
+        f(x),
+        err_msg=broke("bind_equation", "re-binding a while equation reproduces it", "step/_jaxpr and its users"),
+    )
+
+
+def test_shard_map_equations_rebind_inside_and_out():
+    mesh = make_mesh(2, "x", auto=True)
+
+    def body(a, b):
+        return jax.lax.psum(jax.lax.pcast(a, ("x",), to="varying") * b, "x")
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("x")), out_specs=P())
+    a, b = jnp.arange(2.0), jnp.arange(4.0).reshape(2, 2)
+    closed = closed_of(f, a, b)
+    assert not _compat.is_nested_call(closed.jaxpr.eqns[-1])
+    users = "step/_point_of_use, step/_wire (they evaluate the model's jaxpr inside shard_map)"
+    np.testing.assert_array_equal(
+        run_by_equations(closed, a, b)[0],
+        f(a, b),
+        err_msg=broke("bind_equation", "re-binding a shard_map equation reproduces it", users),
+    )
+    inside = jax.shard_map(
+        lambda a, b: run_by_equations(closed_of(body, a, b), a, b)[0], mesh=mesh, in_specs=(P(), P("x")), out_specs=P()
+    )
+    np.testing.assert_array_equal(
+        inside(a, b),
+        f(a, b),
+        err_msg=broke("bind_equation", "re-binding pvary / psum equations inside shard_map reproduces them", users),
+    )
+
+
+def test_tracers():
+    seen = []
+    probe = lambda x: seen.append(_compat.is_tracer(x)) or x
+    probe(jnp.ones(2))
+    jax.jit(probe)(jnp.ones(2))
+    jax.grad(lambda x: jnp.sum(probe(x)))(jnp.ones(2))
+    jax.vmap(probe)(jnp.ones(2))
+    assert seen == [False, True, True, True], broke(
+        "is_tracer / TRACER_TYPES",
+        "values inside jit / grad / vmap are jax.core.Tracer instances and concrete arrays are not",
+        "optim/_leaf_tables, optim/_state_layouts, optim/_shampoo/_transform",
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Primitive names
+
+VIEW_CASES = {
+    "astype": lambda x: x.astype(jnp.bfloat16),
+    "reshape": lambda x: x.reshape(3, 2),
+    "transpose": lambda x: x.T,
+    "broadcast": lambda x: jnp.broadcast_to(x, (4, 2, 3)),
+    "slice": lambda x: x[1:],
+    "expand_dims": lambda x: jax.lax.expand_dims(x, (0,)),
+    "squeeze": lambda x: jnp.squeeze(x[None]),
+    "rev": lambda x: jax.lax.rev(x, (0,)),
+    "dynamic_slice": lambda x: jax.lax.dynamic_slice(x, (jnp.int32(1), jnp.int32(0)), (1, 3)),
+    "reduce_precision": lambda x: jax.lax.reduce_precision(x, exponent_bits=5, mantissa_bits=10),
+    "copy": lambda x: jnp.array(x, copy=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(VIEW_CASES))
+def test_views_are_recognised(case):
+    eqn = out_eqn(VIEW_CASES[case], jnp.ones((2, 3)))
+    assert _compat.is_view(eqn), broke(
+        "VIEW_PRIMITIVES",
+        f"{case} of a leaf is an equation named in VIEW_PRIMITIVES (got {_compat.primitive_name(eqn)!r})",
+        "step/_jaxpr (bucket_reads: a view of a parameter stands for it; step/_point_of_use, step/_layer_split)",
+    )
+
+
+def test_pcast_to_varying_is_pvary():
+    mesh = make_mesh(2, "x", auto=True)
+    found = []
+
+    def body(a):
+        inner = closed_of(lambda y: jax.lax.pcast(y, ("x",), to="varying"), a).jaxpr
+        found.extend(inner.eqns)
+        return a
+
+    jax.make_jaxpr(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P()))(jnp.ones(2))
+    (eqn,) = found
+    users = "step/_wire (anchored: a constant that varies already is not marked again)"
+    assert _compat.is_pvary(eqn), broke(
+        "is_pvary / PVARY", f"lax.pcast(to='varying') is a {_compat.PVARY!r} equation (got {eqn.primitive})", users
+    )
+    assert _compat.pvary_axes(eqn) == ("x",), broke("pvary_axes", "its params['axes'] are the mesh axes", users)
+    assert _compat.is_view(eqn), broke("VIEW_PRIMITIVES", "a pvary equation is a view", "step/_jaxpr")
+
+
+def test_astype_is_a_convert_with_its_dtype():
+    users = "step/_fp32_grads (an fp32 cast of a low-precision leaf reads its exact fp32 copy)"
+    for f in (lambda x: x.astype(jnp.float32), lambda x: jax.lax.convert_element_type(x, jnp.float32)):
+        eqn = out_eqn(f, jnp.ones(3, jnp.bfloat16))
+        assert _compat.is_convert(eqn), broke(
+            "is_convert / CONVERT_ELEMENT_TYPE", f"astype is a {_compat.CONVERT_ELEMENT_TYPE!r} equation", users
+        )
+        assert _compat.convert_dtype(eqn) == np.dtype(jnp.float32), broke(
+            "convert_dtype", "params['new_dtype'] is the target dtype", users
+        )
+    assert not _compat.is_convert(out_eqn(jnp.sin, jnp.ones(3)))
+
+
+def _eval_inlined(closed, xs):
+    jaxpr = closed.jaxpr
+    env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+    env.update(zip(jaxpr.invars, xs, strict=True))
+    rd = lambda v: v.val if _compat.is_literal(v) else env[v]
+    for eqn in jaxpr.eqns:
+        invals = [rd(v) for v in eqn.invars]
+        if _compat.is_nested_call(eqn):
+            outs = _eval_inlined(_compat.nested_call_jaxpr(eqn), invals)
+        else:
+            outs = _compat.bind_equation(eqn, invals)
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [rd(v) for v in jaxpr.outvars]
+
+
+def inlined(f, *args):
+    """``f``'s jaxpr with nested jits inlined, as ``step/_point_of_use`` reads a model."""
+    return closed_of(lambda *xs: _eval_inlined(closed_of(f, *args), xs), *args)
+
+
+def _linear_in_w(f, *args):
+    """``is_linear_in`` of the equation producing ``f(w, *args)`` (nested jits inlined), at the positions
+    reading ``w``."""
+    jaxpr = inlined(f, jnp.ones((3, 3)), *args).jaxpr
+    w = jaxpr.invars[0]
+    (out,) = jaxpr.outvars
+    eqn = next(e for e in jaxpr.eqns if out in e.outvars)
+    pos = [i for i, v in enumerate(eqn.invars) if not _compat.is_literal(v) and v == w]
+    assert pos, f"test set-up: the output equation {eqn} does not read w directly"
+    return _compat.is_linear_in(eqn, pos)
+
+
+LINEAR_CASES = {
+    "x + w": (lambda w, x: x + w, True),
+    "w - x": (lambda w, x: w - x, True),
+    "x @ w": (lambda w, x: x @ w, True),
+    "x * w": (lambda w, x: x * w, True),
+    "w / 2": (lambda w, x: w / 2.0, True),
+    "w[idx] (lookup)": (lambda w, x: w[jnp.array([2, 0])], True),
+    "sum(w)": (lambda w, x: jnp.sum(w), True),
+    "concatenate": (lambda w, x: jnp.concatenate([w, x]), True),
+    "where(x > 0, w, x)": (lambda w, x: jnp.where(x > 0, w, x), True),
+    "w @ w": (lambda w, x: w @ w, False),
+    "w * w": (lambda w, x: w * w, False),
+    "2 / w": (lambda w, x: 2.0 / w, False),
+    "sin(w)": (lambda w, x: jnp.sin(w), False),
+    "exp(w)": (lambda w, x: jnp.exp(w), False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LINEAR_CASES))
+def test_linearity_table(case):
+    f, linear = LINEAR_CASES[case]
+    assert _linear_in_w(f, jnp.ones((3, 3))) == linear, broke(
+        "is_linear_in / LINEAR_OPERANDS / BILINEAR_PRIMITIVES",
+        f"{case} is {'linear' if linear else 'not linear'} in w by its primitive's name",
+        "step/_point_of_use (an affine segment reduce-scatters before gathering again)",
+    )
+
+
+def test_select_predicate_is_not_linear():
+    jaxpr = inlined(lambda w: jnp.where(w > 0, w, 2.0), jnp.ones(3)).jaxpr
+    eqn = next(e for e in jaxpr.eqns if _compat.primitive_name(e) == _compat.SELECT_N)
+    assert not _compat.is_linear_in(eqn, [0]) and _compat.is_linear_in(eqn, [1]), broke(
+        "SELECT_N", "jnp.where is a select_n whose operand 0 is the predicate", "step/_point_of_use"
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The process's JAX runtime
+
+
+def test_backends_are_initialized_does_not_start_them():
+    jax.devices()
+    assert _compat.backends_are_initialized() is True, broke(
+        "backends_are_initialized", "it returns True once jax.devices() ran", "distributed (initialize)"
+    )
+    code = (
+        "import jax, vescale_jax, vescale_jax._compat as c; a = c.backends_are_initialized(); "
+        "b = c.backends_are_initialized(); jax.devices(); print(a, b, c.backends_are_initialized())"
+    )
+    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.stdout.split() == ["False", "False", "True"], broke(
+        "backends_are_initialized",
+        f"after `import jax, vescale_jax` it is False and asking does not start the backends (got {out.stdout!r}, "
+        f"stderr {out.stderr[-2000:]!r})",
+        "distributed (initialize refuses to join a job once backends started)",
+    )
+
+
+def test_cluster_types_are_detectors():
+    types = _compat.cluster_types()
+    names = {t.__name__ for t in types}
+    users = "distributed (detect_cluster, initialize)"
+    assert {"SlurmCluster", "OmpiCluster", "K8sCluster"} <= names, broke(
+        "cluster_types",
+        f"jax._src.clusters.ClusterEnv._cluster_types lists JAX's detectors (got {sorted(names)})",
+        users,
+    )
+    for t in types:
+        for attr in ("is_env_present", "get_process_count", "opt_in_only_method"):
+            assert hasattr(t, attr), broke("cluster_types", f"each detector has {attr} ({t.__name__} has not)", users)
+        if not t.opt_in_only_method:
+            assert isinstance(t.is_env_present(), bool), broke("cluster_types", "is_env_present() is a bool", users)
+
+
+def test_distributed_job_before_initialize():
+    assert not jax.distributed.is_initialized(), "test set-up: this process must not have joined a job"
+    job = _compat.distributed_job()
+    assert job == (None, 1, 0), broke(
+        "distributed_job",
+        f"jax._src.distributed.global_state reads (None, 1, 0) before jax.distributed.initialize (got {job})",
+        "distributed (initialize, is_multiprocess)",
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# optax
+
+
+def test_params_placeholder_is_what_map_params_passes():
+    tx = optax.sgd(0.1, momentum=0.9)
+    seen = []
+
+    def init(p):
+        seen.append(p)
+        return tx.init(p)
+
+    params = {"w": jnp.ones((2, 3)), "b": jnp.zeros(3)}
+    state = tx.init(params)
+    mapped = optax.tree.map_params(init, lambda x: x.shape, state, transform_non_params=lambda _: None)
+    users = "optim/_masks (masked / partition pass the placeholder on to the inner transformation)"
+    assert len(seen) == 1 and _compat.is_params_placeholder(seen[0]), broke(
+        "is_params_placeholder",
+        f"optax.tree.map_params calls init with an optax.tree_utils._state_utils._ParamsPlaceholder (got {seen})",
+        users,
+    )
+    assert not _compat.is_params_placeholder(params) and not _compat.is_params_placeholder(None)
+    assert jax.tree.leaves(seen[0]) == [], broke("is_params_placeholder", "the placeholder has no leaves", users)
+    assert mapped[0].trace == {"w": (2, 3), "b": (3,)}
+
+
+def _muon_update(tx, g):
+    with jax.numpy_dtype_promotion("standard"):  # optax's bias correction mixes a float and the int count
+        return jax.jit(lambda g: tx.update(g, tx.init(g), g)[0])(g)
+
+
+def test_muon_presets_are_optax_strings():
+    g = {"w": jax.random.normal(jax.random.key(0), (6, 4))}
+    users = "optim/_muon/_transform (vj.optim.muon's ns_coeffs presets)"
+    assert {"standard", "dion"} <= set(_compat.MUON_NS_COEFFS_PRESETS), broke(
+        "MUON_NS_COEFFS_PRESETS", "optax.contrib._muon._NS_COEFFS_PRESET_DICT holds 'standard' and 'dion'", users
+    )
+    for name, coeffs in _compat.MUON_NS_COEFFS_PRESETS.items():
+        np.testing.assert_array_equal(
+            _muon_update(optax.contrib.muon(0.1, ns_coeffs=coeffs), g)["w"],
+            _muon_update(optax.contrib.muon(0.1, ns_coeffs=name), g)["w"],
+            err_msg=broke("MUON_NS_COEFFS_PRESETS", f"ns_coeffs={name!r} means the table's coefficients", users),
+        )
+
+
+def test_muon_default_coeffs_are_optax_default():
+    for fn in (optax.contrib.muon, optax.contrib.scale_by_muon):
+        default = inspect.signature(fn).parameters["ns_coeffs"].default
+        assert np.array_equal(np.asarray(default), np.asarray(_compat.MUON_DEFAULT_NS_COEFFS)), broke(
+            "MUON_DEFAULT_NS_COEFFS",
+            f"optax.contrib._muon._DEFAULT_NS_COEFFS is {fn.__name__}'s default ns_coeffs ({default})",
+            "optim/_muon/_transform (vj.optim.muon's default)",
+        )
+
+
+def test_muon_preconditionings_and_orthogonalize_match_optax():
+    users = "optim/_muon/_transform (vj.optim.muon's preconditioning=)"
+    annotation = inspect.signature(optax.contrib.scale_by_muon).parameters["preconditioning"].annotation
+    accepted = set(typing.get_args(annotation)) or set(re.findall(r"'(\w+)'", str(annotation)))
+    assert set(_compat.MUON_PRECONDITIONINGS) == accepted, broke(
+        "MUON_PRECONDITIONINGS", f"optax.contrib._muon._PRECONDITIONINGS is what optax accepts ({accepted})", users
+    )
+    g = jax.random.normal(jax.random.key(1), (6, 4))
+    coeffs = jnp.asarray(_compat.MUON_DEFAULT_NS_COEFFS, jnp.float32)
+    for p in _compat.MUON_PRECONDITIONINGS:
+        tx = optax.contrib.scale_by_muon(
+            beta=0.0,
+            nesterov=False,
+            preconditioning=p,
+            eps=1e-8,
+            weight_dimension_numbers={"w": optax.contrib.MuonDimensionNumbers(0, 1)},
+        )
+        want = _muon_update(tx, {"w": g})["w"]  # beta=0: the update is the orthogonalised gradient
+        np.testing.assert_allclose(
+            jax.jit(lambda x, p=p: _compat.muon_orthogonalize(x, coeffs, 5, p, 1e-8))(g),
+            want,
+            rtol=1e-5,
+            atol=1e-6,
+            err_msg=broke(
+                "muon_orthogonalize",
+                f"optax.contrib._muon.orthogonalize_via_newton_schulz(x, coeffs, steps, {p!r}, eps) is what "
+                "optax.contrib.scale_by_muon applies to a 2-D leaf",
+                users,
+            ),
+        )
+
+
+def test_muon_normalize_axes():
+    dims = optax.contrib.MuonDimensionNumbers
+    users = "optim/_muon/_transform (fan-in / fan-out of the shape scaling)"
+    for shape, d in (((3, 4), dims(0, 1)), ((2, 3, 4), dims(-2, -1)), ((2, 3, 4), dims((0, 1), 2))):
+        as_tuple = lambda a: tuple(a) if isinstance(a, tuple) else (a,)
+        want = tuple(tuple(a % len(shape) for a in as_tuple(ax)) for ax in (d.reduction_axis, d.output_axis))
+        got = _compat.muon_normalize_axes(shape, d)
+        assert tuple(map(tuple, got)) == want, broke(
+            "muon_normalize_axes",
+            f"optax.contrib._muon._normalize_axes gives non-negative (reduction, output) axis tuples ({got} for "
+            f"{d} on {shape})",
+            users,
+        )
+
+
+class _Recorder:
+    """A pytree node that records the modules on the stack whenever it is rebuilt with bool / str children."""
+
+    stacks: typing.ClassVar[list[set[str]]] = []
+
+    def __init__(self, children):
+        self.children = list(children)
+
+
+def _unflatten(aux, children):
+    children = list(children)
+    if any(isinstance(c, bool | str) for c in children):
+        frame, mods = sys._getframe(1), set()
+        while frame is not None:
+            mods.add(frame.f_globals.get("__name__", ""))
+            frame = frame.f_back
+        _Recorder.stacks.append(mods)
+    return _Recorder(children)
+
+
+jax.tree_util.register_pytree_node(_Recorder, lambda r: (r.children, None), _unflatten)
+
+PER_LEAF = {
+    "OPTAX_MUON_MODULE": (lambda p: optax.contrib.muon(0.1).init(p), optax.contrib.muon),
+    "OPTAX_MASKING_MODULE": (
+        lambda p: optax.masked(optax.sgd(0.1), lambda t: jax.tree.map(lambda x: x.ndim > 1, t)).init(p),
+        optax.masked,
+    ),
+    "OPTAX_PARTITION_MODULE": (
+        lambda p: optax.partition(
+            {"a": optax.sgd(0.1), "b": optax.sgd(0.2)}, lambda t: jax.tree.map(lambda x: "ab"[x.ndim > 1], t)
+        ).init(p),
+        optax.partition,
+    ),
+}
+
+
+@pytest.mark.parametrize("entry", sorted(PER_LEAF))
+def test_optax_per_leaf_code_runs_in_its_module(entry):
+    run, public = PER_LEAF[entry]
+    module = getattr(_compat, entry)
+    users = "state/_guards (names the optax code that mapped a per-leaf function over bucket buffers)"
+    assert getattr(sys.modules.get(module), public.__name__, None) is public, broke(
+        entry, f"{module} defines optax.{public.__name__}", users
+    )
+    _Recorder.stacks.clear()
+    try:
+        run(_Recorder([jnp.ones((2, 3)), jnp.ones(3)]))
+    except Exception:  # what optax does with a _Recorder afterwards does not matter, only where it labelled
+        pass
+    assert any(any(m.startswith(module) for m in mods) for mods in _Recorder.stacks), broke(
+        entry,
+        f"optax.{public.__name__} builds its per-leaf mask / labels in a frame of {module} (frames seen: "
+        f"{[sorted(m for m in mods if m.startswith('optax')) for mods in _Recorder.stacks]})",
+        users,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Internals in one place
+
+INTERNALS = re.compile(
+    r"jax\._src|jax\.extend|jax\.core\b|from jax import (?:core|extend|_src)\b"
+    r"|optax\._\w|optax(?:\.\w+)+\._\w|from optax(?:\.\w+)* import _\w"
+    r"|\.primitive\b"
+)
+
+
+def test_internals_only_in_compat():
+    pkg = ROOT / "vescale_jax"
+    found = []
+    for path in sorted(pkg.rglob("*.py")):
+        if path == pkg / "_compat.py":
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if INTERNALS.search(line):
+                found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not found, (
+        "JAX / optax internals (jax._src, jax.extend, jax.core, private optax modules, jaxpr primitive names) "
+        "belong in vescale_jax/_compat.py, each pinned by a test in tests/test_compat.py; found elsewhere:\n"
+        + "\n".join(found)
+    )
