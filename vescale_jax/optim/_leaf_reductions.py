@@ -19,7 +19,8 @@ import numpy as np
 import optax
 
 from vescale_jax.layout._plan import Plan
-from vescale_jax.optim._masks import _plan_of, add_decayed_weights, masked
+from vescale_jax.optim._leaf_tables import plan_of
+from vescale_jax.optim._masks import add_decayed_weights, masked
 from vescale_jax.state._padding import global_norm, local_leaf_ids, zero_padding
 from vescale_jax.state._sharded import ShardedParams
 
@@ -175,7 +176,7 @@ def scale_by_trust_ratio(
     def update_fn(updates, state, params=None):
         if params is None:
             raise ValueError(_no_params("scale_by_trust_ratio"))
-        _plan_of(updates, plan, "scale_by_trust_ratio")
+        plan_of(updates, plan, "scale_by_trust_ratio")
         param_norm = _safe(jnp.sqrt(leaf_sums(params)), min_norm)
         update_norm = _safe(jnp.sqrt(leaf_sums(updates)), min_norm)
         ratio = trust_coefficient * param_norm / (update_norm + eps)
@@ -247,7 +248,7 @@ def scale_by_param_block_norm(min_scale: float = 1e-3, *, plan: Plan | None = No
     def update_fn(updates, state, params=None):
         if params is None:
             raise ValueError(_no_params("scale_by_param_block_norm"))
-        _plan_of(updates, plan, "scale_by_param_block_norm")
+        plan_of(updates, plan, "scale_by_param_block_norm")
         return scale_leaves(updates, _safe(jnp.sqrt(leaf_sums(params)), min_scale)), state
 
     return optax.GradientTransformation(optax.init_empty_state, update_fn)
@@ -260,7 +261,7 @@ def scale_by_param_block_rms(min_scale: float = 1e-3, *, plan: Plan | None = Non
     def update_fn(updates, state, params=None):
         if params is None:
             raise ValueError(_no_params("scale_by_param_block_rms"))
-        p = _plan_of(updates, plan, "scale_by_param_block_rms")
+        p = plan_of(updates, plan, "scale_by_param_block_rms")
         rms = jnp.sqrt(leaf_sums(params) / _sizes(p).astype(leaf_sums(params).dtype))
         return scale_leaves(updates, _safe(rms, min_scale)), state
 
@@ -273,7 +274,7 @@ def clip_by_block_rms(threshold: float, *, plan: Plan | None = None) -> optax.Gr
 
     def update_fn(updates, state, params=None):
         del params
-        p = _plan_of(updates, plan, "clip_by_block_rms")
+        p = plan_of(updates, plan, "clip_by_block_rms")
         sums = leaf_sums(updates)
         rms = jnp.sqrt(sums / _sizes(p).astype(sums.dtype))
         return scale_leaves(updates, 1.0 / jnp.maximum(1.0, rms / threshold)), state

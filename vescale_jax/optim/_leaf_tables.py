@@ -22,6 +22,7 @@ from vescale_jax.state._containers import PerDevice, ShardedParams
 
 __all__ = [
     "abstract_params",
+    "check_same_plan",
     "check_sharded",
     "is_placeholder",
     "leaf_mask",
@@ -29,6 +30,7 @@ __all__ = [
     "masked_decay",
     "per_element",
     "place_state",
+    "plan_of",
     "prefix_per_leaf",
     "split_local",
     "state_sharding",
@@ -117,11 +119,32 @@ def check_sharded(updates: Any, plan: Plan, what: str) -> None:
             "the flat shards: pass vj.shard(params, plan) (and the gradients jax.grad gives for it), or use the "
             "optax optimizer on an unsharded tree."
         )
-    if updates.plan != plan:
+    check_same_plan(updates.plan, plan, what)
+
+
+def check_same_plan(data: Plan, given: Plan | None, what: str) -> None:
+    """Raises, saying how they differ, when ``plan=`` was given and the data's plan is another one."""
+    if given is not None and data != given:
         raise ValueError(
             f"vj.optim.{what}: the updates were sharded with another plan than the one given "
-            f"({plan_difference(updates.plan, plan)}); build the optimizer with plan=params.plan."
+            f"({plan_difference(data, given)}); build the optimizer with plan=params.plan, or leave plan= out "
+            "(the optimizer then reads the plan from the params it sees)."
         )
+
+
+def plan_of(tree: Any, given: Plan | None, what: str) -> Plan:
+    """The plan of ``tree`` (a :class:`~vescale_jax.ShardedParams`), checked against ``plan=`` when given.
+
+    Args:
+      tree: the params or updates a transformation sees.
+      given: the ``plan=`` its constructor was given, or ``None``.
+      what: the transformation's name, for error messages.
+
+    Returns:
+      ``tree.plan``.
+    """
+    check_sharded(tree, given if given is not None else getattr(tree, "plan", None), what)
+    return tree.plan
 
 
 def leaf_mask(plan: Plan, mask: Any, default: bool = True) -> np.ndarray:

@@ -25,7 +25,7 @@ import optax
 
 from vescale_jax._compat import is_params_placeholder
 from vescale_jax.layout._plan import Plan
-from vescale_jax.optim._leaf_tables import abstract_params
+from vescale_jax.optim._leaf_tables import abstract_params, plan_of
 from vescale_jax.optim._on_leaves import on_leaves
 from vescale_jax.state._padding import local_leaf_ids
 from vescale_jax.state._sharded import ShardedParams
@@ -42,21 +42,6 @@ __all__ = [
 ]
 
 MaskOrFn = Any | Callable[[Any], Any]
-
-
-def _plan_of(tree: Any, plan: Plan | None, what: str) -> Plan:
-    if isinstance(tree, ShardedParams):
-        if plan is not None and tree.plan != plan:
-            raise ValueError(
-                f"vj.optim.{what}: the updates were sharded with another plan (fingerprint "
-                f"{tree.plan.fingerprint()[:12]}) than plan= (fingerprint {plan.fingerprint()[:12]}); pass the plan "
-                "the params were sharded with, or leave plan= out to use params.plan."
-            )
-        return tree.plan
-    raise TypeError(
-        f"vj.optim.{what}: expected a vj.ShardedParams (the flat buckets of a plan), got {type(tree).__name__}. "
-        f"On a logical (unsharded) tree use the optax transformation itself (optax.{what})."
-    )
 
 
 def _resolve(plan: Plan, spec: Any, is_value: Callable[[Any], bool], what: str, kind: str) -> list[Any]:
@@ -216,7 +201,7 @@ def masked(
     inner = optax.with_extra_args_support(inner)
 
     def resolve(tree):
-        p = _plan_of(tree, plan, "masked")
+        p = plan_of(tree, plan, "masked")
         return p, leaf_table(p, mask, what="masked")
 
     def init_fn(params):
@@ -288,7 +273,7 @@ def partition(
     }
 
     def check(tree):
-        p = _plan_of(tree, plan, "partition")
+        p = plan_of(tree, plan, "partition")
         labels = leaf_labels(p, param_labels)
         missing = [(s.path, lab) for s, lab in zip(p.leaves, labels, strict=True) if lab not in transforms]
         if missing:

@@ -28,7 +28,7 @@ class PerLeafOnBucketsError(TypeError):
 
 # optax module -> (what it is, the vescale_jax replacement)
 _REPLACEMENTS = (
-    (OPTAX_MUON_MODULE, "optax.contrib.muon", "vj.optim.muon(learning_rate, plan=plan, ...)"),
+    (OPTAX_MUON_MODULE, "optax.contrib.muon", "vj.optim.muon(learning_rate, ...)"),
     (
         OPTAX_MASKING_MODULE,
         "optax.masked (or the mask= of optax.adamw / add_decayed_weights / lamb)",
@@ -78,7 +78,7 @@ def check_children(plan: Any, children: Sequence[Any]) -> None:
         raise PerLeafOnBucketsError(
             f"optax.contrib.muon was applied to a vj.ShardedParams: it labels leaves by ndim ('muon' for 2-D), but "
             f"each bucket (e.g. {name!r}, shape {shape}) is a flat buffer, so no matrix would be orthogonalised. "
-            "Use vj.optim.muon(learning_rate, plan=plan, ...), which runs Newton-Schulz on each logical matrix "
+            "Use vj.optim.muon(learning_rate, ...), which runs Newton-Schulz on each logical matrix "
             f"(same arguments where they overlap). [raised in {caller[0]}]"
         )
     where = f" (from {caller[1]}, {caller[0]})" if caller else ""

@@ -12,6 +12,7 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from vescale_jax.layout._checks import plan_difference
 from vescale_jax.layout._plan import Plan, mesh_size
 from vescale_jax.state._checks import check_sharded_params
 from vescale_jax.state._sharded import PerDevice, ShardedParams
@@ -71,12 +72,13 @@ def _state_shardings(tree: Any, plan: Plan) -> Any:
     return jax.tree.map(one, tree, is_leaf=_is_node)
 
 
-def init_opt_state(tx: Any, params: ShardedParams) -> Any:
+def init_opt_state(tx: Any, params: ShardedParams, *, plan: Plan | None = None) -> Any:
     """``tx.init(params)`` jitted so every parameter-like state (a ``ShardedParams``) is sharded like the buckets.
 
     Args:
       tx: an ``optax.GradientTransformation``.
-      params: the sharded parameters.
+      params: the sharded parameters; the state is placed by the plan they carry.
+      plan: optional; given, it must be the params' plan (another one raises, saying how they differ).
 
     Returns:
       The optimizer state. Placement goes by type, not shape: the children of each :class:`ShardedParams` carry
@@ -91,10 +93,16 @@ def init_opt_state(tx: Any, params: ShardedParams) -> Any:
         hint = (
             f"{getattr(tx, '__name__', tx)!r} looks like an optimizer factory: call it (e.g. optax.adamw(1e-3))"
             if callable(tx)
-            else "pass e.g. optax.adamw(1e-3) or vj.optim.muon(1e-3, plan=plan)"
+            else "pass e.g. optax.adamw(1e-3) or vj.optim.muon(1e-3)"
         )
         raise TypeError(
             f"vj.init_opt_state: tx must be an optax.GradientTransformation, got {type(tx).__name__}; {hint}."
+        )
+    if plan is not None and params.plan != plan:
+        raise ValueError(
+            f"vj.init_opt_state: params were sharded with another plan than plan= "
+            f"({plan_difference(params.plan, plan)}); leave plan= out to use the plan the params carry, or "
+            "re-shard them with this plan (vj.shard(vj.unshard(params), plan))."
         )
     plan = params.plan
     shapes = jax.eval_shape(tx.init, params)

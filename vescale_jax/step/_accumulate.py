@@ -12,7 +12,7 @@ import numpy as np
 from vescale_jax.kernels import KernelPolicy
 from vescale_jax.state._sharded import GatheredParams, ShardedParams
 from vescale_jax.step import _wire as collectives
-from vescale_jax.step._policy import _OPTIONS
+from vescale_jax.step._policy import StepPolicy, enclosing_policy
 from vescale_jax.step._wire import Gather
 
 __all__ = ["accumulate"]
@@ -61,10 +61,10 @@ def accumulate(
         return (loss_sum + loss, jax.tree.map(lambda a, g: a + g.astype(a.dtype), grad_sum, grads)), aux
 
     if reduce == "once":  # accumulate unreduced gradients in the reduce dtype
-        policy = _gather_options().policy
+        mixed = _step_wire(params.plan).policy
         zeros = GatheredParams(
             [
-                jnp.zeros_like(x, dtype=policy.grad_dtype(b.dtype))
+                jnp.zeros_like(x, dtype=mixed.grad_dtype(b.dtype))
                 for x, b in zip(params.buffers, reduced.buffers, strict=True)
             ],
             params.plan,
@@ -84,9 +84,9 @@ def _micro_count(batch: Any) -> int:
     flat = jax.tree_util.tree_flatten_with_path(batch)[0]
     if not flat:
         raise ValueError(f"vj.accumulate: the batch has no arrays (got {type(batch).__name__}); pass the step's batch.")
-    opts = _OPTIONS.get()
-    expected = None if opts is None else opts.microbatches
-    if opts is not None and expected is None:
+    policy = enclosing_policy()
+    expected = None if policy is None else policy.microbatches
+    if policy is not None and expected is None:
         raise ValueError(
             "vj.accumulate: the enclosing vj.fsdp step was compiled without microbatches=, so the batch has no "
             "micro-batch dim; compile it with vj.fsdp(step, plan=plan, microbatches=k)."
@@ -105,14 +105,15 @@ def _micro_count(batch: Any) -> int:
     return k
 
 
-def _gather_options() -> Gather:
-    """The enclosing ``vj.fsdp``'s gather options (precision, kernels); HSDP is not supported here."""
-    opts = _OPTIONS.get()
-    if opts is not None and opts.replica_axes:
+def _step_wire(plan: Any) -> Gather:
+    """The wire of the enclosing ``vj.fsdp``'s policy (precision, kernels; outside a step the defaults, kernels
+    from the environment); HSDP is not supported here."""
+    policy = enclosing_policy()
+    if policy is not None and policy.replica_axes:
         raise ValueError("vj.accumulate(reduce='once') does not support HSDP replica axes; use reduce='each'.")
-    if opts is None:
-        return Gather(kernels=KernelPolicy.from_env())
-    return Gather(opts.precision, (), opts.kernels)
+    if policy is None:
+        policy = StepPolicy.for_plan(plan, kernels=KernelPolicy.from_env())
+    return policy.wire()
 
 
 def _on_devices(fn: Callable[..., Any], plan: Any, how: Gather) -> Callable[..., Any]:
@@ -125,14 +126,16 @@ def gather_copies(params: ShardedParams) -> GatheredParams:
     """All-gathers every bucket once into a full copy on each device (in the policy's compute dtype)."""
     if not isinstance(params, ShardedParams):
         raise TypeError(f"vj.accumulate(reduce='once'): params must be a vj.ShardedParams, got {type(params)}.")
-    plan, how = params.plan, _gather_options()
+    plan = params.plan
+    how = _step_wire(plan)
     copies = _on_devices(lambda bufs: collectives.gather_copies(bufs, plan, how), plan, how)(params.buffers)
     return GatheredParams(copies, plan)
 
 
 def reduce_copies(grads: GatheredParams, like: ShardedParams) -> ShardedParams:
     """Reduce-scatters full per-device gradients into the plan's shards (in the policy's reduce dtype)."""
-    plan, how = like.plan, _gather_options()
+    plan = like.plan
+    how = _step_wire(plan)
     return ShardedParams(
         _on_devices(lambda gs: collectives.reduce_copies(gs, plan, how), plan, how)(grads.buffers), plan
     )

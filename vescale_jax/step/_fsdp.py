@@ -17,6 +17,7 @@ parameters it needs. Every collective on parameters and gradients is in :mod:`ve
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from vescale_jax._cache import plan_cache
 from vescale_jax.kernels import KernelPolicy
 from vescale_jax.layout._checks import int_grad_message, plan_difference
 from vescale_jax.layout._plan import Plan
@@ -33,11 +35,11 @@ from vescale_jax.state._checks import check_sharded_params, check_state_not_logi
 from vescale_jax.state._containers import GatheredParams, ShardedParams
 from vescale_jax.state._padding import zero_padding
 from vescale_jax.state._placement import constrain_outputs
-from vescale_jax.step._batch import _axes, _check_batch, _check_placed, _data_size, data_sharding, place_batch
+from vescale_jax.step._batch import _check_batch, _check_placed, _data_size, place_batch
 from vescale_jax.step._checks import check_kernel_policy, check_microbatches, check_precision_type, check_step_outputs
 from vescale_jax.step._fp32_grads import widened
 from vescale_jax.step._point_of_use import at_point_of_use
-from vescale_jax.step._policy import _OPTIONS, _Options, _options
+from vescale_jax.step._policy import StepPolicy, enclosing_policy, running
 from vescale_jax.step._precision import MixedPrecision
 from vescale_jax.step._scan_layers import LayerShard
 from vescale_jax.step._wire import Gather, unpack_copies
@@ -45,18 +47,23 @@ from vescale_jax.step._wire import Gather, unpack_copies
 __all__ = ["apply", "fsdp"]
 
 
+def _check_same_plan(got: Plan, plan: Plan, fn: str) -> None:
+    """Raises, saying how they differ, when the params' plan is not ``plan=``."""
+    if got != plan:
+        raise ValueError(
+            f"{fn}: params were sharded with another plan than plan= (fingerprint {got.fingerprint()[:12]}, "
+            f"expected {plan.fingerprint()[:12]}: {plan_difference(got, plan)}); re-shard them with this "
+            "plan (vj.shard(vj.unshard(params), plan)), or leave plan= out to run on the plan the params carry."
+        )
+
+
 def _check_params(params: Any, plan: Plan, what: str = "params", fn: str = "vj.fsdp") -> None:
     check_sharded_params(params, fn, what=what)
-    if params.plan != plan:
-        raise ValueError(
-            f"{fn}: {what} were sharded with another plan (fingerprint {params.plan.fingerprint()[:12]}, expected "
-            f"{plan.fingerprint()[:12]}: {plan_difference(params.plan, plan)}); re-shard them with this plan "
-            "(vj.shard(vj.unshard(params), plan)) or compile the step with plan=params.plan."
-        )
+    _check_same_plan(params.plan, plan, fn)
     for bucket, buf in zip(plan.buckets, params.buffers, strict=True):
         if tuple(getattr(buf, "shape", ())) != bucket.shape or np.dtype(buf.dtype) != np.dtype(bucket.dtype):
             raise ValueError(
-                f"vj.fsdp: {what} buffer of bucket {bucket.name!r} has shape {tuple(buf.shape)} {buf.dtype}, the plan "
+                f"{fn}: {what} buffer of bucket {bucket.name!r} has shape {tuple(buf.shape)} {buf.dtype}, the plan "
                 f"expects {bucket.shape} {bucket.dtype}."
             )
 
@@ -107,30 +114,12 @@ def _check_precision(precision: MixedPrecision | None, plan: Plan, fn: str = "vj
             )
 
 
-def _gather(plan: Plan, opts: _Options) -> Gather:
-    """The gather options of a step: low-precision buckets are gathered wide (see :mod:`._fp32_grads`)."""
-    return Gather(opts.precision, opts.replica_axes, opts.kernels, widen=True)
-
-
-def _tree(plan: Plan, buffers: Sequence[jax.Array], gathered: dict[int, jax.Array], opts: _Options) -> Any:
+def _tree(plan: Plan, buffers: Sequence[jax.Array], gathered: dict[int, jax.Array], policy: StepPolicy) -> Any:
     """The logical tree the model sees: gathered leaves, and stand-ins for stacked layer groups."""
     leaves: list[Any] = [None] * len(plan.leaves)
     for bucket, local in zip(plan.buckets, buffers, strict=True):
         for i in bucket.leaves:
-            leaves[i] = (
-                LayerShard(
-                    local,
-                    plan,
-                    i,
-                    opts.reshard_after_forward,
-                    opts.prefetch,
-                    opts.precision,
-                    opts.replica_axes,
-                    kernels=opts.kernels,
-                )
-                if bucket.layers is not None
-                else gathered[i]
-            )
+            leaves[i] = LayerShard(local, plan, i, policy) if bucket.layers is not None else gathered[i]
     return jax.tree_util.tree_unflatten(plan.treedef, leaves)
 
 
@@ -155,6 +144,7 @@ def apply(
     in_specs: Any = None,
     out_specs: Any = None,
     kernels: KernelPolicy | None = None,
+    plan: Plan | None = None,
 ) -> Any:
     """Runs ``fn(logical_params, *args)`` on every device's batch shard with gathered parameters.
 
@@ -174,6 +164,8 @@ def apply(
         outputs; a scalar computed per device needs ``P()`` and a ``lax.pmean`` over the data axes in ``fn``).
       kernels: a :class:`vj.kernels.KernelPolicy`: XLA or the Pallas kernels for unpack and pack (default: the
         enclosing ``vj.fsdp``'s, else ``KernelPolicy.from_env()``).
+      plan: optional: the model runs on the plan ``params`` carry; given, it must be that plan (another one
+        raises, saying how they differ).
 
     Returns:
       ``fn``'s outputs as global arrays.
@@ -184,6 +176,8 @@ def apply(
       reshard-after-forward, where the backward reads its values); its gradient is reduce-scattered back into the
       bucket's layout.
     """
+    if plan is not None and isinstance(params, ShardedParams | GatheredParams):
+        _check_same_plan(params.plan, plan, "vj.apply")
     if isinstance(params, GatheredParams):
         return _apply_gathered(fn, params, args, data_axes, in_specs, out_specs, kernels)
     if not callable(fn):
@@ -194,28 +188,20 @@ def apply(
     check_sharded_params(params, "vj.apply")
     check_precision_type(precision, "vj.apply")
     plan = params.plan
-    outer = _OPTIONS.get() or _Options(_axes(plan.axis), True, False, None, kernels=KernelPolicy.from_env())
-    axes = _axes(data_axes) if data_axes is not None else outer.data_axes
-    data_sharding(plan, axes)  # checks the axes
-    opts = _Options(
-        axes,
-        outer.reshard_after_forward if reshard_after_forward is None else reshard_after_forward,
-        outer.prefetch if prefetch is None else prefetch,
-        outer.precision if precision is None else precision,
-        tuple(a for a in axes if a not in _axes(plan.axis)),
-        kernels=outer.kernels if kernels is None else check_kernel_policy(kernels, "vj.apply"),
+    policy = _policy_of_apply(
+        plan, data_axes, kernels, reshard_after_forward=reshard_after_forward, prefetch=prefetch, precision=precision
     )
-    fn, in_specs, out_specs = _batch_specs(fn, args, plan, axes, in_specs, out_specs)
+    fn, in_specs, out_specs = _batch_specs(fn, args, plan, policy.data_axes, in_specs, out_specs)
 
-    how = _gather(plan, opts)
+    how = policy.wire()
     fn = widened(fn, _narrow_leaves(plan, how), is_leaf=lambda x: isinstance(x, LayerShard))
-    build = lambda buffers, gathered: _tree(plan, buffers, gathered, opts)
-    local = at_point_of_use(fn, plan, how, build, keep=not opts.reshard_after_forward)
+    build = lambda buffers, gathered: _tree(plan, buffers, gathered, policy)
+    local = at_point_of_use(fn, plan, how, build, keep=not policy.reshard_after_forward)
 
     specs = tuple(plan.partition_spec(b) for b in plan.buckets)
     # The Pallas interpreter's loops do not track varying mesh axes: the policy turns the check off then.
     mapped = jax.shard_map(
-        local, mesh=plan.mesh, in_specs=(specs, *in_specs), out_specs=out_specs, check_vma=opts.kernels.check_vma
+        local, mesh=plan.mesh, in_specs=(specs, *in_specs), out_specs=out_specs, check_vma=policy.kernels.check_vma
     )
     return mapped(params.buffers, *args)
 
@@ -252,16 +238,20 @@ def _per_example_outputs(fn: Callable[..., Any], axes: tuple[str, ...]) -> Calla
     return checked
 
 
+def _policy_of_apply(plan: Plan, data_axes: Any, kernels: KernelPolicy | None, **options: Any) -> StepPolicy:
+    """``vj.apply``'s policy: the enclosing step's (outside one: the defaults, kernels from the environment)
+    with ``vj.apply``'s own arguments over it."""
+    outer = enclosing_policy() or StepPolicy.for_plan(plan, kernels=KernelPolicy.from_env())
+    kernels = None if kernels is None else check_kernel_policy(kernels, "vj.apply")
+    return outer.refined(plan, data_axes=data_axes, kernels=kernels, **options)
+
+
 def _apply_gathered(fn, params, args, data_axes, in_specs, out_specs, kernels):
     """``vj.apply`` on full per-device copies (``vj.accumulate(..., reduce="once")``): no collective at all."""
     plan = params.plan
-    outer = _OPTIONS.get()
-    axes = _axes(data_axes) if data_axes is not None else (outer.data_axes if outer else _axes(plan.axis))
-    data_sharding(plan, axes)  # checks the axes
-    fn, in_specs, out_specs = _batch_specs(fn, args, plan, axes, in_specs, out_specs)
-    if kernels is None:
-        kernels = outer.kernels if outer else KernelPolicy.from_env()
-    how = Gather(kernels=check_kernel_policy(kernels, "vj.apply"))
+    policy = _policy_of_apply(plan, data_axes, kernels)
+    fn, in_specs, out_specs = _batch_specs(fn, args, plan, policy.data_axes, in_specs, out_specs)
+    how = policy.wire()
 
     def local(copies, *local_args):
         return fn(jax.tree_util.tree_unflatten(plan.treedef, unpack_copies(copies, plan, how)), *local_args)
@@ -287,13 +277,15 @@ def fsdp(
 ) -> Callable[..., Any]:
     """Compiles a train step ``step(params, opt_state, batch, *rest) -> (params, opt_state, ...)`` for FSDP.
 
-    Usable as ``@vj.fsdp(plan=plan)`` or ``vj.fsdp(step, plan=plan)``. Inside the step, ``params`` is a
+    Usable as ``@vj.fsdp``, ``@vj.fsdp(microbatches=4)`` or ``vj.fsdp(step)``. Inside the step, ``params`` is a
     :class:`ShardedParams` of global flat buffers: compute the loss with :func:`vj.apply` (or an adapter in
     ``vj.flax``), then use ``jax.value_and_grad``, ``tx.update`` and ``optax.apply_updates`` as usual.
 
     Args:
       step: the train step.
-      plan: the plan the params were sharded with.
+      plan: optional: the step runs on the plan its params carry (``params.plan``); given, the params must have
+        been sharded with it (a params of another plan raises, saying how the two differ), and the options
+        are checked against it when the step is built rather than at its first call.
       data_axes: mesh axes the batch's dim 0 is split over (default: the plan's axis).
       reshard_after_forward: drop gathered parameters after the forward and gather again in backward (default)
         or keep them for the backward (fewer all-gathers, more memory).
@@ -317,7 +309,8 @@ def fsdp(
       optimizer state against the plan, the batch against the data-parallel size), places the batch with
       :func:`data_sharding` and keeps the outputs' ``ShardedParams`` sharded like their buckets and their
       ``PerDevice`` values split on dim 0 (any other output keeps the sharding its computation gives it).
-      ``.lower(...)`` gives the lowered computation for inspection.
+      ``.lower(...)`` gives the lowered computation for inspection. One :class:`StepPolicy` and one
+      compilation per plan the step meets.
 
     Sharding:
       Params and optimizer state stay sharded over the plan's axis; the batch (argument 2 and any further
@@ -327,10 +320,10 @@ def fsdp(
         raise TypeError("vj.fsdp: the plan is keyword-only: write @vj.fsdp(plan=plan) or vj.fsdp(step, plan=plan).")
     if step is not None and not callable(step):
         raise TypeError(f"vj.fsdp: step must be the train-step function, got {type(step).__name__}.")
-    if not isinstance(plan, Plan):
+    if plan is not None and not isinstance(plan, Plan):
         raise TypeError(
-            f"vj.fsdp: plan= must be a vj.Plan (from vj.plan(params, mesh)), got {type(plan).__name__}; "
-            "write @vj.fsdp(plan=plan) or vj.fsdp(step, plan=plan)."
+            f"vj.fsdp: plan= must be a vj.Plan (from vj.plan(params, mesh)), got {type(plan).__name__}; leave it "
+            "out (the step uses the plan its params carry) or write vj.fsdp(step, plan=plan)."
         )
     microbatches = check_microbatches(microbatches, "vj.fsdp")
     if step is None:
@@ -345,17 +338,69 @@ def fsdp(
             donate=donate,
             kernels=kernels,
         )
-    axes = _axes(plan.axis if data_axes is None else data_axes)
-    data_sharding(plan, axes)  # checks the axes
-    _check_precision(precision, plan)
-    replica_axes = tuple(a for a in axes if a not in _axes(plan.axis))
+    check_precision_type(precision, "vj.fsdp")
     kernels = KernelPolicy.from_env() if kernels is None else check_kernel_policy(kernels, "vj.fsdp")
-    opts = _Options(axes, reshard_after_forward, prefetch, precision, replica_axes, microbatches, kernels)
+    options = dict(
+        data_axes=data_axes,
+        reshard_after_forward=reshard_after_forward,
+        prefetch=prefetch,
+        precision=precision,
+        microbatches=microbatches,
+        kernels=kernels,
+    )
+
+    @plan_cache
+    def compiled_for(plan: Plan) -> _Compiled:
+        return _compile(step, plan, donate, options)
+
+    if plan is not None:
+        compiled_for(plan)  # the options checked against the plan now
+
+    def prepare(params, opt_state, batch, *rest):
+        check_sharded_params(params, "vj.fsdp")
+        on = params.plan if plan is None else plan
+        _check_params(params, on)
+        _check_not_donated(params, opt_state, batch, *rest)
+        _check_opt_state(opt_state, on)
+        compiled = compiled_for(on)
+        batch = place_batch(batch, on, compiled.policy.data_axes, microbatches=microbatches)
+        return compiled, (params, opt_state, batch, *rest)
+
+    @functools.wraps(step)
+    def run(params, opt_state, batch, *rest):
+        compiled, args = prepare(params, opt_state, batch, *rest)
+        with jax.set_mesh(compiled.plan.mesh):
+            return compiled.jitted(*args)
+
+    def lower(params, opt_state, batch, *rest):
+        compiled, args = prepare(params, opt_state, batch, *rest)
+        with jax.set_mesh(compiled.plan.mesh):
+            return compiled.jitted.lower(*args)
+
+    run.lower = lower
+    run.plan = plan
+    return run
+
+
+@dataclasses.dataclass(frozen=True)
+class _Compiled:
+    """A ``vj.fsdp`` step for one plan: its policy and the jitted function."""
+
+    plan: Plan
+    policy: StepPolicy
+    jitted: Callable[..., Any]
+
+
+def _compile(step: Callable[..., Any], plan: Plan, donate: bool, options: dict[str, Any]) -> _Compiled:
+    """The step over ``plan``: the options checked against it, gathered into one :class:`StepPolicy`, and the
+    step jitted with that policy enclosing its trace."""
+    _check_precision(options["precision"], plan)
+    policy = StepPolicy.for_plan(plan, **options)
     auto = all(t == jax.sharding.AxisType.Auto for t in plan.mesh.axis_types)
 
     def traced(params, opt_state, batch, *rest):
         check_state_not_logical(opt_state, plan)  # at trace time: jit retraces for another state structure
-        with _options(opts):
+        with running(policy):
             try:
                 out = step(params, opt_state, batch, *rest)
             except TypeError as e:
@@ -370,26 +415,4 @@ def fsdp(
             out = constrain_outputs(out, plan)
         return out
 
-    compiled = jax.jit(traced, donate_argnums=(0, 1) if donate else ())
-
-    def prepare(params, opt_state, batch, *rest):
-        _check_params(params, plan)
-        _check_not_donated(params, opt_state, batch, *rest)
-        _check_opt_state(opt_state, plan)
-        batch = place_batch(batch, plan, axes, microbatches=microbatches)
-        return params, opt_state, batch, *rest
-
-    @functools.wraps(step)
-    def run(params, opt_state, batch, *rest):
-        args = prepare(params, opt_state, batch, *rest)
-        with jax.set_mesh(plan.mesh):
-            return compiled(*args)
-
-    def lower(params, opt_state, batch, *rest):
-        args = prepare(params, opt_state, batch, *rest)
-        with jax.set_mesh(plan.mesh):
-            return compiled.lower(*args)
-
-    run.lower = lower
-    run.plan = plan
-    return run
+    return _Compiled(plan, policy, jax.jit(traced, donate_argnums=(0, 1) if donate else ()))

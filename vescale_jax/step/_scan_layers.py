@@ -28,14 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vescale_jax.kernels import KernelPolicy
 from vescale_jax.layout._plan import Plan
-from vescale_jax.step import _wire as collectives
 from vescale_jax.step._fp32_grads import widened
 from vescale_jax.step._layer_split import split_layer
-from vescale_jax.step._precision import MixedPrecision
+from vescale_jax.step._policy import StepPolicy
 from vescale_jax.step._wire import (
-    Gather,
     example_leaves,
     gather_leaves,
     gather_stacked,
@@ -55,51 +52,24 @@ class LayerShard:
       rows: the bucket's local ``(L, S)`` shard (shared by every leaf of the bucket).
       plan: the plan.
       index: the leaf's index in ``plan.leaves``.
-      reshard_after_forward: whether :func:`scan_layers` gathers each layer again in backward.
-      prefetch: whether :func:`scan_layers` gathers the next layer while computing the current one.
-      precision: the mixed-precision policy (gather / compute and reduce dtypes).
-      replica_axes: HSDP replica axes (the rows are marked varying over them before each gather).
-      kernels: the :class:`vescale_jax.kernels.KernelPolicy` for unpacking and packing each layer.
+      policy: the step's :class:`vescale_jax.step._policy.StepPolicy` (reshard-after-forward, prefetch,
+        precision, replica axes, kernels), which :func:`scan_layers` gathers and reduces each layer by.
 
     Sharding:
       ``rows`` varies over ``plan.axis``; :func:`scan_layers` all-gathers one layer at a time.
     """
 
-    __slots__ = ("index", "kernels", "plan", "precision", "prefetch", "replica_axes", "reshard_after_forward", "rows")
+    __slots__ = ("index", "plan", "policy", "rows")
 
-    def __init__(
-        self,
-        rows: Any,
-        plan: Plan,
-        index: int,
-        reshard_after_forward: bool = True,
-        prefetch: bool = False,
-        precision: MixedPrecision | None = None,
-        replica_axes: tuple[str, ...] = (),
-        *,
-        kernels: KernelPolicy = collectives.DEFAULT_KERNELS,
-    ):
-        self.rows, self.plan, self.index = rows, plan, index
-        self.reshard_after_forward, self.prefetch, self.precision = reshard_after_forward, prefetch, precision
-        self.replica_axes = tuple(replica_axes)
-        self.kernels = kernels
+    def __init__(self, rows: Any, plan: Plan, index: int, policy: StepPolicy):
+        self.rows, self.plan, self.index, self.policy = rows, plan, index, policy
 
     def tree_flatten(self):
-        aux = (
-            self.plan,
-            self.index,
-            self.reshard_after_forward,
-            self.prefetch,
-            self.precision,
-            self.replica_axes,
-            self.kernels,
-        )
-        return (self.rows,), aux
+        return (self.rows,), (self.plan, self.index, self.policy)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        *rest, kernels = aux
-        return cls(children[0], *rest, kernels=kernels)
+        return cls(children[0], *aux)
 
     @property
     def spec(self):
@@ -191,7 +161,7 @@ def scan_layers(
             f"{getattr(bad, 'shape', None)}; pass one stacked layer group (a unit named in vj.plan(stacked=...))."
         )
     if prefetch is None:
-        prefetch = shards[0].prefetch
+        prefetch = shards[0].policy.prefetch
     return _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch)
 
 
@@ -224,9 +194,8 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
     for s in shards:
         rows.setdefault(plan.leaves[s.index].bucket, s.rows)
     rows = tuple(rows[b] for b in bucket_ids)
-    keep = not shards[0].reshard_after_forward
-    first = shards[0]
-    how = Gather(first.precision, first.replica_axes, first.kernels, widen=True)
+    keep = not shards[0].policy.reshard_after_forward
+    how = shards[0].policy.wire()
     buckets = [plan.buckets[b] for b in bucket_ids]
     like_axes = tuple(varying_axes(r) for r in rows)
     # A low-precision bucket whose gradient reduces wider (bf16 -> fp32 by default) is gathered wide: the layer

@@ -17,8 +17,9 @@ Every other floating leaf — vectors (biases, norms) and small matrices, where 
 leaf and the scales would cost as much as the codes save — keeps *exact* fp32 moments: each element is its
 own block, ``scale = |x|`` and the code is the level ``±1.0``, exact because ``x / |x| = ±1`` and
 ``±1.0 * |x| = x`` in IEEE arithmetic. A layout that cuts a quantization block across devices (e.g.
-``vj.element()`` with a device boundary mid-tile) raises ``ValueError`` at construction, naming the leaf and
-the fix; a leaf that happens to lie on one device is accepted whatever its granularity.
+``vj.element()`` with a device boundary mid-tile) raises ``ValueError`` when the tables are built (at
+construction with ``plan=``, else when ``init`` first sees the params), naming the leaf and the fix; a leaf
+that happens to lie on one device is accepted whatever its granularity.
 
 **State.** :class:`ScaleByAdam8bitState`: ``count``, the codes of each moment as a ``ShardedParams`` of int8 /
 uint8 buffers (bucket-shaped, sharded like the params, zero at padding), and per bucket one
@@ -53,6 +54,7 @@ from vescale_jax.layout._plan import Plan
 from vescale_jax.optim._adam8bit._blocks import BucketBlocks, build, local_slots
 from vescale_jax.optim._leaf_tables import check_sharded, is_placeholder, place_state
 from vescale_jax.optim._masks import MaskOrFn, add_decayed_weights
+from vescale_jax.optim._per_plan import per_plan
 from vescale_jax.state._sharded import PerDevice, ShardedParams
 
 __all__ = ["ScaleByAdam8bitState", "ScaleLayout", "adam_8bit_moments", "adamw_8bit", "scale_by_adam_8bit"]
@@ -299,7 +301,7 @@ def _scale_specs(plan: Plan, block, min_size) -> tuple[Any, ...]:
 
 def scale_by_adam_8bit(
     *,
-    plan: Plan,
+    plan: Plan | None = None,
     block: tuple[int, int] = (32, 32),
     b1: jax.typing.ArrayLike = 0.9,
     b2: jax.typing.ArrayLike = 0.999,
@@ -310,7 +312,9 @@ def scale_by_adam_8bit(
     """``optax.scale_by_adam`` with both moments stored 8-bit, block-quantized on each device's own blocks.
 
     Args:
-      plan: the plan of the params (its layout must keep every quantization block on one device).
+      plan: optional: the plan of the params (default: read from the params it sees, the block tables built
+        when ``init`` / ``update`` first sees them; given, they must carry it). Its layout must keep every
+        quantization block on one device.
       block: ``(bh, bw)``: quantization tile of the last two dims of each quantized leaf.
       b1, b2, eps, eps_root: as in ``optax.scale_by_adam``.
       min_size: leaves with fewer elements per layer (and leaves of fewer than two dims) keep exact fp32
@@ -327,6 +331,12 @@ def scale_by_adam_8bit(
       Codes like the buckets, scales per device; the update is one ``shard_map`` with no collective.
     """
     block, min_size = _check_block(block, min_size)
+    build = lambda p: _scale_by_adam_8bit(p, block, min_size, b1=b1, b2=b2, eps=eps, eps_root=eps_root)
+    return per_plan(build, plan, "adamw_8bit")
+
+
+def _scale_by_adam_8bit(plan: Plan, block, min_size, *, b1, b2, eps, eps_root) -> optax.GradientTransformation:
+    """:func:`scale_by_adam_8bit` over ``plan`` (options checked)."""
     bad = [s for s in plan.leaves if not jnp.issubdtype(jnp.dtype(s.dtype), jnp.floating)]
     if bad:
         raise ValueError(
@@ -402,7 +412,7 @@ def scale_by_adam_8bit(
 def adamw_8bit(
     learning_rate: optax.ScalarOrSchedule,
     *,
-    plan: Plan,
+    plan: Plan | None = None,
     block: tuple[int, int] = (32, 32),
     b1: jax.typing.ArrayLike = 0.9,
     b2: jax.typing.ArrayLike = 0.999,
@@ -416,7 +426,7 @@ def adamw_8bit(
 
     Args:
       learning_rate: a scalar or schedule.
-      plan: the params' plan.
+      plan: optional: the params' plan (default: read from the params it sees).
       block: ``(bh, bw)`` quantization tile.
       b1, b2, eps, eps_root: as in ``optax.adamw``.
       weight_decay: decoupled weight decay (a scalar or schedule).

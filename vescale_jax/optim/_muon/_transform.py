@@ -8,7 +8,7 @@ is gathered to a load-balanced owner by one padded all-to-all and scattered back
 
 Use inside a ``vj.fsdp`` step (or any ``jit``) like any Optax transformation::
 
-    tx = vj.optim.muon(1e-3, plan=plan)
+    tx = vj.optim.muon(1e-3)
     opt_state = vj.init_opt_state(tx, params)
     updates, opt_state = tx.update(grads, opt_state, params)
 
@@ -62,6 +62,7 @@ from vescale_jax.optim._leaf_tables import (
 from vescale_jax.optim._muon._owners import route_newton_schulz
 from vescale_jax.optim._muon._routing import Routing, build_routing
 from vescale_jax.optim._on_leaves import split_leaves
+from vescale_jax.optim._per_plan import per_plan
 from vescale_jax.state._sharded import ShardedParams
 
 __all__ = [
@@ -199,7 +200,7 @@ def scale_by_muon(
     eps: float = 1e-8,
     mu_dtype: Any = None,
     *,
-    plan: Plan,
+    plan: Plan | None = None,
     nesterov: bool = True,
     adaptive: bool = False,
     preconditioning: str = "frobenius",
@@ -213,7 +214,8 @@ def scale_by_muon(
 
     Args:
       ns_coeffs, ns_steps, beta, eps, mu_dtype, nesterov, adaptive, preconditioning: as in optax.
-      plan: the plan the params are sharded with.
+      plan: optional: the plan the params are sharded with (default: read from the params it sees; given, the
+        params must carry it).
       weight_dimension_numbers: see :func:`resolve_dimension_numbers`.
       ns_unroll: unroll the Newton–Schulz loop (see :func:`newton_schulz`).
 
@@ -228,7 +230,6 @@ def scale_by_muon(
     coeffs = _coeffs(ns_coeffs, ns_steps)
     if preconditioning not in MUON_PRECONDITIONINGS:
         raise ValueError(f"Unknown preconditioning {preconditioning}")
-    routing = muon_routing(plan, weight_dimension_numbers, split=preconditioning == "frobenius")
 
     # eps reaches the owners' shard_map as an operand: it may be a traced hyperparameter (inject_hyperparams).
     def orthogonalize_split(x, axis, eps):
@@ -240,6 +241,20 @@ def scale_by_muon(
         c = jnp.asarray(coeffs).astype(x_kpq.dtype)
         ns = lambda x: muon_orthogonalize(x, c, ns_steps, preconditioning, eps)
         return jax.vmap(ns)(x_kpq)
+
+    def build(plan: Plan) -> optax.GradientTransformation:
+        routing = muon_routing(plan, weight_dimension_numbers, split=preconditioning == "frobenius")
+        return _scale_by_muon(
+            plan, routing, orthogonalize, orthogonalize_split, beta, eps, mu_dtype, nesterov, adaptive
+        )
+
+    return per_plan(build, plan, "scale_by_muon")
+
+
+def _scale_by_muon(
+    plan: Plan, routing: Routing, orthogonalize, orthogonalize_split, beta, eps, mu_dtype, nesterov, adaptive
+) -> optax.GradientTransformation:
+    """:func:`scale_by_muon` over ``plan`` with its owner ``routing``."""
 
     def init_fn(params):
         if is_placeholder(params):  # optax.tree.map_params
@@ -303,19 +318,25 @@ def _shape_scales(plan: Plan, dims: Sequence[Any], consistent_rms: Any) -> np.nd
 
 
 def scale_by_shape(
-    *, plan: Plan, weight_dimension_numbers: Any = None, consistent_rms: float | None = None
+    *, plan: Plan | None = None, weight_dimension_numbers: Any = None, consistent_rms: float | None = None
 ) -> optax.GradientTransformation:
-    """``optax.contrib``'s shape scaling per Muon leaf (other leaves unchanged), element-wise on the shards."""
-    table = _shape_scales(plan, resolve_dimension_numbers(plan, weight_dimension_numbers), consistent_rms)
+    """``optax.contrib``'s shape scaling per Muon leaf (other leaves unchanged), element-wise on the shards.
 
-    def update_fn(updates, state, params=None, **extra_args):
-        del params, extra_args
-        check_sharded(updates, plan, "scale_by_shape")
-        scales = per_element(plan, updates.buffers, table)
-        out = [u * s.astype(u.dtype) for u, s in zip(updates.buffers, scales, strict=True)]
-        return ShardedParams(out, plan), state
+    ``plan``: optional (default: the plan of the updates it sees; given, they must carry it)."""
 
-    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
+    def build(plan: Plan) -> optax.GradientTransformation:
+        table = _shape_scales(plan, resolve_dimension_numbers(plan, weight_dimension_numbers), consistent_rms)
+
+        def update_fn(updates, state, params=None, **extra_args):
+            del params, extra_args
+            check_sharded(updates, plan, "scale_by_shape")
+            scales = per_element(plan, updates.buffers, table)
+            out = [u * s.astype(u.dtype) for u, s in zip(updates.buffers, scales, strict=True)]
+            return ShardedParams(out, plan), state
+
+        return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
+
+    return per_plan(build, plan, "scale_by_shape")
 
 
 def _is_zero(value: Any) -> bool:
@@ -341,7 +362,7 @@ def muon(
     weight_decay_mask: Any = None,
     mu_dtype: Any = None,
     *,
-    plan: Plan,
+    plan: Plan | None = None,
     nesterov: bool = True,
     adaptive: bool = False,
     preconditioning: str = "frobenius",
@@ -356,7 +377,9 @@ def muon(
 ) -> optax.GradientTransformation:
     """Muon (momentum orthogonalised by Newton–Schulz) for Muon leaves, AdamW for the rest, over ShardedParams.
 
-    Arguments follow ``optax.contrib.muon``; ``plan`` is the plan the params are sharded with.
+    Arguments follow ``optax.contrib.muon``. ``plan``: optional, the plan the params are sharded with (default:
+    read from the params it sees, the tables built when ``init`` / ``update`` first sees them; given, they must
+    carry it).
     ``muon_weight_dimension_numbers``: see :func:`resolve_dimension_numbers` (default: per-layer 2-D leaves).
     ``weight_decay_mask``: a (prefix) tree of bools over the logical tree, or a callable of it.
     ``ns_unroll``: unroll the Newton–Schulz loop (more temp memory; see :func:`newton_schulz`).
@@ -370,38 +393,46 @@ def muon(
     """
     if adam_learning_rate is None:
         adam_learning_rate = learning_rate
-    dims = resolve_dimension_numbers(plan, muon_weight_dimension_numbers)
-    is_muon = np.array([d is not None for d in dims] + [False])
-    muon_tx = optax.chain(
-        scale_by_muon(
-            ns_coeffs,
-            ns_steps,
-            beta,
-            eps,
-            mu_dtype,
-            plan=plan,
-            nesterov=nesterov,
-            adaptive=adaptive,
-            preconditioning=preconditioning,
-            weight_dimension_numbers=muon_weight_dimension_numbers,
-            ns_unroll=ns_unroll,
-        ),
-        scale_by_shape(
-            plan=plan, weight_dimension_numbers=muon_weight_dimension_numbers, consistent_rms=consistent_rms
-        ),
-        optax.identity()
-        if _is_zero(weight_decay)
-        else masked_decay(plan, weight_decay, leaf_mask(plan, weight_decay_mask) & is_muon),
-        optax.scale_by_learning_rate(learning_rate),
-    )
-    adam_tx = optax.adamw(
-        adam_learning_rate,
-        b1=adam_b1,
-        b2=adam_b2,
-        eps=eps,
-        eps_root=adam_eps_root,
-        weight_decay=adam_weight_decay,
-        mu_dtype=mu_dtype,
+
+    # Built now (their checks run here), their tables when they first see the params.
+    orthogonal = scale_by_muon(
+        ns_coeffs,
+        ns_steps,
+        beta,
+        eps,
+        mu_dtype,
+        plan=plan,
         nesterov=nesterov,
+        adaptive=adaptive,
+        preconditioning=preconditioning,
+        weight_dimension_numbers=muon_weight_dimension_numbers,
+        ns_unroll=ns_unroll,
     )
-    return split_leaves(muon_tx, adam_tx, plan=plan, main_leaves=is_muon[:-1], state=SelectState, what="muon")
+    shape = scale_by_shape(
+        plan=plan, weight_dimension_numbers=muon_weight_dimension_numbers, consistent_rms=consistent_rms
+    )
+
+    def build(plan: Plan) -> optax.GradientTransformation:
+        dims = resolve_dimension_numbers(plan, muon_weight_dimension_numbers)
+        is_muon = np.array([d is not None for d in dims] + [False])
+        muon_tx = optax.chain(
+            orthogonal,
+            shape,
+            optax.identity()
+            if _is_zero(weight_decay)
+            else masked_decay(plan, weight_decay, leaf_mask(plan, weight_decay_mask) & is_muon),
+            optax.scale_by_learning_rate(learning_rate),
+        )
+        adam_tx = optax.adamw(
+            adam_learning_rate,
+            b1=adam_b1,
+            b2=adam_b2,
+            eps=eps,
+            eps_root=adam_eps_root,
+            weight_decay=adam_weight_decay,
+            mu_dtype=mu_dtype,
+            nesterov=nesterov,
+        )
+        return split_leaves(muon_tx, adam_tx, plan=plan, main_leaves=is_muon[:-1], state=SelectState, what="muon")
+
+    return per_plan(build, plan, "muon")

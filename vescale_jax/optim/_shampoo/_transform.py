@@ -49,6 +49,7 @@ from vescale_jax.optim._leaf_tables import (
     static_int,
 )
 from vescale_jax.optim._on_leaves import split_leaves
+from vescale_jax.optim._per_plan import per_plan
 from vescale_jax.optim._shampoo._blocks import (
     BlockTables,
     build_blocks,
@@ -148,7 +149,7 @@ def _graft(graft_type: str, g: jax.Array, v: Any, t: jax.Array, beta2: float, ep
 
 def scale_by_shampoo(
     *,
-    plan: Plan,
+    plan: Plan | None = None,
     block_size: int,
     beta2: float = 0.999,
     diagonal_epsilon: float = 1e-10,
@@ -162,8 +163,9 @@ def scale_by_shampoo(
     """Grafted, blocked Shampoo direction for every matrix leaf; other leaves (and padding) come out zero.
 
     Args:
-      plan: the plan the params are sharded with (``vj.rows(block_size)`` granularity for matrix leaves, or
-        ``vj.tiles(bh, bw)`` with ``bh`` and ``bw`` multiples of ``block_size``).
+      plan: optional: the plan the params are sharded with (default: read from the params it sees; given, they
+        must carry it). Its granularity for matrix leaves: ``vj.rows(block_size)``, or ``vj.tiles(bh, bw)`` with
+        ``bh`` and ``bw`` multiples of ``block_size``.
       block_size: ``b``; blocks are ``b x b`` (edge blocks smaller).
       beta2: decay of the block statistics (and of the graft's second moment unless ``graft_beta2``).
       diagonal_epsilon: added to the graft's root second moment.
@@ -188,6 +190,33 @@ def scale_by_shampoo(
         raise ValueError(
             f"vj.optim.shampoo: preconditioning_compute_steps must be >= 1, got {preconditioning_compute_steps}"
         )
+    hyper = dict(
+        beta2=beta2,
+        diagonal_epsilon=diagonal_epsilon,
+        matrix_epsilon=matrix_epsilon,
+        start_preconditioning_step=start_preconditioning_step,
+        preconditioning_compute_steps=preconditioning_compute_steps,
+        graft_type=graft_type,
+        graft_beta2=graft_beta2,
+        exponent_override=exponent_override,
+    )
+    return per_plan(lambda p: _scale_by_shampoo(p, block_size, **hyper), plan, "scale_by_shampoo")
+
+
+def _scale_by_shampoo(
+    plan: Plan,
+    block_size: int,
+    *,
+    beta2,
+    diagonal_epsilon,
+    matrix_epsilon,
+    start_preconditioning_step,
+    preconditioning_compute_steps,
+    graft_type,
+    graft_beta2,
+    exponent_override,
+) -> optax.GradientTransformation:
+    """:func:`scale_by_shampoo` over ``plan`` (options checked)."""
     tables = shampoo_blocks(plan, block_size)
     layout = BlockLayout(plan, tables.block_size)
     axes = layout.axes  # with tp: every TP/EP group's devices hold the blocks of their own shards
@@ -344,7 +373,7 @@ class SplitState(NamedTuple):
 def shampoo(
     learning_rate: optax.ScalarOrSchedule,
     *,
-    plan: Plan,
+    plan: Plan | None = None,
     block_size: int,
     beta1: float = 0.9,
     beta2: float = 0.999,
@@ -369,8 +398,10 @@ def shampoo(
 
     Args:
       learning_rate: a float or an Optax schedule.
-      plan: the plan the params are sharded with; plan matrix leaves with ``granularity=vj.rows(block_size)``
-        (or ``vj.tiles(bh, bw)``, ``bh`` and ``bw`` multiples of ``block_size``: each block inside one tile).
+      plan: optional: the plan the params are sharded with (default: read from the params it sees, the block
+        tables built when ``init`` / ``update`` first sees them; given, they must carry it). Plan matrix leaves
+        with ``granularity=vj.rows(block_size)`` (or ``vj.tiles(bh, bw)``, ``bh`` and ``bw`` multiples of
+        ``block_size``: each block inside one tile).
       block_size: Shampoo block edge ``b``.
 
     Returns:
@@ -382,26 +413,32 @@ def shampoo(
       (:func:`shampoo_blocks` reports the max/mean blocks per device).
     """
     block_size = static_int(block_size, "block_size", "shampoo")
-    tables = shampoo_blocks(plan, block_size)
-    is_matrix = np.array([*tables.matrix_leaves, False])
-    branch = optax.chain(
-        scale_by_shampoo(
-            plan=plan,
-            block_size=block_size,
-            beta2=beta2,
-            diagonal_epsilon=diagonal_epsilon,
-            matrix_epsilon=matrix_epsilon,
-            start_preconditioning_step=start_preconditioning_step,
-            preconditioning_compute_steps=preconditioning_compute_steps,
-            graft_type=graft_type,
-            graft_beta2=graft_beta2,
-            exponent_override=exponent_override,
-        ),
-        _momentum(beta1, nesterov),
-        optax.identity()
-        if isinstance(weight_decay, int | float) and weight_decay == 0
-        else masked_decay(plan, weight_decay, is_matrix),
-        optax.scale_by_learning_rate(learning_rate),
+    # Built now (its checks run here), its tables when it first sees the params.
+    direction = scale_by_shampoo(
+        plan=plan,
+        block_size=block_size,
+        beta2=beta2,
+        diagonal_epsilon=diagonal_epsilon,
+        matrix_epsilon=matrix_epsilon,
+        start_preconditioning_step=start_preconditioning_step,
+        preconditioning_compute_steps=preconditioning_compute_steps,
+        graft_type=graft_type,
+        graft_beta2=graft_beta2,
+        exponent_override=exponent_override,
     )
-    adam = optax.adamw(learning_rate, b1=beta1, b2=beta2, eps=diagonal_epsilon, weight_decay=weight_decay)
-    return split_leaves(branch, adam, plan=plan, main_leaves=is_matrix[:-1], state=SplitState, what="shampoo")
+
+    def build(plan: Plan) -> optax.GradientTransformation:
+        tables = shampoo_blocks(plan, block_size)
+        is_matrix = np.array([*tables.matrix_leaves, False])
+        branch = optax.chain(
+            direction,
+            _momentum(beta1, nesterov),
+            optax.identity()
+            if isinstance(weight_decay, int | float) and weight_decay == 0
+            else masked_decay(plan, weight_decay, is_matrix),
+            optax.scale_by_learning_rate(learning_rate),
+        )
+        adam = optax.adamw(learning_rate, b1=beta1, b2=beta2, eps=diagonal_epsilon, weight_decay=weight_decay)
+        return split_leaves(branch, adam, plan=plan, main_leaves=is_matrix[:-1], state=SplitState, what="shampoo")
+
+    return per_plan(build, plan, "shampoo")
