@@ -89,7 +89,7 @@ def _micro_count(batch: Any) -> int:
     if policy is not None and expected is None:
         raise ValueError(
             "vj.accumulate: the enclosing vj.fsdp step was compiled without microbatches=, so the batch has no "
-            "micro-batch dim; compile it with vj.fsdp(step, plan=plan, microbatches=k)."
+            "micro-batch dim; compile it with vj.fsdp(step, microbatches=k)."
         )
     first_path, first = flat[0]
     k = expected if expected is not None else (np.shape(first)[0] if np.ndim(first) else 0)

@@ -317,7 +317,10 @@ def fsdp(
       arguments) is split on dim 0 over ``data_axes``; other outputs (loss, metrics) are global values.
     """
     if isinstance(step, Plan):
-        raise TypeError("vj.fsdp: the plan is keyword-only: write @vj.fsdp(plan=plan) or vj.fsdp(step, plan=plan).")
+        raise TypeError(
+            "vj.fsdp: the plan is keyword-only, and optional (the step reads it from its params): write @vj.fsdp or "
+            "vj.fsdp(step), or vj.fsdp(step, plan=plan)."
+        )
     if step is not None and not callable(step):
         raise TypeError(f"vj.fsdp: step must be the train-step function, got {type(step).__name__}.")
     if plan is not None and not isinstance(plan, Plan):

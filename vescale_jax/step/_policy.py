@@ -94,10 +94,10 @@ class StepPolicy:
         enclosing step's), its replica axes derived again for ``plan``.
 
         Returns:
-          The refined policy.
+          The refined policy (this one when nothing changes).
         """
         reshard = self.reshard_after_forward if reshard_after_forward is None else reshard_after_forward
-        return StepPolicy.for_plan(
+        refined = StepPolicy.for_plan(
             plan,
             data_axes=self.data_axes if data_axes is None else data_axes,
             reshard_after_forward=reshard,
@@ -106,6 +106,7 @@ class StepPolicy:
             microbatches=self.microbatches,
             kernels=self.kernels if kernels is None else kernels,
         )
+        return self if refined == self else refined  # unchanged: the enclosing step's own policy object
 
     def wire(self) -> Gather:
         """What the wire needs: the gather / reduce dtypes (FP8 included), the replica axes and the kernels, with
