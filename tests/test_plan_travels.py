@@ -216,3 +216,16 @@ def test_stand_ins_hold_the_step_policy():
     policy = shard.policy
     assert (policy.reshard_after_forward, policy.prefetch, policy.data_axes) == (False, True, ("fsdp",))
     assert not hasattr(shard, "prefetch") and not hasattr(shard, "precision")
+
+
+def test_plan_free_tables_are_built_when_the_params_are_first_seen():
+    """Without plan= nothing plan-dependent happens at construction; a layout that cuts a block is refused when
+    init first sees params of that plan, with the message the plan-given form gives at construction."""
+    params = make_params()
+    plan = vj.plan(params, make_mesh(3))  # element granularity: device boundaries inside rows
+    tx = vj.optim.shampoo(1e-2, block_size=4)
+    with pytest.raises(ValueError, match=r"vj\.rows\(4\)") as free:
+        tx.init(vj.shard(params, plan))
+    with pytest.raises(ValueError, match=r"vj\.rows\(4\)") as given:
+        vj.optim.shampoo(1e-2, block_size=4, plan=plan)
+    assert str(free.value) == str(given.value)

@@ -318,8 +318,8 @@ def fsdp(
     """
     if isinstance(step, Plan):
         raise TypeError(
-            "vj.fsdp: the plan is keyword-only, and optional (the step reads it from its params): write @vj.fsdp or "
-            "vj.fsdp(step), or vj.fsdp(step, plan=plan)."
+            "vj.fsdp: the plan is keyword-only (and optional: the step reads it from its params): write @vj.fsdp, "
+            "@vj.fsdp(plan=plan) or vj.fsdp(step, plan=plan)."
         )
     if step is not None and not callable(step):
         raise TypeError(f"vj.fsdp: step must be the train-step function, got {type(step).__name__}.")
