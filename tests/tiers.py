@@ -55,7 +55,6 @@ FAST: dict[str, tuple[str, ...]] = {
     "test_redistribute.py": (
         "test_to_and_from_ragged[m3-*]",
         "test_reshard_between_placements[m3-(23, 7)]",
-        "test_reshard_between_placements[m8-(64, 3)]",
         "test_reshard_is_one_all_to_all[m3]",
         "test_reshard_gradient_is_the_reverse_move[m3]",
         "test_ragged_shard_validation",
@@ -68,12 +67,9 @@ FAST: dict[str, tuple[str, ...]] = {
     # vj.fsdp on NNX and Linen, point-of-use gathers, the gather and its reduce-scatter.
     "test_fsdp.py": (
         "test_nnx_matches_unsharded[m3-auto]",
-        "test_nnx_matches_unsharded[m8-leaves]",
         "test_linen_matches_unsharded[m3]",
-        "test_census[reshard]",
         "test_params_not_matching_the_plan",
         "test_mesh_without_the_axis",
-        "test_second_step_does_not_recompile",
     ),
     "test_point_of_use.py": (
         "test_gradients_match_unsharded_for_every_kind_of_use[m3-reshard]",
@@ -81,8 +77,11 @@ FAST: dict[str, tuple[str, ...]] = {
         "test_segments_are_affine_only_for_linear_uses",
         "test_a_leaf_the_model_returns_has_no_segment",
     ),
-    "test_gather.py": ("test_gradients_match_unsharded_reference[m3]",),
-    "test_padding.py": ("test_a_nan_batch_leaves_padding_of_params_and_moments_zero",),
+    "test_gather.py": (
+        "test_gradients_match_unsharded_reference[m3]",
+        "test_census_one_all_gather_and_one_reduce_scatter_per_bucket",
+    ),
+    "test_padding.py": ("test_a_nan_batch_leaves_padding_of_params_and_moments_zero[m3]",),
     # Mixed precision, accumulation, HSDP.
     "test_low_precision.py": (
         "test_bf16_leaf_gradient_matches_unsharded[3-True]",
@@ -99,35 +98,30 @@ FAST: dict[str, tuple[str, ...]] = {
     "test_logical.py": (
         "test_masks_partition_and_lamb_match_optax_on_the_logical_tree[m3]",
         "test_shape_based_masks_and_labels_on_sharded_params_raise",
-        "test_elementwise_transforms_match_optax_as_they_are",
     ),
-    "test_optim_conformance.py": ("test_optax_patterns", "test_params_required"),
-    "test_compact.py": ("test_on_leaves_adamw_matches_optax_on_those_leaves",),
+    "test_optim_conformance.py": ("test_params_required",),
     # Muon, Shampoo, 8-bit AdamW.
     "test_muon.py": (
         "test_parity_element[3]",
-        "test_parity_element[8]",
         "test_run_tables_match_brute_force[3-None]",
         "test_rejects_unsharded_updates",
     ),
     "test_shampoo.py": (
         "test_parity_with_reference[3]",
         "test_blocks_cut_by_the_plan_are_rejected_with_the_fix",
+        "test_update_has_no_parameter_sized_collective",
         "test_inverse_root_matches_numpy",
     ),
     "test_shampoo_reference.py": ("test_one_step_single_block_matches_svd", "test_errors"),
     "test_adam8bit.py": (
         "test_dynamic_code_is_monotone_with_zero_and_unit_levels",
-        "test_bitwise_equal_to_the_logical_reference[m3-tiles]",
-        "test_all_exact_equals_optax_adam",
+        "test_inside_a_vj_fsdp_step",
         "test_element_granularity_that_cuts_a_block_is_refused_with_the_fix",
         "test_state_is_at_most_027_of_fp32_adamw[m3]",
     ),
     # FP8 gathers.
     "test_fp8_gather.py": (
         "test_gathered_weights_are_the_reference_quantizer_bit_for_bit[tiles-3]",
-        "test_gathered_weights_are_the_reference_quantizer_bit_for_bit[tiles-8]",
-        "test_vectors_travel_exactly",
         "test_a_plan_that_cuts_a_tile_is_refused_naming_the_leaf_and_the_fix",
         "test_bad_fp8_block_is_rejected",
     ),
@@ -140,7 +134,7 @@ FAST: dict[str, tuple[str, ...]] = {
     ),
     # Tensor parallelism.
     "test_tp.py": (
-        "test_tp_training_matches_unsharded[fsdp2xtensor4]",
+        "test_megatron_mlp_gradients_for_each_kernel_policy[xla]",
         "test_plan_description_names_the_groups",
     ),
     "test_tp_errors.py": (
@@ -148,7 +142,6 @@ FAST: dict[str, tuple[str, ...]] = {
         "test_nnx_partition_specs_and_sharding_give_the_explicit_plan",
         "test_linen_logical_partitioning_with_rules",
     ),
-    "test_tp_checkpoint.py": ("test_logical_tree_of_a_tp_plan_is_the_full_tree_and_its_checksums",),
     # Checkpoints and relayout.
     "test_checkpoint.py": (
         "test_round_trip_into_another_plan_is_bitwise[3to8]",
@@ -156,7 +149,6 @@ FAST: dict[str, tuple[str, ...]] = {
         "test_mismatched_tree_raises_naming_the_leaf",
         "test_corrupt_or_truncated_file_raises[flip]",
         "test_manager_keeps_max_to_keep_and_async_save_finishes",
-        "test_plain_orbax_restores_vj_params_into_an_nnx_model[moved]",
     ),
     "test_relayout.py": (
         "test_relayout_round_trips_exactly[m8-m3-blocks]",
