@@ -41,7 +41,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         by_file.setdefault(item.path.name, []).append(item)
     narrowed = any("::" in arg for arg in config.args)  # a node id on the command line: not every test collected
-    problems = []
+    here = os.path.dirname(os.path.abspath(__file__))
+    problems = [f"{file}: no such test file" for file in entries if not os.path.exists(os.path.join(here, file))]
     for file, file_items in by_file.items():
         module = file_items[0].module if hasattr(file_items[0], "module") else None
         for entry, regex in entries.get(file, ()):
