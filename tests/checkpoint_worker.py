@@ -28,8 +28,8 @@ def main() -> None:
             num_processes=n,
             process_id=pid,
             local_device_count=devices,
-            timeout_s=30,
-            heartbeat_timeout_s=10,
+            timeout_s=120,  # generous: only a failed job waits this long
+            heartbeat_timeout_s=30,
         )
     else:
         jax.config.update("jax_num_cpu_devices", devices)

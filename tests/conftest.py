@@ -14,6 +14,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+from tiers import fast_entries  # noqa: E402  (tests/tiers.py: tests/ is on sys.path, as for helpers.py)
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
@@ -30,3 +31,32 @@ def make_mesh(m: int, axis: str = "fsdp", *, auto: bool = False) -> jax.sharding
 @pytest.fixture(params=DEVICE_COUNTS, ids=lambda m: f"m{m}")
 def mesh(request):
     return make_mesh(request.param)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects on the marker
+def pytest_collection_modifyitems(config, items):
+    """Marks the tests of the fast tier (tests/tiers.py) ``fast``; a stale entry is a usage error."""
+    entries = fast_entries()
+    by_file: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        by_file.setdefault(item.path.name, []).append(item)
+    narrowed = any("::" in arg for arg in config.args)  # a node id on the command line: not every test collected
+    here = os.path.dirname(os.path.abspath(__file__))
+    problems = [f"{file}: no such test file" for file in entries if not os.path.exists(os.path.join(here, file))]
+    for file, file_items in by_file.items():
+        module = file_items[0].module if hasattr(file_items[0], "module") else None
+        for entry, regex in entries.get(file, ()):
+            name = entry.partition("[")[0]
+            if module is not None and not hasattr(module, name):
+                problems.append(f"{file}: {entry!r} names no test of the file (renamed or removed?)")
+                continue
+            matched = [item for item in file_items if regex.fullmatch(item.name)]
+            quick = [item for item in matched if item.get_closest_marker("slow") is None]
+            for item in quick:
+                item.add_marker(pytest.mark.fast)
+            if matched and not quick:
+                problems.append(f"{file}: {entry!r} names only slow tests; the fast tier takes no slow test")
+            elif not matched and not narrowed and any(item.originalname == name for item in file_items):
+                problems.append(f"{file}: {entry!r} matches no parametrisation of {name} (its ids changed?)")
+    if problems:
+        raise pytest.UsageError("tests/tiers.py, the fast tier, is out of date:\n  " + "\n  ".join(problems))

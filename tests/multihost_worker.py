@@ -44,7 +44,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=16, help="global batch size")
     p.add_argument("--die", type=int, default=-1, help="this process exits with status 3 after joining")
     p.add_argument("--hang", type=int, default=-1, help="this process sleeps forever after joining")
-    p.add_argument("--heartbeat", type=int, default=5, help="seconds before a silent peer is declared dead")
+    p.add_argument("--heartbeat", type=int, default=30, help="seconds before a silent peer is declared dead")
     return p.parse_args(argv)
 
 
@@ -60,7 +60,11 @@ def main(argv: list[str] | None = None) -> None:
             local_device_count=args.devices,
         )
         joined = distributed.initialize(
-            **setup, timeout_s=30, heartbeat_timeout_s=args.heartbeat, shutdown_timeout_s=10
+            # Generous: these limits only end a failed job; a loaded machine must not trip them on a good one.
+            **setup,
+            timeout_s=120,
+            heartbeat_timeout_s=args.heartbeat,
+            shutdown_timeout_s=120,
         )
         assert joined and distributed.initialize(**setup) and distributed.is_multiprocess()  # idempotent
     else:

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from test_multihost import Worker, free_port, run_workers
+from test_multihost import HARD_TIMEOUT_S, Worker, free_port, run_workers
 from test_multihost import launch as multihost_launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -42,11 +42,11 @@ def test_save_on_two_processes_restore_on_one_and_back(tmp_path):
     saved = job(2, 4, "save", a, str(tmp_path / "saved2x4.npz"), start) + job(
         1, 8, "save", b, str(tmp_path / "saved1x8.npz"), start
     )
-    run_workers(saved, start, 150)
+    run_workers(saved, start, HARD_TIMEOUT_S)  # hang guards, not speed limits
     restored = job(1, 8, "restore", a, str(tmp_path / "restored1x8.npz"), start) + job(
         2, 4, "restore", b, str(tmp_path / "restored2x4.npz"), start
     )
-    wall = run_workers(restored, start, 300)
+    wall = run_workers(restored, start, HARD_TIMEOUT_S)
     for want_file, got_file in (("saved2x4", "restored1x8"), ("saved1x8", "restored2x4")):
         want, got = np.load(tmp_path / f"{want_file}.npz"), np.load(tmp_path / f"{got_file}.npz")
         assert sorted(want.files) == sorted(got.files) and len(want.files) > 30

@@ -17,6 +17,9 @@ import vescale_jax as vj
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "distributed_worker.py")
+# Hang guards, not speed limits: what each test checks is that a process ends by itself and what its error says
+# (a quiet machine ends each within seconds of the event; a loaded one may take many times longer).
+GUARD_S = 600
 
 
 def launch(pid: int, port: int, timeout_s: int, steps: int = 0) -> subprocess.Popen:
@@ -52,7 +55,7 @@ def test_missing_process_and_coordinator_are_named():
     process 1 names the coordinator address. (The two cases run side by side, on two ports.)"""
     port0, port1 = free_port(), free_port()
     alone0, alone1 = launch(0, port0, 4), launch(1, port1, 4)
-    (rc0, out0, _), (rc1, out1, _) = finish(alone0, within_s=60), finish(alone1, within_s=60)
+    (rc0, out0, _), (rc1, out1, _) = finish(alone0, within_s=GUARD_S), finish(alone1, within_s=GUARD_S)
     assert rc0 == 3, out0
     assert f"process(es) [1] of 2 did not reach the coordinator 127.0.0.1:{port0} within 4 s" in out0, out0
     assert "another task died" not in out0
@@ -64,15 +67,14 @@ def _kill_after_ready(victim: int) -> tuple[int, str, float]:
     port = free_port()
     procs = [launch(0, port, 40, steps=1000), launch(1, port, 40, steps=1000)]
     try:
-        deadline = time.monotonic() + 60
-        for p in procs:  # wait until both stepped together once
+        for p in procs:  # wait (event-driven) until both stepped together once
             line = ""
             while "step 0" not in line:
                 line = p.stdout.readline()
-                assert line and time.monotonic() < deadline, f"worker did not start: {line}"
+                assert line, f"worker exited before its first step: {p.wait()}"
         procs[victim].kill()
         procs[victim].wait()
-        return finish(procs[1 - victim], within_s=60)
+        return finish(procs[1 - victim], within_s=GUARD_S)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -82,13 +84,13 @@ def _kill_after_ready(victim: int) -> tuple[int, str, float]:
 
 @pytest.mark.slow
 def test_killed_peer_ends_the_job():
-    rc, out, seconds = _kill_after_ready(victim=1)
-    assert rc != 0 and seconds < 60, out[-2000:]
+    rc, out, seconds = _kill_after_ready(victim=1)  # ended by itself (finish fails otherwise), with an error
+    assert rc != 0, (seconds, out[-2000:])
     assert "crashed" in out or "died" in out, out[-2000:]
 
 
 @pytest.mark.slow
 def test_killed_coordinator_is_reported():
     rc, out, seconds = _kill_after_ready(victim=0)
-    assert rc != 0 and seconds < 60, out[-2000:]
+    assert rc != 0, (seconds, out[-2000:])
     assert "leader task was preempted/died" in out or "died" in out, out[-2000:]

@@ -1,0 +1,181 @@
+"""The fast tier: the tests ``python -m pytest -m fast`` runs (the README's test command).
+
+Three tiers of one suite:
+
+- ``python -m pytest -m fast``: a few cheap tests from every area users rely on, on meshes of 3 (uneven) and 8
+  devices; minutes on 2 cores.
+- ``python -m pytest``: the full default matrix (everything not marked slow; meshes of 1, 2, 3 and 8 devices).
+- ``python -m pytest -m slow``: the heavy cases.
+
+``FAST`` lists, per test file, the tests of the fast tier: ``name`` takes every parametrisation of a test,
+``name[id]`` one of them, where ``*`` in the id matches any characters. tests/conftest.py marks the matching tests
+``fast`` and refuses (a usage error at collection) an entry that names no test of its file, or a slow test.
+"""
+
+from __future__ import annotations
+
+import re
+
+FAST: dict[str, tuple[str, ...]] = {
+    # The layer order and the census parser.
+    "test_structure.py": ("test_no_import_cycle", "test_no_import_goes_up_a_layer"),
+    # Planner and layouts (pure).
+    "test_planner.py": (
+        "test_matches_brute_force_on_small_instances",
+        "test_whole_tensor_blocks_stay_on_one_device",
+        "test_element_granularity_is_padding_free_up_to_alignment",
+        "test_spanning_two_boundaries_forces_multiple_of_block",
+        "test_invalid_input_names_the_index",
+        "test_ragged_shard_derived_from_layout_matches_buffer_ranges",
+    ),
+    "test_tiles.py": (
+        "test_storage_round_trip_matches_reference[8-8-*]",
+        "test_plan_bucket_never_cuts_a_tile",
+        "test_shard_unshard_bitwise[m3]",
+    ),
+    "test_tp_planner.py": ("test_grouping_matches_vj_plan[rows(1)-none-3-2]",),
+    # Plan, shard / unshard.
+    "test_plan.py": (
+        "test_shard_unshard_bit_exact[m3-*]",
+        "test_shard_unshard_bit_exact[m8-rows(4)]",
+        "test_padding_is_zero_and_leaves_sit_at_offsets[m3]",
+        "test_blocks_never_cut[m3]",
+        "test_whole_granularity_puts_each_leaf_on_one_device[m8]",
+        "test_stacked_layer_group[m3]",
+        "test_linen_and_nnx_trees[m3]",
+        "test_plan_is_hashable_and_deterministic",
+        "test_split_cuts_large_units_into_per_leaf_buckets[m3]",
+        "test_error_non_array_leaf",
+        "test_error_prng_key_leaf",
+        "test_error_mesh_without_axis",
+        "test_error_bad_granularity",
+        "test_error_stacked_without_layer_dim",
+        "test_error_tree_does_not_match_plan",
+    ),
+    "test_redistribute.py": (
+        "test_to_and_from_ragged[m3-*]",
+        "test_reshard_between_placements[m3-(23, 7)]",
+        "test_reshard_is_one_all_to_all[m3]",
+        "test_reshard_gradient_is_the_reverse_move[m3]",
+        "test_ragged_shard_validation",
+    ),
+    "test_policies.py": (
+        "test_init_opt_state_places_by_type",
+        "test_place_batch_passes_placed_arrays_through[3-*]",
+        "test_place_batch_checks_device_arrays",
+    ),
+    # vj.fsdp on NNX and Linen, point-of-use gathers, the gather and its reduce-scatter.
+    "test_fsdp.py": (
+        "test_nnx_matches_unsharded[m3-auto]",
+        "test_linen_matches_unsharded[m3]",
+        "test_params_not_matching_the_plan",
+        "test_mesh_without_the_axis",
+    ),
+    "test_point_of_use.py": (
+        "test_gradients_match_unsharded_for_every_kind_of_use[m3-reshard]",
+        "test_gradients_match_unsharded_for_every_kind_of_use[m8-keep]",
+        "test_segments_are_affine_only_for_linear_uses",
+        "test_a_leaf_the_model_returns_has_no_segment",
+    ),
+    "test_gather.py": (
+        "test_gradients_match_unsharded_reference[m3]",
+        "test_census_one_all_gather_and_one_reduce_scatter_per_bucket",
+    ),
+    "test_padding.py": ("test_a_nan_batch_leaves_padding_of_params_and_moments_zero[m3]",),
+    # Mixed precision, accumulation, HSDP.
+    "test_low_precision.py": (
+        "test_bf16_leaf_gradient_matches_unsharded[3-True]",
+        "test_default_reduce_dtype_of_low_precision_masters",
+    ),
+    "test_scale.py": (
+        "test_bf16_gradients_match_a_bf16_unsharded_model",
+        "test_master_dtype_is_checked",
+        "test_accumulation_equals_one_big_batch",
+        "test_microbatches_must_divide_the_batch",
+        "test_hsdp_matches_unsharded_and_reduces_in_two_stages",
+    ),
+    # Optax over shards.
+    "test_logical.py": (
+        "test_masks_partition_and_lamb_match_optax_on_the_logical_tree[m3]",
+        "test_shape_based_masks_and_labels_on_sharded_params_raise",
+    ),
+    "test_optim_conformance.py": ("test_params_required",),
+    # Muon, Shampoo, 8-bit AdamW.
+    "test_muon.py": (
+        "test_parity_element[3]",
+        "test_run_tables_match_brute_force[3-None]",
+        "test_rejects_unsharded_updates",
+    ),
+    "test_shampoo.py": (
+        "test_parity_with_reference[3]",
+        "test_blocks_cut_by_the_plan_are_rejected_with_the_fix",
+        "test_update_has_no_parameter_sized_collective",
+        "test_inverse_root_matches_numpy",
+    ),
+    "test_shampoo_reference.py": ("test_one_step_single_block_matches_svd", "test_errors"),
+    "test_adam8bit.py": (
+        "test_dynamic_code_is_monotone_with_zero_and_unit_levels",
+        "test_inside_a_vj_fsdp_step",
+        "test_element_granularity_that_cuts_a_block_is_refused_with_the_fix",
+        "test_state_is_at_most_027_of_fp32_adamw[m3]",
+    ),
+    # FP8 gathers.
+    "test_fp8_gather.py": (
+        "test_gathered_weights_are_the_reference_quantizer_bit_for_bit[tiles-3]",
+        "test_a_plan_that_cuts_a_tile_is_refused_naming_the_leaf_and_the_fix",
+        "test_bad_fp8_block_is_rejected",
+    ),
+    "test_quant.py": ("test_quantize_matches_the_numpy_reference_bitwise", "test_error_is_bounded_by_half_a_step"),
+    "test_kernels.py": (
+        "test_pack_matches_reference_and_writes_padding[odd-*]",
+        "test_unpack_matches_reference[odd-*]",
+        "test_pack_errors",
+        "test_unpack_errors",
+    ),
+    # Tensor parallelism.
+    "test_tp.py": (
+        "test_megatron_mlp_gradients_for_each_kernel_policy[xla]",
+        "test_plan_description_names_the_groups",
+    ),
+    "test_tp_errors.py": (
+        "test_bad_tp_raises_naming_the_leaf",
+        "test_nnx_partition_specs_and_sharding_give_the_explicit_plan",
+        "test_linen_logical_partitioning_with_rules",
+    ),
+    # Checkpoints and relayout.
+    "test_checkpoint.py": (
+        "test_round_trip_into_another_plan_is_bitwise[3to8]",
+        "test_storage_split_rule",
+        "test_mismatched_tree_raises_naming_the_leaf",
+        "test_corrupt_or_truncated_file_raises[flip]",
+        "test_manager_keeps_max_to_keep_and_async_save_finishes",
+    ),
+    "test_relayout.py": (
+        "test_relayout_round_trips_exactly[m8-m3-blocks]",
+        "test_relayout_errors_name_the_key_and_shapes",
+    ),
+    # Multi-process start.
+    "test_multihost.py": (
+        "test_two_processes_match_one",
+        "test_initialize_without_cluster_is_a_noop",
+        "test_initialize_errors",
+        "test_local_batch_slice",
+    ),
+    "test_distributed_failures.py": ("test_missing_process_and_coordinator_are_named",),
+    # Error messages.
+    "test_errors.py": ("test_error_names_the_thing",),
+    "test_testing.py": ("test_replica_group_forms", "test_all_gather_count_bytes_and_wire"),
+}
+
+
+def _entry_regex(entry: str) -> re.Pattern[str]:
+    """``name`` or ``name[id]`` (``*`` in the id matching anything) as a regex over a test's ``item.name``."""
+    name, bracket, ids = entry.partition("[")
+    if not bracket:
+        return re.compile(re.escape(name) + r"(\[.*\])?")
+    return re.compile(re.escape(name) + r"\[" + ".*".join(map(re.escape, ids[:-1].split("*"))) + r"\]")
+
+
+def fast_entries() -> dict[str, list[tuple[str, re.Pattern[str]]]]:
+    """Per test file: each entry of ``FAST`` with its compiled pattern."""
+    return {file: [(e, _entry_regex(e)) for e in entries] for file, entries in FAST.items()}
