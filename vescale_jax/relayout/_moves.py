@@ -230,7 +230,7 @@ def plan_moves(
     # candidates of a target are those starting before its end, from the first that may end after its start.
     order = np.lexsort((source.start, source.key))
     s_key, s_lo, s_hi = source.key[order], source.start[order], s_end[order]
-    code = lambda key, pos: key * span + pos  # noqa: E731
+    code = lambda key, pos: key * span + pos
     lo_code = code(s_key, s_lo)
     hi_code = code(s_key, s_hi)
     # Largest end so far (per key): the first candidate is the first source whose running max end > target start.
@@ -246,10 +246,20 @@ def plan_moves(
     hi = np.minimum(s_end[s_ord], t_end[t_idx])
     ok = (hi > lo) & (source.key[s_ord] == target.key[t_idx])
     t_idx, s_ord, lo, hi = t_idx[ok], s_ord[ok], lo[ok], hi[ok]
+    # Candidates of one target piece that overlap each other (replicas): keep one source per element.
+    by = np.lexsort((lo, t_idx))
+    t_idx, s_ord, lo, hi = t_idx[by], s_ord[by], lo[by], hi[by]
+    clash = np.zeros(len(target), bool)
+    if t_idx.size:
+        # running max of hi within a target piece (codes keep pieces apart), compared with the next lo
+        span_t = int(hi.max()) + 1
+        run = np.maximum.accumulate(t_idx * span_t + hi)
+        reach = np.r_[-1, run[:-1]] - t_idx * span_t
+        clash[t_idx[lo < reach]] = True
+    if clash.any():
+        rank = prefer or (lambda a, b: _rank(a, b, m))
+        t_idx, s_ord, lo, hi = _deduplicate(source, target, t_idx, s_ord, lo, hi, clash, rank)
     covered = np.bincount(t_idx, weights=hi - lo, minlength=len(target)).astype(_I64)
-    if (covered > target.length).any():  # replicas: keep one source per element, by preference
-        t_idx, s_ord, lo, hi = _deduplicate(source, target, t_idx, s_ord, lo, hi, covered, prefer or _rank)
-        covered = np.bincount(t_idx, weights=hi - lo, minlength=len(target)).astype(_I64)
     if complete and (covered < target.length).any():
         i = int(np.flatnonzero(covered < target.length)[0])
         raise ValueError(
@@ -267,9 +277,9 @@ def plan_moves(
     )
 
 
-def _deduplicate(source, target, t_idx, s_ord, lo, hi, covered, prefer):
+def _deduplicate(source, target, t_idx, s_ord, lo, hi, clash, prefer):
     """Among overlapping candidates of one target piece, each element from the most preferred source."""
-    multi = covered[t_idx] > target.length[t_idx]
+    multi = clash[t_idx]
     keep_t, keep_s, keep_lo, keep_hi = [t_idx[~multi]], [s_ord[~multi]], [lo[~multi]], [hi[~multi]]
     t_m, s_m, lo_m, hi_m = t_idx[multi], s_ord[multi], lo[multi], hi[multi]
     rank = np.asarray(prefer(source.device[s_m], target.device[t_m]), _I64)
