@@ -5,8 +5,10 @@ local buffer (with any leading batch dims) and writing into another:
 
 * :func:`all_to_all`: every device packs one message per destination (its runs back to back), one all-to-all
   padded to the largest message (``Moves.width``; XLA:CPU has no ragged all-to-all) moves them all, and every
-  device unpacks what arrived. Pack and unpack are gathers through per-device run tables (a ``searchsorted``
-  over the runs, ``O(runs)`` constants, never ``O(elements)``). Pieces that stay on their device travel too.
+  device unpacks what arrived. Pack and unpack are gathers through per-device periodic run tables
+  (:mod:`vescale_jax.relayout._runs`: ``O(runs)`` constants, never ``O(elements)``, a pair's strided rows
+  being one run); unpacking gathers over the window of destination positions the device writes. Pieces that
+  stay on their device travel too.
 * :func:`permute_rounds`: the device pairs that exchange data are edge-coloured into rounds in which every
   device sends to at most one device and receives from at most one; each round is one collective-permute whose
   message packs all of a pair's runs and is sized by the round's heaviest pair; runs that stay on their device
@@ -25,53 +27,46 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vescale_jax.relayout import _runs as runs
 from vescale_jax.relayout._moves import Moves
 
-__all__ = ["all_to_all", "gather_runs", "permute_rounds", "rounds", "run_table"]
-
-_NO_RUN = np.iinfo(np.int32).max
+__all__ = ["all_to_all", "permute_rounds", "rounds", "tables"]
 
 
-def run_table(key: np.ndarray, pos: np.ndarray, value: np.ndarray, length: np.ndarray, m: int) -> np.ndarray:
-    """``(m, 3, R)`` int32 runs ``(start, value, length)`` per device ``key``, sorted by ``start``, padded with
-    runs starting at ``2**31 - 1``: positions ``start + i`` map to indices ``value + i``, ``0 <= i < length``."""
-    counts = np.bincount(key, minlength=m) if key.size else np.zeros(m, np.int64)
-    r = max(int(counts.max(initial=0)), 1)
-    order = np.lexsort((pos, key))
-    key, cols = key[order], np.stack([pos, value, length])[:, order]
-    slot = np.arange(key.size) - np.repeat(np.cumsum(counts) - counts, counts)
-    out = np.zeros((m, 3, r), np.int64)
-    out[:, 0] = _NO_RUN
-    out[key, :, slot] = cols.T
-    if max(np.abs(out[:, 1:]).max(initial=0), (out[:, 0] + out[:, 2])[out[:, 0] < _NO_RUN].max(initial=0)) >= _NO_RUN:
-        raise ValueError("relayout: offsets exceed int32")
-    return out.astype(np.int32)
+class Tables:
+    """Static tables of :func:`all_to_all` for one ``Moves`` and destination size (NumPy, built once).
 
+    Attributes:
+      width: ``W``, elements per message.
+      pack: :mod:`~vescale_jax.relayout._runs` table over the ``m * W`` message positions ``(destination, w)``:
+        source offsets.
+      window: ``(m,)`` where each device's written window of the destination starts; ``span`` its length.
+      unpack: a run table over the window's positions: indices into what arrived, ``(source, w)``.
 
-def gather_runs(x: jax.Array, table: np.ndarray, k: jax.Array, n: int, fill: Any = None) -> jax.Array:
-    """Device ``k``'s positions ``0 .. n - 1`` of a :func:`run_table` gathered from ``x`` (last axis).
-
-    Args:
-      x: ``(..., N)`` the indexed buffer.
-      table: ``(m, 3, R)`` from :func:`run_table`.
-      k: this device.
-      n: positions.
-      fill: ``(..., n)`` values of the positions no run covers (default zero).
-
-    Returns:
-      ``(..., n)``.
+    The runs of one device pair are compressed in message order, so a pair whose runs are a fixed stride apart
+    on either side (a block column of every row) is one periodic run.
     """
-    starts, values, lengths = (jnp.asarray(table[:, i])[k] for i in range(3))
-    pos = jnp.arange(n, dtype=jnp.int32)
-    r = jnp.clip(jnp.searchsorted(starts, pos, side="right") - 1, 0, table.shape[2] - 1)
-    off = pos - starts[r]
-    ok = (off >= 0) & (off < lengths[r])
-    idx = jnp.where(ok, values[r] + off, 0)
-    if x.shape[-1] == 0:
-        val = jnp.zeros((*x.shape[:-1], n), x.dtype)
-    else:
-        val = jnp.take(x, jnp.clip(idx, 0, x.shape[-1] - 1), axis=-1)
-    return jnp.where(ok, val, jnp.zeros((), x.dtype) if fill is None else fill)
+
+    def __init__(self, moves: Moves, size: int):
+        m, w = moves.num_devices, moves.width
+        mo = moves.message_offset()
+        pair = moves.src * m + moves.dst
+        self.width = w
+        self.pack = runs.compress(moves.src, pair, moves.dst * w + mo, moves.src_offset, moves.length, m)
+        lo = np.full(m, size, np.int64)
+        hi = np.zeros(m, np.int64)
+        np.minimum.at(lo, moves.dst, moves.dst_offset)
+        np.maximum.at(hi, moves.dst, moves.dst_offset + moves.length)
+        self.span = int(max((hi - lo).max(initial=0), 0))
+        # Static window starts that never make a dynamic slice of ``span`` clamp.
+        self.window = np.clip(np.minimum(lo, size - self.span), 0, None)
+        at = moves.dst_offset - self.window[moves.dst]
+        self.unpack = runs.compress(moves.dst, pair, at, moves.src * w + mo, moves.length, m)
+
+
+def tables(moves: Moves, size: int) -> Tables:
+    """The static tables :func:`all_to_all` bakes in (for inspection and tests)."""
+    return Tables(moves, size)
 
 
 def all_to_all(x: jax.Array, moves: Moves, *, axis: Any, size: int, out: jax.Array | None = None) -> jax.Array:
@@ -82,7 +77,8 @@ def all_to_all(x: jax.Array, moves: Moves, *, axis: Any, size: int, out: jax.Arr
       moves: the runs.
       axis: the mesh axis (or axes) of the devices, ``moves.num_devices`` of them.
       size: the destination buffer's length.
-      out: ``(..., size)`` values of the destination positions no run writes (default zero).
+      out: ``(..., size)`` values of the destination positions no run writes (default zero); only the window
+        of positions this device's runs write is read and rewritten.
 
     Returns:
       ``(..., size)`` this device's destination buffer.
@@ -90,15 +86,30 @@ def all_to_all(x: jax.Array, moves: Moves, *, axis: Any, size: int, out: jax.Arr
     Sharding:
       One all-to-all of ``(..., m, moves.width)`` elements per device.
     """
-    m, w = moves.num_devices, moves.width
+    m, t = moves.num_devices, Tables(moves, size)
+    w = t.width
     k = jax.lax.axis_index(axis)
-    mo = moves.message_offset()
-    pack = run_table(moves.src, moves.dst * w + mo, moves.src_offset, moves.length, m)
-    unpack = run_table(moves.dst, moves.dst_offset, moves.src * w + mo, moves.length, m)
     lead = x.shape[:-1]
-    rows = jnp.reshape(gather_runs(x, pack, k, m * w), (*lead, m, w))
-    received = jax.lax.all_to_all(rows, axis, len(lead), len(lead))  # [..., s, :] came from device s
-    return gather_runs(jnp.reshape(received, (*lead, m * w)), unpack, k, size, out)
+    idx, ok = runs.lookup(t.pack, k, m * w)
+    if x.shape[-1]:
+        rows = jnp.where(ok, jnp.take(x, idx, axis=-1, mode="clip"), jnp.zeros((), x.dtype))
+    else:
+        rows = jnp.zeros((*lead, m * w), x.dtype)
+    received = jax.lax.all_to_all(jnp.reshape(rows, (*lead, m, w)), axis, len(lead), len(lead))  # [.., s, :]: from s
+    received = jnp.reshape(received, (*lead, m * w))
+    whole = out is None and t.span in (0, size)  # every device writes from 0 into zeros: no window to keep
+    if out is None and not whole:
+        out = jnp.zeros((*lead, size), x.dtype)
+    dtype = x.dtype if out is None else out.dtype
+    if not t.span:
+        return jnp.zeros((*lead, size), dtype) if out is None else out
+    idx, ok = runs.lookup(t.unpack, k, t.span)
+    got = jnp.take(received, idx, axis=-1, mode="clip").astype(dtype)
+    if whole:
+        return jnp.where(ok, got, jnp.zeros((), dtype))
+    start = jnp.asarray(t.window.astype(np.int32))[k]
+    window = jax.lax.dynamic_slice_in_dim(out, start, t.span, axis=-1)
+    return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(ok, got, window), start, axis=-1)
 
 
 def rounds(moves: Moves) -> list[tuple[Any, ...]]:

@@ -27,11 +27,6 @@ __all__ = ["Moves", "Placement", "plan_moves"]
 _I64 = np.int64
 
 
-def _col(x, n: int | None = None) -> np.ndarray:
-    a = np.asarray(x, _I64).reshape(-1)
-    return np.broadcast_to(a, (n,)).copy() if n is not None and a.size == 1 and n != 1 else a
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class Placement:
     """Which element ranges of which tensors each device holds, and at which local offsets.
@@ -64,17 +59,20 @@ class Placement:
         Returns:
           The :class:`Placement`.
         """
-        n = max(np.size(x) for x in (device, key, start, length, offset))
-        cols = [_col(x, n) for x in (device, key, start, length, offset)]
+        given = [np.asarray(x, _I64) for x in (device, key, start, length, offset)]
+        n = max([x.size for x in given if x.ndim] or [1])  # scalars broadcast
+        cols = [np.full(n, int(x)) if not x.ndim else x.reshape(-1) for x in given]
         if len({c.size for c in cols}) != 1:
             raise ValueError(f"Placement.of: columns of different lengths {[c.size for c in cols]}.")
-        device, key, start, length, offset = cols
-        if (length < 0).any() or (start < 0).any() or (offset < 0).any():
-            raise ValueError("Placement.of: negative start, length or offset.")
+        if (cols[3] < 0).any():
+            raise ValueError("Placement.of: a negative length.")
+        keep = cols[3] > 0  # zero-length pieces are dropped first: their offsets mean nothing
+        device, key, start, length, offset = (c[keep] for c in cols)
+        if (start < 0).any() or (offset < 0).any():
+            raise ValueError("Placement.of: a negative start or offset.")
         if ((device < 0) | (device >= num_devices)).any():
             raise ValueError(f"Placement.of: a device outside [0, {num_devices}).")
-        keep = length > 0
-        return cls(int(num_devices), *(c[keep] for c in (device, key, start, length, offset)))
+        return cls(int(num_devices), device, key, start, length, offset)
 
     @classmethod
     def ragged(cls, rs: RaggedShard, offsets: np.ndarray | Sequence[int] | None = None, *, key: int = 0) -> Placement:
