@@ -84,7 +84,7 @@ def compress(
     out[:, 0], out[:, 2], out[:, 4], out[:, 5] = NO_RUN, 1, 1, 1  # empty runs: count 0
     out[k, :, slot] = cols.T
     real = out[:, 0] < NO_RUN
-    span = lambda start, step: start + step * np.maximum(out[:, 3] - 1, 0) + out[:, 2]  # noqa: E731
+    span = lambda start, step: start + step * np.maximum(out[:, 3] - 1, 0) + out[:, 2]
     if (out[:, 1][real] < 0).any() or max(
         span(out[:, 0], out[:, 4])[real].max(initial=0), span(out[:, 1], out[:, 5])[real].max(initial=0)
     ) >= NO_RUN:
