@@ -21,6 +21,7 @@ its row of the static tables with ``lax.axis_index``. They are differentiable.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -30,7 +31,7 @@ import numpy as np
 from vescale_jax.relayout import _runs as runs
 from vescale_jax.relayout._moves import Moves
 
-__all__ = ["all_to_all", "permute_rounds", "rounds", "tables"]
+__all__ = ["all_to_all", "exchange_messages", "permute_rounds", "rounds", "tables"]
 
 
 class Tables:
@@ -110,6 +111,21 @@ def all_to_all(x: jax.Array, moves: Moves, *, axis: Any, size: int, out: jax.Arr
     start = jnp.asarray(t.window.astype(np.int32))[k]
     window = jax.lax.dynamic_slice_in_dim(out, start, t.span, axis=-1)
     return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(ok, got, window), start, axis=-1)
+
+
+def exchange_messages(messages: Sequence[jax.Array], *, axis: Any) -> list[jax.Array]:
+    """The move step of :func:`all_to_all` for a caller that packs its own messages (e.g. from its own run
+    tables, chunk by chunk): message ``d`` goes to device ``d``, all by one padded all-to-all.
+
+    Args:
+      messages: ``m`` arrays ``(W,)``, one per destination.
+      axis: the mesh axis (or axes) of the ``m`` devices.
+
+    Returns:
+      ``m`` arrays ``(W,)``: what each source device sent this one.
+    """
+    got = jax.lax.all_to_all(jnp.stack(list(messages)), axis, 0, 0, tiled=False)
+    return [got[d] for d in range(len(messages))]
 
 
 def rounds(moves: Moves) -> list[tuple[Any, ...]]:

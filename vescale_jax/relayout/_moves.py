@@ -211,7 +211,9 @@ def plan_moves(
       source: where the elements are.
       target: where they are wanted (pieces of one key may overlap: each gets its own copy).
       prefer: ``(src devices, dst devices) -> rank`` (lower first): which replica serves an element held by
-        several source pieces (default: the receiver itself, then the devices after it, cyclically).
+        several source pieces (default: the receiver itself, then the devices after it, cyclically). Resolving
+        replicas loops over the target pieces they overlap (in Python); a caller with many replicated pieces
+        plans one replica set at a time instead (as the checkpoint's logical conversion does).
       complete: raise if an element ``target`` wants is held by no source piece.
 
     Returns:
