@@ -9,8 +9,11 @@ Storage sharding of a leaf (per layer for a stacked leaf): the plan's ``m`` devi
 ``m``'s prime factors (ascending); a leaf dim ``D`` is split over the longest prefix of those factors whose
 product ``g`` divides ``D`` (the dim with the largest ``g`` wins, then the larger dim). ``g == m`` for any dim
 divisible by ``m``; a leaf with no dim sharing a factor with ``m`` is replicated (``g == 1``). Each device then
-holds ``size / g`` elements of the leaf. The element ranks are computed in closed form, so every index table
-is ``m x m`` integers, whatever the leaf size.
+holds ``size / g`` elements of the leaf. Both sides are placements of the relayout engine
+(:mod:`vescale_jax.relayout._moves`: the ragged ranges, and per storage block its ``A`` rows of ``R`` elements),
+moved by its padded all-to-all (:func:`vescale_jax.relayout._execute.all_to_all`); the block rows of one device
+pair are ``P`` apart on the ragged side, so its run tables compress them into at most three periodic runs per
+pair, whatever the leaf size.
 
 Transient memory per device: each leaf's all-to-all send and receive buffers, ``m * W`` elements each, where
 ``W`` is the largest piece one device sends another (``W <= size / g``), so at most twice one leaf (one layer
@@ -49,6 +52,8 @@ from jax.sharding import PartitionSpec as P
 
 from vescale_jax.layout import _tiles as tiles
 from vescale_jax.layout._plan import Bucket, Plan
+from vescale_jax.relayout._execute import all_to_all
+from vescale_jax.relayout._moves import Moves, Placement, plan_moves
 
 __all__ = ["LeafStorage", "from_logical", "leaf_storage", "storage_mesh", "to_logical"]
 
@@ -152,17 +157,10 @@ def leaf_sharding(plan: Plan, i: int) -> NamedSharding:
     return NamedSharding(storage_mesh(plan), leaf_storage(plan.layer_shape(spec), plan).spec(stacked, spec.tp))
 
 
-# ----------------------------------------------------------------------------------------------- index math
-def _ranks(x: np.ndarray, block: np.ndarray, A: int, D: int, B: int, g: int) -> np.ndarray:
-    """How many elements of storage block ``block`` have flat index ``< x`` (both broadcast)."""
-    R, Pd = (D // g) * B, D * B
-    if Pd == 0:
-        return np.zeros(np.broadcast(x, block).shape, np.int64)
-    return (x // Pd) * R + np.clip(x % Pd - block * R, 0, R)
-
-
+# ----------------------------------------------------------------------------------------------- placements
 class _Route:
-    """Static tables of one leaf's all-to-all between its ragged ranges and its storage blocks."""
+    """One leaf's (one layer's) relayout between its ragged ranges in the bucket and its storage blocks: the two
+    placements and the engine's :class:`~vescale_jax.relayout._moves.Moves` both ways."""
 
     def __init__(self, bucket: Bucket, slot: int, storage: LeafStorage, m: int):
         S, o, n = bucket.layout.shard_size, bucket.layout.offsets[slot], bucket.layout.sizes[slot]
@@ -172,15 +170,39 @@ class _Route:
         s = np.arange(m)
         self.starts = np.clip(s * S - o, 0, n)
         self.ends = np.clip((s + 1) * S - o, 0, n)
-        blocks = (np.arange(m) // r)[None, :]  # [.., k]: storage block of device k
-        self.cs = _ranks(self.starts[:, None], blocks, A, D, B, g)  # [s, k]
-        self.ce = _ranks(self.ends[:, None], blocks, A, D, B, g)
-        self.count = self.ce - self.cs
-        self.width = max(1, int(self.count.max(initial=0)))
         self.local_max = max(1, int((self.ends - self.starts).max(initial=0)))
         self.S, self.o, self.n, self.m, self.r, self.g = S, o, n, m, r, g
         self.R, self.P = (D // g) * B, D * B
         self.block_size = n // g
+        # Device k holds leaf elements [starts[k], ends[k]) at bucket-local offset o + starts[k] - k * S; as a
+        # storage block b = k // r it holds, per outer row a, elements [a * P + b * R, + R) at a * R.
+        self.ranges = Placement.of(m, s, 0, self.starts, self.ends - self.starts, o + self.starts - s * S)
+        rows = np.arange(A if self.R else 0, dtype=np.int64)
+        dev = np.repeat(s, rows.size)
+        a = np.tile(rows, m)
+        self.blocks = Placement.of(m, dev, 0, a * self.P + (dev // r) * self.R, self.R, a * self.R)
+
+    @functools.cached_property
+    def to_blocks(self) -> Moves:
+        return plan_moves(self.ranges, self.blocks)
+
+    @functools.cached_property
+    def to_ranges(self) -> Moves:
+        """Device d's range from the replicas ``s`` of its blocks with ``s % r == d % r`` (spread evenly)."""
+        parts = []
+        for j in range(self.r):
+            src = self.blocks.device % self.r == j
+            dst = self.ranges.device % self.r == j
+            parts.append(plan_moves(_pieces(self.blocks, src), _pieces(self.ranges, dst)))
+        cols = [np.concatenate([getattr(p, c) for p in parts]) for c in _MOVE_COLUMNS]
+        return Moves.of(self.m, *cols)
+
+
+_MOVE_COLUMNS = ("src", "dst", "src_offset", "dst_offset", "length")
+
+
+def _pieces(p: Placement, keep: np.ndarray) -> Placement:
+    return Placement(p.num_devices, p.device[keep], p.key[keep], p.start[keep], p.length[keep], p.offset[keep])
 
 
 def _t(values: Any) -> jax.Array:
@@ -188,49 +210,13 @@ def _t(values: Any) -> jax.Array:
 
 
 def _leaf_out(local: jax.Array, rt: _Route, k: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    """Bucket local ``(L, S)`` -> this device's storage block ``(L, n / g)`` of one leaf."""
-    m, W = rt.m, rt.width
-    t = jnp.arange(W, dtype=jnp.int32)
-    q = _t(rt.cs)[k][:, None] + t[None, :]  # (m, W): ranks in each destination's block
-    blk = _t(np.arange(m) // rt.r)[:, None]
-    flat = (q // rt.R) * rt.P + blk * rt.R + q % rt.R
-    idx = rt.o + flat - k * rt.S
-    valid = t[None, :] < _t(rt.count)[k][:, None]
-    rows = jnp.take(local, jnp.clip(jnp.where(valid, idx, 0), 0, rt.S - 1), axis=-1)  # (L, m, W)
-    rows = jnp.where(valid[None], rows, jnp.zeros((), local.dtype))
-    received = jax.lax.all_to_all(rows, axes, 1, 1, tiled=True)  # [:, s] came from source s
-    p = jnp.arange(rt.block_size, dtype=jnp.int32)
-    starts = _t(rt.cs.T)[k]  # (m,): where source s's piece starts in my block
-    source = jnp.clip(jnp.searchsorted(starts, p, side="right") - 1, 0, m - 1)
-    index = source * W + (p - starts[source])
-    return jnp.take(jnp.reshape(received, (local.shape[0], m * W)), index, axis=-1)
+    """Bucket local ``(L, S)`` -> this device's storage block ``(L, n / g)`` of one leaf (one all-to-all)."""
+    return all_to_all(local, rt.to_blocks, axis=axes, size=rt.block_size)
 
 
 def _leaf_in(block: jax.Array, out: jax.Array, rt: _Route, k: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     """This device's storage block ``(L, n / g)`` -> its ragged range written into ``out`` ``(L, S + pad)``."""
-    m, W = rt.m, rt.width
-    t = jnp.arange(W, dtype=jnp.int32)
-    # As a source: send destination s the ranks [cs[s, k], ce[s, k]) of my block, if I am its replica.
-    mine = (jnp.arange(m, dtype=jnp.int32) % rt.r) == (k % rt.r)
-    first = _t(rt.cs)[:, k]  # (m,) over destinations s
-    valid = (t[None, :] < _t(rt.count)[:, k][:, None]) & mine[:, None]
-    idx = jnp.clip(first[:, None] + t[None, :], 0, max(rt.block_size - 1, 0))
-    rows = jnp.take(block, idx, axis=-1) if rt.block_size else jnp.zeros((block.shape[0], m, W), block.dtype)
-    rows = jnp.where(valid[None], rows, jnp.zeros((), block.dtype))
-    received = jnp.reshape(jax.lax.all_to_all(rows, axes, 1, 1, tiled=True), (block.shape[0], m * W))
-    # As a destination: element u of my range is flat index start + u of the leaf.
-    u = jnp.arange(rt.local_max, dtype=jnp.int32)
-    start, end = _t(rt.starts)[k], _t(rt.ends)[k]
-    flat = start + u
-    ok = flat < end
-    blk = (flat % rt.P) // rt.R
-    rank = (flat // rt.P) * rt.R + flat % rt.P - blk * rt.R
-    src = blk * rt.r + k % rt.r
-    pos = src * W + rank - _t(rt.cs)[k][src]
-    vals = jnp.take(received, jnp.clip(jnp.where(ok, pos, 0), 0, m * W - 1), axis=-1)
-    lo = jnp.clip(rt.o + start - k * rt.S, 0, rt.S)
-    window = jax.lax.dynamic_slice_in_dim(out, lo, rt.local_max, axis=-1)
-    return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(ok[None], vals, window), lo, axis=-1)
+    return all_to_all(block, rt.to_ranges, axis=axes, size=out.shape[-1], out=out)
 
 
 def _tiled_out(

@@ -8,7 +8,8 @@ built from the placements, selected per device with ``lax.axis_index``.
 * :func:`to_ragged`: replicated -> ragged, a local slice (no communication).
 * :func:`from_ragged`: ragged -> replicated, one all-gather.
 * :func:`reshard`: ragged -> ragged with other units, one all-to-all padded to the largest piece (XLA:CPU has
-  no ragged all-to-all).
+  no ragged all-to-all): the relayout engine's :func:`~vescale_jax.relayout._execute.all_to_all` of the moves
+  :func:`~vescale_jax.relayout._moves.plan_moves` finds between the two placements.
 * :func:`to_dim0` / :func:`from_dim0`: ragged <-> JAX's even dim-0 sharding.
 """
 
@@ -21,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from vescale_jax.layout._ragged import RaggedShard
+from vescale_jax.relayout._execute import all_to_all
+from vescale_jax.relayout._moves import Placement, plan_moves
 
 __all__ = ["from_dim0", "from_ragged", "reshard", "to_dim0", "to_ragged"]
 
@@ -109,29 +112,8 @@ def reshard(local: jax.Array, src: RaggedShard, dst: RaggedShard, *, axis: Axis)
     if tuple(local.shape) != (src.max_local_size,):
         raise ValueError(f"reshard: local piece has shape {tuple(local.shape)}, expected ({src.max_local_size},).")
     _check_devices(src, axis, "reshard")
-    m = src.num_devices
-    overlap = src.overlap(dst)  # [s][d] = global [lo, hi)
-    width = max(1, max(hi - lo for row in overlap for lo, hi in row))
-    send_start = [[lo - src.starts[s] for lo, _ in row] for s, row in enumerate(overlap)]
-    send_len = [[hi - lo for lo, hi in row] for row in overlap]
-    # Where the piece from source s starts inside device d's new local array (non-decreasing in s).
-    recv_start = [[max(0, min(overlap[s][d][0], dst.ends[d]) - dst.starts[d]) for s in range(m)] for d in range(m)]
-
-    k = jax.lax.axis_index(axis)
-    padded = jnp.pad(local, (0, width))
-    starts, lens = _table(send_start)[k], _table(send_len)[k]
-    rows = jax.vmap(lambda st: jax.lax.dynamic_slice(padded, (st,), (width,)))(starts)  # (m, width)
-    rows = jnp.where(jnp.arange(width)[None, :] < lens[:, None], rows, jnp.zeros((), local.dtype))
-    received = jax.lax.all_to_all(rows, axis, 0, 0)  # row s came from device s
-
-    size = dst.max_local_size
-    p = jnp.arange(size)
-    my_starts = _table(recv_start)[k]
-    source = jnp.clip(jnp.searchsorted(my_starts, p, side="right") - 1, 0, m - 1)
-    index = source * width + (p - my_starts[source])
-    valid = p < _table(dst.local_sizes)[k]
-    out = jnp.take(jnp.reshape(received, (-1,)), jnp.where(valid, index, 0), mode="clip")
-    return jnp.where(valid, out, jnp.zeros((), local.dtype))
+    moves = plan_moves(Placement.ragged(src), Placement.ragged(dst))
+    return all_to_all(local, moves, axis=axis, size=dst.max_local_size)
 
 
 def to_dim0(local: jax.Array, rs: RaggedShard, *, axis: Axis) -> jax.Array:

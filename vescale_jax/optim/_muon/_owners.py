@@ -1,7 +1,9 @@
 """Newton–Schulz on the owners: the device side of Muon's owner routing.
 
 :func:`route_newton_schulz` is one ``shard_map`` with at most two padded all-to-alls (there and back) around batched
-Newton–Schulz on the owners, driven by the static tables of a :class:`~vescale_jax.optim._muon._routing.Routing`.
+Newton–Schulz on the owners, driven by the static tables of a :class:`~vescale_jax.optim._muon._routing.Routing`:
+the messages are packed from Muon's own element run tables and moved by the relayout engine's
+:func:`~vescale_jax.relayout._execute.exchange_messages`.
 
 Memory: every gather (the outgoing messages, the work arrays of each shape class, each bucket's result) is a loop over
 chunks reading the pieces where they lie (:func:`~vescale_jax.optim._muon._runs.run_gather`): no index array, no
@@ -23,6 +25,7 @@ import numpy as np
 from vescale_jax.layout._plan import Plan
 from vescale_jax.optim._muon._routing import Routing
 from vescale_jax.optim._muon._runs import run_gather
+from vescale_jax.relayout._execute import exchange_messages
 
 __all__ = ["route_newton_schulz"]
 
@@ -87,8 +90,7 @@ def route_newton_schulz(
         rows = []
         for d in range(m):
             rows.append(run_gather(lookups[name], k, d * w, w, sources, dtype, after=rows[-1] if rows else first))
-        got = jax.lax.all_to_all(jnp.stack(rows), axis, 0, 0, tiled=False)
-        return [got[d] for d in range(m)]
+        return exchange_messages(rows, axis=axis)
 
     def local(*args):
         shards, ops = args[: len(args) - n_ops], args[len(args) - n_ops :]
