@@ -9,10 +9,11 @@ Per block ``scale = max|x|`` (fp32); per element ``y = x / scale`` (fp32, ``scal
 ``code`` = the nearest level (``jnp.searchsorted`` on the fp32 midpoints, ``side="left"``: a value exactly on a
 midpoint takes the lower level), and ``x' = table[code] * scale``. The zero byte decodes to 0.0.
 
-**Blocks** (:mod:`vescale_jax.optim._adam8bit._blocks`). A floating leaf with at least two dims and at least
-``min_size`` elements (per layer, for a stacked leaf) is quantized in logical ``block[0] × block[1]`` tiles of
-its last two dims, per leading index, edge tiles partial, found from each element's storage position with
-``vescale_jax.layout._tiles.coords``, so row-major (``vj.rows``) and tile-major (``vj.tiles``) layouts both work.
+**Blocks** (the layout's block index, :mod:`vescale_jax.layout._blocks`, shared with the FP8 gather). A
+floating leaf with at least two dims and at least ``min_size`` elements (per layer, for a stacked leaf) is
+quantized in logical ``block[0] × block[1]`` tiles of its last two dims, per leading index, edge tiles partial,
+found from each element's storage position with ``vescale_jax.layout._tiles.coords``, so row-major
+(``vj.rows``) and tile-major (``vj.tiles``) layouts both work.
 Every other floating leaf — vectors (biases, norms) and small matrices, where a block would be most of the
 leaf and the scales would cost as much as the codes save — keeps *exact* fp32 moments: each element is its
 own block, ``scale = |x|`` and the code is the level ``±1.0``, exact because ``x / |x| = ±1`` and
@@ -50,8 +51,9 @@ import optax
 from vescale_jax import quant
 from vescale_jax._cache import plan_cache
 from vescale_jax.layout import _tp as _tp
+from vescale_jax.layout._blocks import BucketBlocks, local_slots
 from vescale_jax.layout._plan import Plan
-from vescale_jax.optim._adam8bit._blocks import BucketBlocks, build, local_slots
+from vescale_jax.optim._adam8bit._blocks import build
 from vescale_jax.optim._leaf_tables import check_sharded, is_placeholder, place_state
 from vescale_jax.optim._masks import MaskOrFn, add_decayed_weights
 from vescale_jax.optim._per_plan import per_plan
@@ -173,17 +175,11 @@ class ScaleLayout:
 def _scale_entries(plan: Plan, bucket: int, block: tuple[int, int], min_size: int):
     """``[(key, logical shape, global value index of each logical scale)]`` of one bucket's leaves."""
     t = build(plan, block, min_size)[bucket]
-    m, layers, nb = plan.num_devices, t.layers, t.nb
+    layers, nb = t.layers, t.nb
     out = []
     for j, lb in enumerate(t.leaves):
-        where = np.full(lb.num_blocks, -1, np.int64)  # block number -> local slot base + device offset
-        for k in range(m):
-            for r in np.flatnonzero((t.kind[k] == j) & (t.starts[k] < t.ends[k])):
-                f, c = int(t.first[k, r]), int(t.counts[k, r])
-                where[f : f + c] = k * layers * nb + int(t.base[k, r]) + np.arange(c)
-        logical = np.empty_like(where)
-        logical[lb.logical_of_numbers()] = where
-        assert np.all(logical >= 0), "ScaleLayout: a block without a slot"
+        device, slot = t.placement(j)  # of each logical block
+        logical = device * layers * nb + slot
         index = logical[None] + nb * np.arange(layers, dtype=np.int64)[:, None]  # (L, blocks)
         spec = plan.leaves[lb.leaf]
         shape = lb.grid if plan.buckets[bucket].layers is None else (layers, *lb.grid)
@@ -199,7 +195,7 @@ def _group_size(layout: ScaleLayout) -> int:
 
 def _grid_dims(layout: ScaleLayout) -> dict[str, tuple[tuple[str, ...], ...]]:
     """Per entry of a grouped bucket: the TP/EP axes of each dim of its scale grid, the leaf's (its shards'
-    split dims are block multiples: :func:`vescale_jax.optim._adam8bit._blocks.build` checks it)."""
+    split dims are block multiples: :func:`vescale_jax.layout._blocks.block_index` checks it)."""
     plan = layout.plan
     t = build(plan, layout.block, layout.min_size)[layout.bucket]
     return {f"{plan.leaves[lb.leaf].path}/scales": plan.leaves[lb.leaf].tp for lb in t.leaves}
@@ -368,7 +364,7 @@ def _scale_by_adam_8bit(plan: Plan, block, min_size, *, b1, b2, eps, eps_root) -
         def local(count, grads, mu_c, mu_s, nu_c, nu_s):
             ups, out = [], ([], [], [], [])
             for b, t in enumerate(tables):
-                slots = local_slots(t, axis, plan.buckets[b].layout.shard_size)
+                slots = local_slots(t, jax.lax.axis_index(axis), plan.buckets[b].layout.shard_size, xp=jnp)
                 g = grads[b].astype(jnp.float32)
                 keep = jnp.broadcast_to(slots < t.nb, g.shape)
                 mu = _local_dequant(mu_c[b], mu_s[b], slots, t, True)
@@ -475,7 +471,7 @@ def adam_8bit_moments(state: Any) -> tuple[ShardedParams, ShardedParams]:
     def local(mu_c, mu_s, nu_c, nu_s):
         mus, nus = [], []
         for b, t in enumerate(tables):
-            slots = local_slots(t, plan.axis, plan.buckets[b].layout.shard_size)
+            slots = local_slots(t, jax.lax.axis_index(plan.axis), plan.buckets[b].layout.shard_size, xp=jnp)
             mus.append(_local_dequant(mu_c[b], mu_s[b], slots, t, True))
             nus.append(_local_dequant(nu_c[b], nu_s[b], slots, t, False))
         return tuple(mus), tuple(nus)
