@@ -1,11 +1,13 @@
 """vescale_jax.testing: collective census, memory and cost of compiled programs, and the HLO parser on snippets."""
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import make_mesh
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from vescale_jax import testing as vt
@@ -278,6 +280,169 @@ ENTRY %main (p: f32[8]) -> f32[64] {
     assert _only(vt.census(text), "all-gather").group_size == 8
     with pytest.raises(ValueError, match="group size"):
         vt.census(text.replace("replica_count=2, num_partitions=4", ""))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Replica-group forms, each parsed against the groups derived from the mesh it describes
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _axis_groups(shape, axes):
+    """The groups of devices of a mesh ``{axis: size}`` (partition ids row-major over its axes) that differ only in
+    ``axes``: one group per coordinate of the other axes, each listed row-major over ``axes`` as given."""
+    names = list(shape)
+    pid = {coords: i for i, coords in enumerate(itertools.product(*(range(shape[a]) for a in names)))}
+    others = [a for a in names if a not in axes]
+    groups = []
+    for rest in itertools.product(*(range(shape[a]) for a in others)):
+        group = []
+        for sel in itertools.product(*(range(shape[a]) for a in axes)):
+            where = dict(zip(others, rest, strict=True)) | dict(zip(axes, sel, strict=True))
+            group.append(pid[tuple(where[a] for a in names)])
+        groups.append(tuple(group))
+    return tuple(groups)
+
+
+def _listed(shape, order):
+    """The partition ids of a mesh ``{axis: size}`` listed row-major over its axes taken in ``order``."""
+    names = list(shape)
+    pid = {coords: i for i, coords in enumerate(itertools.product(*(range(shape[a]) for a in names)))}
+    listed = []
+    for coords in itertools.product(*(range(shape[a]) for a in order)):
+        where = dict(zip(order, coords, strict=True))
+        listed.append(pid[tuple(where[a] for a in names)])
+    return listed
+
+
+def _braces(groups):
+    return "{" + ",".join("{" + ",".join(map(str, g)) + "}" for g in groups) + "}"
+
+
+MESH_AB = {"a": 2, "b": 4}
+MESH_XYZ = {"x": 2, "y": 2, "z": 2}
+
+
+def _check_form(attrs, expected, num_devices=None):
+    # Each group's order is the collective's device order; the order of the groups themselves carries no meaning.
+    assert sorted(vt.parse_replica_groups(attrs, num_devices)) == sorted(expected)
+    assert vt.parse_replica_group_size(attrs, num_devices) == len(expected[0])
+
+
+@pytest.mark.parametrize("axes", [("a",), ("b",), ("b", "a")])
+def test_replica_groups_explicit_form(axes):
+    expected = _axis_groups(MESH_AB, axes)
+    _check_form(f"channel_id=1, replica_groups={_braces(expected)}, dimensions={{0}}", expected)
+
+
+def test_replica_groups_empty_form_is_one_group_of_every_device():
+    _check_form("replica_groups={}, dimensions={0}", _axis_groups({"d": 8}, ("d",)), num_devices=8)
+    _check_form("replica_groups={}, to_apply=%add", _axis_groups({"d": 3}, ("d",)), num_devices=3)
+    assert vt.parse_replica_groups("replica_groups={}, dimensions={0}") is None
+
+
+def test_replica_groups_iota_form():
+    # [groups, group_size]<=[n]: consecutive ids, i.e. the inner axis of a groups x group_size mesh.
+    _check_form("replica_groups=[2,4]<=[8], dimensions={0}", _axis_groups(MESH_AB, ("b",)))
+    _check_form("replica_groups=[1,8]<=[8]", _axis_groups(MESH_AB, ("a", "b")))
+    _check_form("replica_groups=[8,1]<=[8]", _axis_groups(MESH_AB, ()))
+
+
+def test_replica_groups_transposed_iota_form():
+    # The iota over the 2x4 mesh's (a, b) transposed to (b, a): groups over a.
+    _check_form("replica_groups=[4,2]<=[2,4]T(1,0), use_global_device_ids=true", _axis_groups(MESH_AB, ("a",)))
+    # Over (x, y, z) transposed to (x, z, y): groups over y (printed by JAX 0.10 for a reshard on a 2-D mesh).
+    _check_form("replica_groups=[4,2]<=[2,2,2]T(0,2,1), dimensions={0}", _axis_groups(MESH_XYZ, ("y",)))
+    # Transposed to (y, z, x), grouping the last two: groups over (z, x) in that order.
+    _check_form("replica_groups=[2,4]<=[2,2,2]T(1,2,0)", _axis_groups(MESH_XYZ, ("z", "x")))
+
+
+@pytest.mark.parametrize("axes", [("a",), ("b",), ("a", "b"), ()])
+def test_replica_groups_mesh_form(axes):
+    named = ",".join(f"'{a}'" for a in axes)
+    _check_form(
+        f"replica_groups=mesh['a'=2,'b'=4] {{{named}}}, use_global_device_ids=true", _axis_groups(MESH_AB, axes)
+    )
+    unquoted = ",".join(axes)
+    _check_form(f"replica_groups=mesh[a=2,b=4] {{{unquoted}}}, dimensions={{0}}", _axis_groups(MESH_AB, axes))
+
+
+@pytest.mark.parametrize(("axis", "mesh_axis"), [("axis_0", "b"), ("axis_2", "a")])
+def test_replica_groups_mesh_form_with_device_ids(axis, mesh_axis):
+    # The partitioner's 4x1x2 mesh lists the devices of the 2x4 mesh (a, b) in (b, a) order: axis_0 is b, axis_2
+    # is a. As JAX 0.10 prints it for a reshard from P('a', 'b') to P('b', None): the iota [2,4]T(1,0).
+    expected = _axis_groups(MESH_AB, (mesh_axis,))
+    mesh = "mesh['axis_0'=4,'axis_1'=1,'axis_2'=2]"
+    _check_form(f"replica_groups={mesh}, device_ids=([2,4]T(1,0)) {{'{axis}'}}, metadata={{op_name=\"x\"}}", expected)
+    listed = ",".join(map(str, _listed(MESH_AB, ("b", "a"))))
+    _check_form(f"replica_groups={mesh}, device_ids=({listed}) {{'{axis}'}}, dimensions={{0}}", expected)
+
+
+@pytest.mark.parametrize(
+    ("axes", "mesh_axes"),
+    [
+        ("'axis_0':(2)2", ("z",)),
+        ("'axis_0':(1)2", ("x",)),
+        ("'axis_1'", ("y",)),
+        ("'axis_1','axis_0':(2)2", ("y", "z")),
+    ],
+)
+def test_replica_groups_mesh_form_with_sub_axes(axes, mesh_axes):
+    # A 4x2 mesh listing the 2x2x2 mesh (x, y, z) in (x, z, y) order: axis_0 is (x, z), its sub-axis (1)2 is x and
+    # (2)2 is z; axis_1 is y.
+    attrs = f"replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,2,2]T(0,2,1)) {{{axes}}}, dimensions={{0}}"
+    _check_form(attrs, _axis_groups(MESH_XYZ, mesh_axes))
+    # Sub-axes of one axis (8 = p x q x r), named minor first.
+    _check_form("replica_groups=mesh['x'=8] {'x':(4)2,'x':(1)2}", _axis_groups({"p": 2, "q": 2, "r": 2}, ("r", "p")))
+
+
+def test_malformed_mesh_forms_raise_naming_the_form():
+    with pytest.raises(ValueError, match="device_ids"):
+        vt.parse_replica_groups("replica_groups=mesh['a'=2,'b'=4], device_ids=([2,2]T(1,0)) {'a'}")
+    with pytest.raises(ValueError, match="overlap"):
+        vt.parse_replica_groups("replica_groups=mesh['x'=8] {'x':(1)4,'x':(2)4}")
+    with pytest.raises(ValueError, match="does not divide"):
+        vt.parse_replica_groups("replica_groups=mesh['x'=8] {'x':(2)3}")
+
+
+def _programs(mesh):
+    """Programs compiled over the 2x4 mesh (a, b), each with the mesh axes (in group order) of its collectives."""
+    x = jnp.arange(16 * 32, dtype=jnp.float32).reshape(16, 32)
+    w = jnp.ones((32, 8), jnp.float32)
+    ab, b_ = NamedSharding(mesh, P("a", "b")), NamedSharding(mesh, P("b", None))
+
+    def smap(f):
+        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(("a", "b")), out_specs=P(("a", "b")))).lower(x[0])
+
+    def reshard(spec):
+        return jax.jit(lambda v: v * 2, in_shardings=ab, out_shardings=NamedSharding(mesh, spec)).lower(x)
+
+    return {
+        "shard_map psum over a": (smap(lambda v: jax.lax.psum(v, "a")), [("a",)]),
+        "shard_map all_gather over b": (smap(lambda v: jax.lax.all_gather(v, "b", tiled=True)), [("b",)]),
+        "shard_map all_gather over (b, a)": (
+            smap(lambda v: jax.lax.all_gather(v, ("b", "a"), tiled=True)),
+            [("b", "a")],
+        ),
+        # Rows a -> gathered, then columns b traded for rows b.
+        "jit P(a, b) -> P(b, None)": (reshard(P("b", None)), [("a",), ("b",)]),
+        "jit P(a, b) -> P(None, None)": (reshard(P(None, None)), [("a",), ("b",)]),
+        # The contraction over b sums partials over b, the total over rows sums over a.
+        "jit sum(x @ w)": (jax.jit(lambda u, v: (u @ v).sum(), in_shardings=(ab, b_)).lower(x, w), [("a",), ("b",)]),
+    }
+
+
+def test_replica_groups_of_compiled_programs_match_the_mesh():
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices")
+    # Devices in a permuted order: replica-group ids are positions in mesh.devices.flat, not device ids.
+    devices = np.array(jax.devices()[:8])[[0, 2, 4, 6, 1, 3, 5, 7]].reshape(2, 4)
+    mesh = jax.sharding.Mesh(devices, ("a", "b"))
+    for name, (lowered, axes) in _programs(mesh).items():
+        ops = [op for op in vt.census(lowered.compile()).ops if op.kind != "collective-permute"]
+        parsed = sorted(tuple(sorted(op.replica_groups)) for op in ops)
+        expected = sorted(tuple(sorted(_axis_groups(dict(mesh.shape), a))) for a in axes)
+        assert parsed == expected, (name, [op.name for op in ops])
+        assert [op.group_size for op in ops] == [len(g[0]) for g in (op.replica_groups for op in ops)], name
 
 
 @pytest.mark.parametrize(

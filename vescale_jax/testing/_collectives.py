@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 
@@ -17,101 +18,83 @@ KINDS: tuple[str, ...] = ("all-gather", "reduce-scatter", "all-reduce", "all-to-
 
 _IOTA_GROUPS = re.compile(r"replica_groups=\[([\d,\s]+)\]<=\[([\d,\s]+)\](?:T\(([\d,\s]+)\))?")
 _EXPLICIT_GROUPS = re.compile(r"replica_groups=\{(.*?)\}(?=,\s*[a-z_]+=|\s*$)")
-# XLA's mesh-axes form (JAX 0.11): mesh['a'=2,'b'=4] {'a'}, optionally with ", device_ids=(...)" after the mesh
-# and sub-axes written 'a':(pre_size)size.
+# XLA's mesh-axes form: mesh['a'=2,'b'=4] {'a'}, optionally with ", device_ids=(...)" after the mesh (an iota
+# [2,4]T(1,0) or explicit ids) and sub-axes written 'a':(pre_size)size.
 _MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\((.*?)\))?\s*\{([^}]*)\}")
 _MESH_AXIS = re.compile(r"^'?([^'=:]+?)'?(?::\((\d+)\)(\d+))?$")
+# The iota device list of the mesh form: reshape dims, then an optional transpose (as in a tile assignment).
+_IOTA_IDS = re.compile(r"(?:\[[\d,\s]*\]<=)?\[([\d,\s]+)\](?:T\(([\d,\s]+)\))?")
 _PAIRS = re.compile(r"source_target_pairs=\{(.*?)\}(?=,\s*[a-z_]+=|\s*$)")
-
-
-def _mesh_group_size(mesh: str, axes: str) -> int:
-    sizes = {}
-    for entry in _split_top(mesh):
-        name, _, size = entry.rpartition("=")
-        sizes[name.strip().strip("'")] = int(size)
-    g = 1
-    for axis in _split_top(axes):
-        m = _MESH_AXIS.match(axis)
-        if m is None or (m.group(3) is None and m.group(1) not in sizes):
-            raise ValueError(f"cannot parse mesh axis {axis!r} of replica_groups=mesh[{mesh}] {{{axes}}}")
-        g *= int(m.group(3)) if m.group(3) is not None else sizes[m.group(1)]
-    return g
-
-
-def parse_replica_group_size(attrs: str, num_devices: int | None = None) -> int | None:
-    """The size of the (first) replica group named in an HLO instruction's attributes.
-
-    Args:
-        attrs: the instruction text after the operands, containing ``replica_groups=...`` in the explicit form
-            ``{{0,1,2},{3,4,5}}``, the iota form ``[2,4]<=[8]`` / ``[4,2]<=[2,4]T(1,0)`` (shape
-            ``[groups, group_size]``) or the mesh-axes form of newer XLA, ``mesh['a'=2,'b'=4] {'a'}`` (product of
-            the named axes' sizes; a sub-axis ``'a':(1)2`` counts its own size).
-        num_devices: the group size to use for an empty ``replica_groups={}`` (all devices).
-
-    Returns:
-        The group size, or ``num_devices`` when the groups are empty or absent.
-
-    Raises:
-        ValueError: for a ``replica_groups=`` value in none of these forms.
-    """
-    m = _MESH_GROUPS.search(attrs)
-    if m:
-        return _mesh_group_size(m.group(1), m.group(3))
-    m = _IOTA_GROUPS.search(attrs)
-    if m:
-        dims = [int(d) for d in m.group(1).split(",") if d.strip()]
-        return dims[-1]
-    m = _EXPLICIT_GROUPS.search(attrs)
-    if m:
-        groups = re.findall(r"\{([^{}]*)\}", m.group(1))
-        if groups:
-            return len([d for d in groups[0].split(",") if d.strip()])
-        if m.group(1).strip():
-            raise ValueError(f"cannot parse replica_groups in {attrs[:200]!r}")
-        return num_devices
-    if "replica_groups=" in attrs:
-        raise ValueError(f"unrecognised replica_groups form in {attrs[:200]!r}")
-    return num_devices
 
 
 def _ints(text: str) -> list[int]:
     return [int(d) for d in re.findall(r"\d+", text)]
 
 
-def _mesh_groups(mesh: str, device_ids: str | None, axes: str) -> tuple[tuple[int, ...], ...] | None:
-    """The explicit groups of the mesh-axes form: the devices (``device_ids`` laid over the mesh, else an iota)
-    that differ only in the named axes (or sub-axes), each group in row-major order over them."""
+def _iota(dims: list[int], perm: list[int] | None) -> np.ndarray:
+    """``arange(prod(dims))`` reshaped to ``dims``, transposed by ``perm``, flattened."""
+    ids = np.arange(math.prod(dims), dtype=np.int64).reshape(dims)
+    return (np.transpose(ids, perm) if perm else ids).reshape(-1)
+
+
+def _mesh_device_ids(text: str | None, total: int, where: str) -> np.ndarray:
+    """The device ids of the mesh form in mesh (row-major) order: an iota when ``device_ids`` is absent or written
+    ``[dims]T(perm)`` (reshape dims, optional transpose), else the explicit ids listed."""
+    if not text:
+        return np.arange(total, dtype=np.int64)
+    m = _IOTA_IDS.fullmatch(text.strip())
+    if m and math.prod(_ints(m.group(1))) == total:
+        # An explicit list is a permutation of 0..total-1, so it holds a 0 and never has that product.
+        ids = _iota(_ints(m.group(1)), _ints(m.group(2)) if m.group(2) else None)
+    else:
+        ids = np.asarray(_ints(text), np.int64)
+    if ids.size != total or sorted(ids.tolist()) != list(range(total)):
+        raise ValueError(
+            f"{where}: device_ids=({text}) lists {ids.size} ids, not a permutation of the mesh's {total} devices"
+        )
+    return ids
+
+
+def _mesh_groups(mesh: str, device_ids: str | None, axes: str) -> tuple[tuple[int, ...], ...]:
+    """The explicit groups of the mesh-axes form: the devices (``device_ids`` laid over the mesh) that differ only
+    in the named axes or sub-axes, each group in row-major order over the axes as listed."""
+    where = f"replica_groups=mesh[{mesh}]" + (f", device_ids=({device_ids})" if device_ids else "") + f" {{{axes}}}"
     names, sizes = [], []
     for entry in _split_top(mesh):
         name, _, size = entry.rpartition("=")
         names.append(name.strip().strip("'"))
         sizes.append(int(size))
-    total = math.prod(sizes)
-    ids = np.asarray(_ints(device_ids), np.int64) if device_ids else np.arange(total, dtype=np.int64)
-    if ids.size != total:
-        raise ValueError(f"replica_groups=mesh[{mesh}]: device_ids has {ids.size} entries, the mesh {total}")
-    # Each mesh axis as its factors; a sub-axis 'a':(pre)size splits its axis into (pre, size, rest).
-    factors: list[list[tuple[str, int]]] = [[(n, s)] for n, s in zip(names, sizes, strict=True)]
-    chosen: list[str] = []
+    ids = _mesh_device_ids(device_ids, math.prod(sizes), where)
+    # The named (sub-)axes as (mesh axis, pre-size, size); a whole axis is its own sub-axis (1)size.
+    chosen: list[tuple[int, int, int]] = []
     for axis in _split_top(axes):
         m = _MESH_AXIS.match(axis)
         if m is None or m.group(1) not in names:
-            raise ValueError(f"cannot parse mesh axis {axis!r} of replica_groups=mesh[{mesh}] {{{axes}}}")
+            raise ValueError(f"cannot parse mesh axis {axis!r} of {where}")
         i = names.index(m.group(1))
-        if m.group(3) is None:
-            chosen.append(m.group(1))
-            continue
-        pre, size = int(m.group(2)), int(m.group(3))
-        if len(factors[i]) != 1 or sizes[i] % (pre * size):
-            return None  # several sub-axes of one axis: the size is known, the groups are not parsed
-        label = f"{m.group(1)}:({pre}){size}"
-        factors[i] = [(f"{m.group(1)}:pre", pre), (label, size), (f"{m.group(1)}:post", sizes[i] // (pre * size))]
-        chosen.append(label)
-    flat = [f for fs in factors for f in fs]
-    grid = ids.reshape([s for _, s in flat])
-    keep = [j for j, (n, _) in enumerate(flat) if n not in chosen]
-    order = [next(j for j, (n, _) in enumerate(flat) if n == c) for c in chosen]
-    groups = np.transpose(grid, keep + order).reshape(-1, math.prod(flat[j][1] for j in order))
+        pre, size = (int(m.group(2)), int(m.group(3))) if m.group(3) else (1, sizes[i])
+        if sizes[i] % (pre * size):
+            raise ValueError(f"sub-axis {axis!r} of {where} does not divide its axis of size {sizes[i]}")
+        chosen.append((i, pre, size))
+    # Split every mesh axis into factors (major to minor) at the boundaries of the sub-axes named on it.
+    factors: list[tuple[int, int, int]] = []  # (mesh axis, pre-size, size)
+    for i, n in enumerate(sizes):
+        cuts = sorted({1, n} | {c for j, pre, size in chosen if j == i for c in (pre, pre * size)})
+        for lo, hi in itertools.pairwise(cuts):
+            if hi % lo:
+                raise ValueError(f"the sub-axes of {names[i]!r} in {where} overlap")
+            factors.append((i, lo, hi // lo))
+    order = [
+        f
+        for i, pre, size in chosen
+        for f, (j, lo, n) in enumerate(factors)
+        if j == i and pre <= lo and lo * n <= pre * size
+    ]
+    if len(set(order)) != len(order):
+        raise ValueError(f"the axes named in {where} overlap")
+    keep = [f for f in range(len(factors)) if f not in order]
+    grid = ids.reshape([n for _, _, n in factors])
+    groups = np.transpose(grid, keep + order).reshape(-1, math.prod(factors[f][2] for f in order))
     return tuple(tuple(int(d) for d in g) for g in groups)
 
 
@@ -119,30 +102,31 @@ def parse_replica_groups(attrs: str, num_devices: int | None = None) -> tuple[tu
     """The replica groups named in an HLO instruction's attributes, as explicit device-id tuples.
 
     Args:
-        attrs: the instruction text after the operands, with ``replica_groups=`` in the explicit form
-            ``{{0,1},{2,3}}``, the iota form ``[4,2]<=[2,4]T(1,0)`` (an iota over the bracketed dims, transposed,
-            reshaped to ``[groups, group_size]``) or the mesh-axes form ``mesh['a'=2,'b'=4] {'a'}`` (optionally
-            with ``device_ids=(...)`` and sub-axes ``'a':(pre)size``).
+        attrs: the instruction text after the operands, with ``replica_groups=`` in one of the forms XLA prints:
+            explicit ``{{0,1},{2,3}}``; empty ``{}`` (one group of all devices); iota ``[2,4]<=[8]`` or
+            ``[4,2]<=[2,4]T(1,0)`` (an iota over the bracketed dims, transposed, reshaped to
+            ``[groups, group_size]``); or mesh-axes ``mesh['a'=2,'b'=4] {'a'}``, optionally with
+            ``device_ids=(...)`` after the mesh (an iota ``[2,4]T(1,0)`` or explicit ids, listing the devices in
+            mesh order) and sub-axes ``'a':(pre_size)size`` (the factor of ``'a'`` after ``pre_size`` major ones).
         num_devices: the device count an empty ``replica_groups={}`` stands for (one group of all devices).
 
     Returns:
-        One tuple of device ids per group, in the order XLA lists them, or ``None`` when the attributes hold no
-        replica groups (or only an empty form and no ``num_devices``), or name several sub-axes of one mesh axis.
-        In SPMD programs the ids are partition ids: positions in the ``mesh.devices.flat`` order of the mesh
-        the program was compiled for.
+        One tuple of device ids per group, in the order XLA lists them (for the mesh form: row-major over the
+        axes not named, each group row-major over the named ones), or ``None`` when the attributes hold no
+        replica groups (or only an empty form and no ``num_devices``). In SPMD programs the ids are partition
+        ids: positions in the ``mesh.devices.flat`` order of the mesh the program was compiled for.
 
     Raises:
-        ValueError: for a ``replica_groups=`` value in none of these forms.
+        ValueError: for a ``replica_groups=`` value in none of these forms, a mesh axis that is not in the mesh,
+            overlapping sub-axes, or a ``device_ids`` list that is not a permutation of the mesh's devices.
     """
     m = _MESH_GROUPS.search(attrs)
     if m:
         return _mesh_groups(m.group(1), m.group(2), m.group(3))
     m = _IOTA_GROUPS.search(attrs)
     if m:
-        shape, dims = _ints(m.group(1)), _ints(m.group(2))
-        ids = np.arange(math.prod(dims), dtype=np.int64).reshape(dims)
-        if m.group(3):
-            ids = np.transpose(ids, _ints(m.group(3)))
+        shape = _ints(m.group(1))
+        ids = _iota(_ints(m.group(2)), _ints(m.group(3)) if m.group(3) else None)
         return tuple(tuple(int(d) for d in g) for g in ids.reshape(shape[0], -1))
     m = _EXPLICIT_GROUPS.search(attrs)
     if m:
@@ -155,6 +139,24 @@ def parse_replica_groups(attrs: str, num_devices: int | None = None) -> tuple[tu
     if "replica_groups=" in attrs:
         raise ValueError(f"unrecognised replica_groups form in {attrs[:200]!r}")
     return None if num_devices is None else (tuple(range(num_devices)),)
+
+
+def parse_replica_group_size(attrs: str, num_devices: int | None = None) -> int | None:
+    """The size of the (first) replica group named in an HLO instruction's attributes.
+
+    Args:
+        attrs: the instruction text after the operands, containing ``replica_groups=...`` in any form
+            :func:`parse_replica_groups` reads.
+        num_devices: the group size to use for an empty ``replica_groups={}`` (all devices).
+
+    Returns:
+        The group size, or ``num_devices`` when the groups are empty or absent.
+
+    Raises:
+        ValueError: for a ``replica_groups=`` value :func:`parse_replica_groups` cannot read.
+    """
+    groups = parse_replica_groups(attrs, num_devices)
+    return len(groups[0]) if groups else num_devices
 
 
 def wire_bytes(kind: str, result_bytes: float, group_size: int) -> float:
