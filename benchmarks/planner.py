@@ -9,13 +9,14 @@ parameters (offsets and ``S`` aligned to 16 bytes = 8 elements):
   :func:`vescale_jax.plan_bucket`. Every layout is also verified with ``BucketLayout.check()``.
 * **forced**: the same fraction for a lower bound ``S_lb`` on the optimal ``S`` of each bucket: the smallest
   ``S >= max(ceil(numel/m), largest block)`` that is a multiple of the alignment and of the block of every
-  tensor longer than ``2S`` (``vescale_jax.layout._planner._Candidates``). No planner can pad less than this.
+  tensor longer than ``2S`` (such a tensor crosses two shard boundaries, so both lie on its block grid;
+  :func:`forced_shard_size`). No planner can pad less than this.
 * **FSDP2 dim-0**: padding of even dim-0 sharding (each tensor's dim 0, or its only dim, padded up to a
   multiple of ``m``; no alignment), over the whole model.
 * **max load / mean**: the largest, over buckets, of ``max(device load) / (numel/m)``, where a device's load
   is the real (non-padding) elements it owns (1.000 is perfect balance).
 * **time**: wall time (``time.perf_counter``) to plan every bucket of the model with a cold planner cache
-  (``_plan_bucket_cached.cache_clear()`` first), best of 3. Identical layers hit the planner's LRU cache
+  (``vj.plan_bucket.cache_clear()`` first), best of 3. Identical layers hit the planner's LRU cache
   inside one run; that deduplication is part of the measured time.
 
 Run from the repository root::
@@ -46,7 +47,6 @@ import numpy as np
 from model_configs import MODELS, Shape, buckets
 
 import vescale_jax as vj
-from vescale_jax.layout._planner import _Candidates, _plan_bucket_cached
 
 DEVICE_COUNTS = (8, 64, 256, 1024)
 QUICK_DEVICE_COUNTS = (8, 256)
@@ -120,10 +120,22 @@ def bucket_inputs(model: str, k: int) -> list[BucketInput]:
 
 
 def forced_shard_size(b: BucketInput, m: int) -> int:
-    """``S_lb``: a lower bound on the optimal shard size of bucket ``b`` on ``m`` devices."""
+    """``S_lb``: a lower bound on the optimal shard size of bucket ``b`` on ``m`` devices.
+
+    The smallest ``S >= max(ceil(numel/m), largest block)`` that is a multiple of ``ALIGN`` and of the block of
+    every tensor longer than ``2S``. Raising ``S`` only drops tensors from that set, so the search walks up: the
+    tensors constraining ``S`` stay the same until ``2S`` reaches the shortest of them.
+    """
     clamped = [min(blk, max(n, 1)) for n, blk in zip(b.sizes, b.blocks, strict=True)]
-    lower = max(-(-sum(b.sizes) // m), max(clamped))
-    return _Candidates(b.sizes, clamped, ALIGN).next(lower)
+    s = max(-(-sum(b.sizes) // m), max(clamped))
+    while True:
+        longer = [(n, blk) for n, blk in zip(b.sizes, clamped, strict=True) if n > 2 * s]
+        step = math.lcm(ALIGN, *(blk for _, blk in longer))
+        candidate = -(-s // step) * step
+        release = min((n // 2 + (n % 2) for n, _ in longer), default=math.inf)  # the least S with 2S >= n
+        if candidate < release:
+            return candidate
+        s = release
 
 
 def fsdp2_padded(shape: Shape, m: int) -> int:
@@ -139,11 +151,11 @@ def plan_model(inputs: list[BucketInput], m: int) -> tuple[list[vj.BucketLayout]
     best = math.inf
     layouts: list[vj.BucketLayout] = []
     for _ in range(REPEATS):
-        _plan_bucket_cached.cache_clear()
+        vj.plan_bucket.cache_clear()
         t0 = time.perf_counter()
         layouts = [vj.plan_bucket(b.sizes, b.blocks, m, align=ALIGN) for b in inputs]
         best = min(best, time.perf_counter() - t0)
-    _plan_bucket_cached.cache_clear()
+    vj.plan_bucket.cache_clear()
     return layouts, best
 
 

@@ -42,8 +42,6 @@ from jax.sharding import PartitionSpec as P
 
 import vescale_jax as vj
 from vescale_jax import testing
-from vescale_jax.layout._paths import default_unit
-from vescale_jax.state._sharded import PerDevice
 
 M, BLOCK, BOUND = 8, 128, 1.25
 MAIN = {"D": 1024, "F": 4096, "V": 8192, "L": 4}
@@ -78,7 +76,7 @@ def model(D: int, F: int, V: int, L: int) -> dict:
 
 def units(path, leaf) -> str:
     """Default units, with leaves of per-layer rank < 2 moved to their own (stacked) unit."""
-    u = default_unit(path, leaf)
+    u = vj.default_unit(path, leaf)
     return u if len(leaf.shape) - (u == "layers") >= 2 else u + "_vectors"
 
 
@@ -97,23 +95,23 @@ def abstract_params(plan):
 
 
 def place_state(shapes, plan):
-    """The shardings ``vj.init_opt_state`` gives: bucket-shaped leaves like their bucket, PerDevice on dim 0,
+    """The shardings ``vj.init_opt_state`` gives: bucket-shaped leaves like their bucket, vj.PerDevice on dim 0,
     the rest replicated."""
     by_shape = {tuple(b.shape): s for b, s in zip(plan.buckets, plan.shardings(), strict=True)}
     rep, per_dev = NamedSharding(plan.mesh, P()), NamedSharding(plan.mesh, P(plan.axis))
 
     def one(x):
-        if isinstance(x, PerDevice):
+        if isinstance(x, vj.PerDevice):
             v = x.value
             return x.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=per_dev))
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=by_shape.get(tuple(x.shape), rep))
 
-    return jax.tree.map(one, shapes, is_leaf=lambda x: isinstance(x, PerDevice))
+    return jax.tree.map(one, shapes, is_leaf=lambda x: isinstance(x, vj.PerDevice))
 
 
 def bytes_per_device(tree) -> int:
-    leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, PerDevice))
-    leaves = [x.value if isinstance(x, PerDevice) else x for x in leaves]
+    leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, vj.PerDevice))
+    leaves = [x.value if isinstance(x, vj.PerDevice) else x for x in leaves]
     return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize for x in leaves)
 
 

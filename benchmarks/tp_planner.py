@@ -18,7 +18,7 @@ mode (``"auto"``, ``vj.plan``'s default, and ``"none"``: one bucket per layer an
 * **ragged**: the layout ``vj.plan`` builds: leaves grouped into buckets by ``(unit, dtype, group axes)`` (a
   bucket never mixes expert-split and replicated leaves; one unit per layer, embed / final_norm / lm_head
   their own), cut by ``split``, each bucket laid out by :func:`vescale_jax.plan_bucket` on its leaves'
-  TP/EP-local shapes (:func:`vescale_jax.layout._tp.local_shape`) over the ``fsdp`` size. Padding over the whole model
+  TP/EP-local shapes (:func:`local_shape`) over the ``fsdp`` size. Padding over the whole model
   (a grouped bucket counts its ``G`` group copies, a replicated leaf once, as ``Plan.padding_fraction``) and
   over the TP/EP-split leaves alone (the experts; Llama's split matrices): those leaves planned by themselves,
   which for the TP/EP configurations are exactly their buckets in the whole plan (checked). **S/device** is
@@ -69,8 +69,6 @@ sys.path.insert(0, HERE)
 from model_configs import buckets  # noqa: E402
 
 import vescale_jax as vj  # noqa: E402
-from vescale_jax.layout._planner import _plan_bucket_cached  # noqa: E402
-from vescale_jax.layout._tp import DimAxes, group_axes, local_shape, normalize  # noqa: E402
 
 P = jax.sharding.PartitionSpec
 DTYPE = np.dtype(jax.numpy.bfloat16)
@@ -151,12 +149,42 @@ def configs() -> list[Config]:
 
 # ------------------------------------------------------------------------------------- the tree and its grouping
 
+DimAxes = tuple[tuple[str, ...], ...]  # per dim of a leaf the TP/EP axes it is split over; () when none is split
+
+
+def split_dims(spec: P | None, shape: tuple[int, ...], sizes: dict[str, int], path: str) -> DimAxes:
+    """Per dim the mesh axes ``spec`` splits it over, ``fsdp`` left out (the ragged layout owns it), as
+    ``LeafSpec.tp`` holds them; ``()`` for a leaf with no split dim. Checks that each split dim divides."""
+    if spec is None:
+        return ()
+    dims = []
+    for d, entry in enumerate(tuple(spec) + (None,) * (len(shape) - len(spec))):
+        axes = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+        axes = tuple(a for a in axes if a != "fsdp")
+        if shape[d] % math.prod(sizes[a] for a in axes):
+            raise ValueError(f"{path}: dim {d} of shape {shape} does not split over {axes} ({spec})")
+        dims.append(axes)
+    return tuple(dims) if any(dims) else ()
+
+
+def local_shape(shape: tuple[int, ...], dims: DimAxes, sizes: dict[str, int]) -> tuple[int, ...]:
+    """The shape of one TP/EP shard of a leaf (``LeafSpec.local``)."""
+    if not dims:
+        return shape
+    return tuple(n // math.prod(sizes[a] for a in axes) for n, axes in zip(shape, dims, strict=True))
+
+
+def split_axes(dims: DimAxes, order: Sequence[str]) -> tuple[str, ...]:
+    """The mesh axes a leaf is split over, in mesh order: its bucket's group axes (``Bucket.groups``)."""
+    used = {a for axes in dims for a in axes}
+    return tuple(a for a in order if a in used)
+
 
 @dataclasses.dataclass(frozen=True)
 class Leaf:
     """One parameter as ``vj.plan`` sees it (in the tree's flattening order)."""
 
-    path: str  # "unit/param" as vescale_jax.layout._plan.path_str writes it
+    path: str  # "unit/param" as vj.plan_path writes it
     unit: str
     shape: tuple[int, ...]
     dims: DimAxes  # per dim the TP/EP axes (``()``: not split)
@@ -179,7 +207,7 @@ def leaves_of(tree: dict, cfg: Config) -> list[Leaf]:
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         unit, name = path[0].key, path[1].key
         spec = cfg.spec(name, tuple(leaf.shape)) if cfg.group_size > 1 else None
-        dims = normalize(spec, tuple(leaf.shape), sizes, drop=("fsdp",), path=f"{unit}/{name}", stacked=False)
+        dims = split_dims(spec, tuple(leaf.shape), sizes, f"{unit}/{name}")
         split = cfg.spec(name, tuple(leaf.shape)) is not None
         out.append(Leaf(f"{unit}/{name}", unit, tuple(leaf.shape), dims, local_shape(leaf.shape, dims, sizes), split))
     return out
@@ -224,7 +252,7 @@ def group_buckets(leaves: Sequence[Leaf], cfg: Config, gran: vj.Granularity, spl
     sizes = dict(cfg.mesh_axes)
     groups: dict[tuple[str, tuple[str, ...]], list[int]] = {}
     for i, leaf in enumerate(leaves):
-        groups.setdefault((leaf.unit, group_axes(leaf.dims, order)), []).append(i)
+        groups.setdefault((leaf.unit, split_axes(leaf.dims, order)), []).append(i)
     out = []
     for (unit, on), idx in groups.items():
         parts = [("", idx, _lay(leaves, idx, gran, cfg.fsdp))]
@@ -318,12 +346,12 @@ def time_plan_bucket(bs: Sequence[PlannedBucket]) -> float:
     inputs = [(b.layout.sizes, b.layout.blocks, b.layout.num_devices) for b in bs]
     best = math.inf
     for _ in range(REPEATS):
-        _plan_bucket_cached.cache_clear()
+        vj.plan_bucket.cache_clear()
         t0 = time.perf_counter()
         for sizes, blocks, m in inputs:
             vj.plan_bucket(sizes, blocks, m, align=ALIGN)
         best = min(best, time.perf_counter() - t0)
-    _plan_bucket_cached.cache_clear()
+    vj.plan_bucket.cache_clear()
     return best
 
 
@@ -373,7 +401,7 @@ def measure(cfg: Config, gran_name: str, split: str, *, check_plan: bool = True)
     plan_seconds = plan_matches = None
     mesh = make_mesh(cfg) if check_plan else None
     if mesh is not None:
-        _plan_bucket_cached.cache_clear()
+        vj.plan_bucket.cache_clear()
         t0 = time.perf_counter()
         plan = vj.plan(tree, mesh, tp=tp_tree(tree, cfg), granularity=gran, split=split)
         plan_seconds = time.perf_counter() - t0

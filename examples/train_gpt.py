@@ -49,7 +49,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt import GPTConfig, abstract_model, init_params, loss_fn, muon_dimension_numbers
 
 import vescale_jax as vj
-from vescale_jax.layout._paths import default_unit
 
 
 def stdlib_text(max_bytes: int) -> np.ndarray:
@@ -78,10 +77,10 @@ def shampoo_plan(shapes, mesh, block: int, stacked: str = "blocks") -> vj.Plan:
     """
 
     def is_matrix(path, leaf):
-        return len(leaf.shape) - (default_unit(path, leaf) == stacked) >= 2
+        return len(leaf.shape) - (vj.default_unit(path, leaf) == stacked) >= 2
 
     def units(path, leaf):
-        u = default_unit(path, leaf)
+        u = vj.default_unit(path, leaf)
         if u != stacked:
             return "top"
         return u if is_matrix(path, leaf) else u + "_vectors"

@@ -4,11 +4,12 @@
 - Granularity (:func:`element`, :func:`rows`, :func:`tiles`, :func:`whole`): how big a tensor's atomic block is;
   tile-major storage for ``tiles``.
 - :func:`plan_bucket` / :class:`BucketLayout`: the integer planner, one flat buffer of ``m·S`` elements.
-- :func:`plan` / :class:`Plan`: a pytree's leaves grouped into units and buckets, each laid out by the planner;
-  tensor / expert parallel specs split leaves first.
+- :func:`plan` / :class:`Plan`: a pytree's leaves grouped into units (by default :func:`default_unit`) and
+  buckets, each laid out by the planner; tensor / expert parallel specs split leaves first.
 """
 
 from vescale_jax.layout._granularity import Granularity, element, rows, tiles, whole
+from vescale_jax.layout._paths import default_unit
 from vescale_jax.layout._plan import Bucket, LeafSpec, Plan
 from vescale_jax.layout._planner import BucketLayout, plan_bucket
 from vescale_jax.layout._ragged import RaggedShard
@@ -21,6 +22,7 @@ __all__ = [
     "LeafSpec",
     "Plan",
     "RaggedShard",
+    "default_unit",
     "element",
     "plan",
     "plan_bucket",

@@ -27,7 +27,17 @@ def path_str(path: KeyPath) -> str:
 
 
 def default_unit(path: KeyPath, leaf: Any) -> str:
-    """One unit per top-level module; a leading Linen ``"params"`` collection key is skipped."""
+    """The unit ``vj.plan`` puts a leaf in by default: one unit per top-level module.
+
+    A ``units=`` callable can start from it, e.g. to move a unit's vectors into a unit of their own.
+
+    Args:
+      path: the leaf's key path (as ``jax.tree_util.tree_flatten_with_path`` gives it).
+      leaf: the leaf (unused; there for the ``units=`` signature).
+
+    Returns:
+      The first name of the path, or the second when the first is a Linen ``"params"`` collection key.
+    """
     names = path_str(path).split("/")
     if names[0] == "params" and len(names) > 2:
         return names[1]

@@ -437,6 +437,9 @@ def plan_bucket(
 
     Sharding:
       Device ``k`` owns ``[k*S, (k+1)*S)``; each tensor is contiguous and each of its blocks is on one device.
+
+    Layouts are cached by their arguments (identical layers are planned once); ``plan_bucket.cache_clear()``
+    empties that cache, e.g. to time planning cold.
     """
     sizes, blocks = _validate(sizes, blocks, num_devices, align)
     segs = _validate_segments(segments, sizes, blocks)
@@ -519,3 +522,7 @@ def _plan_bucket_cached(
             break
         x += 1
     return BucketLayout(sizes, blocks, tuple(offsets), s, m, a, segs)
+
+
+#: ``plan_bucket.cache_clear()``: empty the layout cache, as for a ``functools.lru_cache`` function.
+plan_bucket.cache_clear = _plan_bucket_cached.cache_clear  # type: ignore[attr-defined]
