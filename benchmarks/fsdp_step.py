@@ -20,6 +20,7 @@ and reduce-scatter wire bytes within 2 % of their ideal; no parameter-sized all-
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import platform
 import re
@@ -32,7 +33,6 @@ if "XLA_FLAGS" not in os.environ:
 import flax
 import jax
 import jax.numpy as jnp
-import jaxlib
 import numpy as np
 import optax
 from flax import nnx
@@ -46,6 +46,7 @@ import vescale_jax as vj
 from vescale_jax import testing
 
 MiB = 2**20
+JAXLIB = importlib.metadata.version("jaxlib")  # installed with jax; read from its metadata, not imported
 HLO_DTYPES = {"bf16": "bfloat16", "f16": "float16", "f32": "float32", "f64": "float64"}
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
@@ -283,7 +284,7 @@ def main(argv=None) -> int:
     lines = [
         title,
         "",
-        f"JAX {jax.__version__}, jaxlib {jaxlib.__version__}, flax {flax.__version__}, optax {optax.__version__}, "
+        f"JAX {jax.__version__}, jaxlib {JAXLIB}, flax {flax.__version__}, optax {optax.__version__}, "
         f"Python {platform.python_version()}; devices: {m} × {jax.devices()[0].platform} "
         f"({jax.devices()[0].device_kind}); CPU: {cpu_model()}.",
         "",

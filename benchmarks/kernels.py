@@ -15,6 +15,7 @@ On CPU (no accelerator) it runs the correctness check only, small sizes, interpr
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import math
 import statistics
 import sys
@@ -24,13 +25,13 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import jaxlib
 import numpy as np
 
 import vescale_jax as vj
 from vescale_jax import kernels as K
 
 CEILING_GBS = 4300.0
+JAXLIB = importlib.metadata.version("jaxlib")  # installed with jax; read from its metadata, not imported
 F32, BF16 = jnp.float32, jnp.bfloat16
 
 
@@ -208,7 +209,7 @@ def main(argv=None) -> int:
     head = [
         "# Ragged pack / unpack kernels",
         "",
-        f"JAX {jax.__version__}, jaxlib {jaxlib.__version__}, device: {dev.device_kind} ({dev.platform}). "
+        f"JAX {jax.__version__}, jaxlib {JAXLIB}, device: {dev.device_kind} ({dev.platform}). "
         + (
             f"Median of {args.runs} runs after warm-up; bytes = read + written; % of the {CEILING_GBS:.0f} GB/s "
             "copy figure (DESIGN.md §5); 'vs XLA' = XLA time / kernel time (> 1: kernel faster). "

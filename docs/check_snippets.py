@@ -1,11 +1,12 @@
-"""Runs every Python snippet of the docs and checks the output shown under it.
+"""Runs every Python snippet of the README and the docs and checks the output shown under it.
 
-Each fenced ``python`` block of ``docs/*.md`` runs on its own, in a fresh interpreter, from the repository
-root. If the next fenced block is a ``text`` block, the snippet's stdout must equal it (trailing spaces on a
-line ignored). Run from the repository root::
+Each fenced ``python`` block of ``README.md`` and ``docs/*.md`` runs on its own, in a fresh interpreter, from
+the repository root, as a user would run it from a fresh shell (``XLA_FLAGS`` unset: a snippet that needs
+simulated devices sets them itself; ``JAX_PLATFORMS=cpu``). If the next fenced block is a ``text`` block, the
+snippet's stdout must equal it (trailing spaces on a line ignored). Run from the repository root::
 
     python docs/check_snippets.py               # all pages
-    python docs/check_snippets.py docs/planner.md
+    python docs/check_snippets.py README.md docs/planner.md
 
 Exits non-zero if a snippet fails or prints something else than the page shows.
 """
@@ -23,6 +24,11 @@ ROOT = DOCS.parent
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```\n", re.S | re.M)
 
 
+def pages() -> list[Path]:
+    """The pages checked by default: the README, then every page of the docs."""
+    return [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+
+
 def blocks(page: Path) -> list[tuple[str, str, int]]:
     """``(language, body, line)`` of every fenced block of a page, in order."""
     text = page.read_text()
@@ -37,7 +43,7 @@ def check(page: Path) -> int:
     """Runs the page's snippets; returns the number of failures."""
     failures = 0
     found = blocks(page)
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
     for j, (lang, body, line) in enumerate(found):
         if lang != "python":
             continue
@@ -57,8 +63,7 @@ def check(page: Path) -> int:
 
 
 def main(argv: list[str]) -> int:
-    pages = [Path(a).resolve() for a in argv] or sorted(DOCS.glob("*.md"))
-    failures = sum(check(p) for p in pages)
+    failures = sum(check(p) for p in ([Path(a).resolve() for a in argv] or pages()))
     print(f"{failures} failure(s)")
     return 1 if failures else 0
 
