@@ -164,7 +164,15 @@ FAST: dict[str, tuple[str, ...]] = {
     "test_distributed_failures.py": ("test_missing_process_and_coordinator_are_named",),
     # Error messages.
     "test_errors.py": ("test_error_names_the_thing",),
-    "test_testing.py": ("test_replica_group_forms", "test_all_gather_count_bytes_and_wire"),
+    "test_testing.py": (
+        "test_replica_group_forms",
+        "test_all_gather_count_bytes_and_wire",
+        "test_replica_groups_mesh_form_with_device_ids",
+        "test_replica_groups_of_compiled_programs_match_the_mesh",
+    ),
+    # Dependencies match imports; the README's snippet runs as shown.
+    "test_packaging.py": ("test_the_package_imports_only_its_dependencies",),
+    "test_snippets.py": ("test_snippets_run_as_shown[README.md]",),
 }
 
 
