@@ -109,7 +109,7 @@ def test_bad_inputs_raise():
 
 
 def test_an_unparsable_live_line_is_unaccounted_not_lost():
-    from vescale_jax.testing._peak import _parse_live
+    from vescale_jax.testing._dump_live_ranges import parse_live
 
     text = """HloLiveRange (max 4):
   Live ranges at 3 (peak):
@@ -118,11 +118,11 @@ def test_an_unparsable_live_line_is_unaccounted_not_lost():
     param.2{}: 1000 bytes (cumulative: 5196 bytes)
   Stack trace breakdown for peak usage: 5196 bytes
 """
-    position, live = _parse_live(text, "x.txt")
+    position, live = parse_live(text, "x.txt")
     assert position == 3
     assert live == [("all_gather.3{}", 4096), ("<unparsed>", 100), ("param.2{}", 1000)]
     with pytest.raises(ValueError, match="peak"):
-        _parse_live("HloLiveRange (max 4):\n", "x.txt")
+        parse_live("HloLiveRange (max 4):\n", "x.txt")
 
 
 def test_a_donated_argument_updated_in_place_is_counted_once():
@@ -143,14 +143,15 @@ def test_a_donated_argument_updated_in_place_is_counted_once():
 
 
 def test_the_accounted_position_has_the_most_distinct_bytes():
-    from vescale_jax.testing._peak import _physical_peak, _Slot
+    from vescale_jax.testing._dump_buffer_assignment import Slot
+    from vescale_jax.testing._dump_live_ranges import physical_peak
 
     # t=1: a (arg, 100 B) + tmp (temp, 60 B) = 160 B distinct. t=2: a and its in-place update b share the same
     # 100 bytes (naive sum 200 B, distinct 100 B).
     ranges = {"a{}": (0, 2), "tmp{}": (1, 1), "b{}": (2, 3)}
     slots = {
-        ("a", "{}"): _Slot("argument", 0, 0, 100, 0),
-        ("b", "{}"): _Slot("argument", 0, 0, 100, 0),
-        ("tmp", "{}"): _Slot("temp", 1, 0, 60, None),
+        ("a", "{}"): Slot("argument", 0, 0, 100, 0),
+        ("b", "{}"): Slot("argument", 0, 0, 100, 0),
+        ("tmp", "{}"): Slot("temp", 1, 0, 60, None),
     }
-    assert _physical_peak(ranges, slots) == 1
+    assert physical_peak(ranges, slots) == 1
