@@ -22,7 +22,7 @@ from test_relayout import (
 )
 
 import vescale_jax as vj
-from vescale_jax.optim._state_layouts import logical_view
+from vescale_jax.optim._logical_view import logical_view
 from vescale_jax.state._sharded import ShardedParams
 
 

@@ -214,7 +214,7 @@ def test_tracers():
     assert seen == [False, True, True, True], broke(
         "is_tracer / TRACER_TYPES",
         "values inside jit / grad / vmap are jax.core.Tracer instances and concrete arrays are not",
-        "optim/_leaf_tables, optim/_state_layouts, optim/_shampoo/_transform",
+        "optim/_leaf_tables, optim/_rows_to_logical, optim/_shampoo/_transform",
     )
 
 

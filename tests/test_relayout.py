@@ -13,8 +13,9 @@ import vescale_jax as vj
 import vescale_jax.optim as vjo
 from vescale_jax import testing
 from vescale_jax.layout._paths import path_str
+from vescale_jax.optim._logical_view import logical_view, restore_logical
 from vescale_jax.optim._shampoo._transform import inverse_root
-from vescale_jax.optim._state_layouts import BlockLayout, CompactLayout, logical_view, restore_logical
+from vescale_jax.optim._state_layouts import BlockLayout, CompactLayout
 from vescale_jax.state._sharded import PerDevice, ShardedParams
 
 BLOCK = 4
@@ -279,7 +280,7 @@ def test_relayout_moves_pieces_in_bounded_memory(block):
     shapes = layout.logical_shapes()
     split = 0 if block % 8 else 1  # the dim the logical arrays are split on: blocks, or rows inside a block
     assert all(s.sharding.spec[split] == plan.axis for s in shapes.values()), shapes
-    from vescale_jax.optim._state_layouts import _from_logical_fn, _to_logical_fn
+    from vescale_jax.optim._rows_to_logical import _from_logical_fn, _to_logical_fn
 
     for compiled in (
         _to_logical_fn(layout).lower(value).compile(),

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from vescale_jax.checkpoint import _integrity as _integrity
 from vescale_jax.layout._plan import Plan
-from vescale_jax.optim._state_layouts import check_layout_groups
+from vescale_jax.optim._logical_view import check_layout_groups
 from vescale_jax.relayout import _logical_leaves as _logical
 from vescale_jax.state._sharded import PerDevice, ShardedParams
 

@@ -21,6 +21,7 @@ from vescale_jax.optim._leaf_reductions import (
     scale_by_trust_ratio,
     scale_leaves,
 )
+from vescale_jax.optim._logical_view import logical_view, restore_logical
 from vescale_jax.optim._masks import adamw, add_decayed_weights, masked, multi_transform, partition
 from vescale_jax.optim._muon._transform import (
     MuonDimensionNumbers,
@@ -31,7 +32,7 @@ from vescale_jax.optim._muon._transform import (
     scale_by_shape,
 )
 from vescale_jax.optim._shampoo._transform import ShampooState, scale_by_shampoo, shampoo, shampoo_blocks
-from vescale_jax.optim._state_layouts import BlockLayout, CompactLayout, logical_view, restore_logical
+from vescale_jax.optim._state_layouts import BlockLayout, CompactLayout
 
 __all__ = [
     "BlockLayout",

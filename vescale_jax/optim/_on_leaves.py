@@ -21,7 +21,8 @@ import optax
 from vescale_jax.layout._plan import Plan
 from vescale_jax.optim._compact_tables import CompactTables, build_compact
 from vescale_jax.optim._leaf_tables import check_sharded, is_placeholder, local_vector, place_state, split_local
-from vescale_jax.optim._state_layouts import CompactLayout, per_device_axes
+from vescale_jax.optim._rows_to_logical import per_device_axes
+from vescale_jax.optim._state_layouts import CompactLayout
 from vescale_jax.state._sharded import PerDevice, ShardedParams
 from vescale_jax.step._wire import tie
 
