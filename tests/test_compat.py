@@ -66,7 +66,7 @@ def test_literal_is_a_constant_atom():
     assert kinds == [False, True], broke(
         "is_literal",
         "a Python scalar operand is a jax.extend.core.Literal and a traced input is not",
-        "step/_jaxpr, step/_point_of_use, step/_fp32_grads, step/_wire",
+        "step/_jaxpr, step/_point_of_use, step/_fp32_grads, step/_wire_segment",
     )
     assert float(eqn.invars[1].val) == 3.0, broke("is_literal", "a Literal holds its value in .val", "step/_jaxpr")
     hash(eqn.invars[0])  # variables are dictionary keys in every caller
@@ -76,7 +76,7 @@ def test_jaxpr_structure_is_the_public_one():
     import jax.extend.core as jex  # the public types whose fields the callers read
 
     closed = closed_of(lambda x, y: jnp.sin(x) * y, jnp.ones(2), jnp.ones(2))
-    users = "step/_jaxpr, step/_point_of_use, step/_layer_split, step/_fp32_grads, step/_wire"
+    users = "step/_jaxpr, step/_point_of_use, step/_layer_split, step/_fp32_grads, step/_wire_segment"
     assert isinstance(closed, _compat.ClosedJaxpr) and isinstance(closed.jaxpr, jex.Jaxpr), broke(
         "ClosedJaxpr", "jax.make_jaxpr gives a jax.extend.core.ClosedJaxpr of a jax.extend.core.Jaxpr", users
     )
@@ -145,7 +145,7 @@ def test_higher_order_equations_stay_whole_and_rebind(kind):
     f = WHOLE[kind]
     x = jnp.linspace(-1.0, 2.0, 4)
     eqn = out_eqn(f, x)
-    users = "step/_point_of_use, step/_layer_split, step/_fp32_grads, step/_wire (they re-bind every equation)"
+    users = "step/_point_of_use, step/_layer_split, step/_fp32_grads, step/_wire_segment (they re-bind every equation)"
     assert not _compat.is_nested_call(eqn), broke(
         "NESTED_CALL_PRIMITIVES", f"a {kind} equation ({_compat.primitive_name(eqn)!r}) is not inlined", users
     )
@@ -188,7 +188,7 @@ def test_shard_map_equations_rebind_inside_and_out():
     a, b = jnp.arange(2.0), jnp.arange(4.0).reshape(2, 2)
     closed = closed_of(f, a, b)
     assert not _compat.is_nested_call(closed.jaxpr.eqns[-1])
-    users = "step/_point_of_use, step/_wire (they evaluate the model's jaxpr inside shard_map)"
+    users = "step/_point_of_use, step/_wire_segment (they evaluate the model's jaxpr inside shard_map)"
     np.testing.assert_array_equal(
         run_by_equations(closed, a, b)[0],
         f(a, b),
@@ -257,7 +257,7 @@ def test_pcast_to_varying_is_pvary():
 
     jax.make_jaxpr(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P()))(jnp.ones(2))
     (eqn,) = found
-    users = "step/_wire (anchored: a constant that varies already is not marked again)"
+    users = "step/_wire_segment (anchored: a constant that varies already is not marked again)"
     assert _compat.is_pvary(eqn), broke(
         "is_pvary / PVARY", f"lax.pcast(to='varying') is a {_compat.PVARY!r} equation (got {eqn.primitive})", users
     )

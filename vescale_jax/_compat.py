@@ -98,7 +98,7 @@ def is_literal(v: Any) -> bool:
 
     Verified on JAX 0.10.2 (``jax.extend.core.Literal``). Assumes every non-literal atom of ``eqn.invars`` /
     ``jaxpr.outvars`` is a hashable variable. Used by ``step/_jaxpr``, ``step/_point_of_use``,
-    ``step/_fp32_grads``, ``step/_wire``.
+    ``step/_fp32_grads``, ``step/_wire_segment``.
     """
     return isinstance(v, Literal)
 
@@ -129,7 +129,7 @@ def bind_equation(eqn: Any, invals: Sequence[Any]) -> list[Any]:
     a custom_vjp's jaxprs, back into bind arguments) and ``eqn.primitive.multiple_results``, so that re-binding
     every equation of a traced function reproduces it, nested ``jit`` / ``scan`` / ``while`` / ``cond`` /
     ``checkpoint`` / ``custom_jvp`` / ``custom_vjp`` / ``shard_map`` equations included. Used by ``step/_jaxpr``
-    (and through it ``step/_point_of_use``, ``step/_layer_split``, ``step/_fp32_grads``, ``step/_wire``).
+    (and through it ``step/_point_of_use``, ``step/_layer_split``, ``step/_fp32_grads``, ``step/_wire_segment``).
     """
     with eqn.ctx.manager:
         outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
@@ -305,13 +305,13 @@ def convert_dtype(eqn: Any) -> np.dtype:
 PVARY = "pvary"
 """The primitive ``lax.pcast(x, axes, to="varying")`` (``lax.pvary``) emits inside ``shard_map``, its axes in
 ``params["axes"]``; binding it on a value that already varies over those axes is an error. Verified on JAX
-0.10.2. Used by ``step/_wire`` (``anchored``)."""
+0.10.2. Used by ``step/_wire_segment`` (``anchored``)."""
 
 
 def is_pvary(eqn: Any) -> bool:
     """Whether ``eqn`` marks a value as varying over mesh axes (see :data:`PVARY`).
 
-    Verified on JAX 0.10.2. Used by ``step/_wire``.
+    Verified on JAX 0.10.2. Used by ``step/_wire_segment``.
     """
     return primitive_name(eqn) == PVARY
 
@@ -319,7 +319,7 @@ def is_pvary(eqn: Any) -> bool:
 def pvary_axes(eqn: Any) -> tuple[str, ...]:
     """The mesh axes a :func:`is_pvary` equation marks its operands varying over.
 
-    Verified on JAX 0.10.2 (``eqn.params["axes"]``). Used by ``step/_wire``.
+    Verified on JAX 0.10.2 (``eqn.params["axes"]``). Used by ``step/_wire_segment``.
     """
     return tuple(eqn.params["axes"])
 

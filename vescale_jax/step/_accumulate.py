@@ -11,7 +11,7 @@ import numpy as np
 
 from vescale_jax.kernels import KernelPolicy
 from vescale_jax.state._sharded import GatheredParams, ShardedParams
-from vescale_jax.step import _wire as collectives
+from vescale_jax.step import _wire_copies as copies_wire
 from vescale_jax.step._policy import StepPolicy, enclosing_policy
 from vescale_jax.step._wire import Gather
 
@@ -128,7 +128,7 @@ def gather_copies(params: ShardedParams) -> GatheredParams:
         raise TypeError(f"vj.accumulate(reduce='once'): params must be a vj.ShardedParams, got {type(params)}.")
     plan = params.plan
     how = _step_wire(plan)
-    copies = _on_devices(lambda bufs: collectives.gather_copies(bufs, plan, how), plan, how)(params.buffers)
+    copies = _on_devices(lambda bufs: copies_wire.gather_copies(bufs, plan, how), plan, how)(params.buffers)
     return GatheredParams(copies, plan)
 
 
@@ -137,5 +137,5 @@ def reduce_copies(grads: GatheredParams, like: ShardedParams) -> ShardedParams:
     plan = like.plan
     how = _step_wire(plan)
     return ShardedParams(
-        _on_devices(lambda gs: collectives.reduce_copies(gs, plan, how), plan, how)(grads.buffers), plan
+        _on_devices(lambda gs: copies_wire.reduce_copies(gs, plan, how), plan, how)(grads.buffers), plan
     )

@@ -4,7 +4,8 @@ A ``vj.fsdp`` step is traced at the global level: parameters (:class:`ShardedPar
 flat buffers sharded over the plan's axis, so element-wise Optax transforms run on the shards unchanged and
 reductions such as a global norm are global (the partitioner adds a scalar all-reduce). The model itself runs
 through :func:`apply`, a ``shard_map`` over the mesh in which each device sees its batch shard and gathers the
-parameters it needs. Every collective on parameters and gradients is in :mod:`vescale_jax.step._wire`:
+parameters it needs. Every collective on parameters and gradients is in :mod:`vescale_jax.step._wire` (and its
+companions ``_wire_segment``, ``_wire_copies``):
 
 * every non-stacked bucket is all-gathered at its point of use (:mod:`._point_of_use`: the model's jaxpr cut
   into segments by parameter reads); with reshard-after-forward (the default) the backward gathers it again,
@@ -42,7 +43,8 @@ from vescale_jax.step._point_of_use import at_point_of_use
 from vescale_jax.step._policy import StepPolicy, enclosing_policy, running
 from vescale_jax.step._precision import MixedPrecision
 from vescale_jax.step._scan_layers import LayerShard
-from vescale_jax.step._wire import Gather, unpack_copies
+from vescale_jax.step._wire import Gather
+from vescale_jax.step._wire_copies import unpack_copies
 
 __all__ = ["apply", "fsdp"]
 

@@ -3,7 +3,7 @@
 ``vj.apply`` traces the model once with the gathered leaves as inputs, inlines nested ``jax.jit`` calls, and
 finds for every non-stacked bucket the first and the last operation that reads one of its leaves. That range
 is the bucket's *segment* (overlapping ranges merge into one segment over several buckets). Evaluating the
-model, each segment runs through :func:`vescale_jax.step._wire.gather_segment`: the bucket is gathered right
+model, each segment runs through :func:`vescale_jax.step._wire_segment.gather_segment`: the bucket is gathered right
 before the segment, tied to the values entering it, and dies with it; its gradient is reduce-scattered inside
 the segment's backward. An embedding table is therefore gathered for the lookup and dropped, the head just
 before the logits, in forward and in backward, whatever the model's structure (NNX, Linen or a plain
@@ -27,7 +27,8 @@ from vescale_jax._compat import bind_equation, is_linear_in, is_literal, is_nest
 from vescale_jax.layout._plan import Plan
 from vescale_jax.step import _wire as collectives
 from vescale_jax.step._jaxpr import bucket_reads, evaluate, last_reads, read
-from vescale_jax.step._wire import Gather, example_leaves, gather_leaves, gather_segment
+from vescale_jax.step._wire import Gather, example_leaves, gather_leaves
+from vescale_jax.step._wire_segment import gather_segment
 
 __all__ = ["at_point_of_use"]
 

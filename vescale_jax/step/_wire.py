@@ -1,4 +1,9 @@
-"""Every collective on parameters and gradients: the bucket all-gather and its transpose, in one place.
+"""The bucket all-gather and its transpose: the collectives on one bucket's parameters and gradients.
+
+Every collective on parameters and gradients is in this module and its two companions:
+:mod:`vescale_jax.step._wire_segment` (a segment of the model with its buckets gathered at the point of use) and
+:mod:`vescale_jax.step._wire_copies` (whole buffers, for ``vj.accumulate(reduce="once")``), both built on the
+functions here.
 
 Forward, :func:`gather_leaves` (one bucket, or one layer of a stacked bucket, inside ``shard_map``)::
 
@@ -17,51 +22,47 @@ Transpose, :func:`scatter_leaves`::
       -> psum over the replica axes        HSDP: replicas saw other data
       -> cast to the master dtype
 
-:func:`gather_bucket` is the two as one ``custom_vjp``;
-:func:`gather_segment` runs a segment of the model with its buckets gathered at the point of use (the backward
-gathers again, after reduce-scattering where the segment is affine);
-``vj.scan_layers`` calls them once per layer; :func:`gather_copies` / :func:`reduce_copies` are the whole-buffer
-versions for ``vj.accumulate(reduce="once")``. :func:`pack` / :func:`unpack` pick XLA or the kernels by policy;
-the XLA path is the kernels' own reference (``vescale_jax.kernels.pack_reference`` / ``unpack_reference``).
+:func:`gather_bucket` is the two as one ``custom_vjp``; ``vj.scan_layers`` calls them once per layer and
+:func:`gather_stacked` gathers every layer of a stacked bucket at once. :func:`pack` / :func:`unpack` pick XLA or
+the kernels by policy; the XLA path is the kernels' own reference (``vescale_jax.kernels.pack_reference`` /
+``unpack_reference``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vescale_jax._compat import bind_equation, is_literal, is_pvary, pvary_axes
 from vescale_jax.kernels import KernelPolicy
 from vescale_jax.kernels._dispatch import DEFAULT_KERNELS, pack, unpack, unpack_differentiable
 from vescale_jax.layout._plan import Bucket, Plan
 from vescale_jax.step import _fp8 as fp8
-from vescale_jax.step._jaxpr import read
 from vescale_jax.step._precision import MixedPrecision
 
 __all__ = [
     "Gather",
     "example_leaves",
     "gather_bucket",
-    "gather_copies",
+    "gather_buffer",
     "gather_flat",
     "gather_leaves",
     "gather_params",
-    "gather_segment",
     "gather_stacked",
+    "layer_shapes",
     "pack",
-    "reduce_copies",
+    "replica_sum",
     "scatter_leaves",
     "tie",
     "unpack",
-    "unpack_copies",
     "unpack_differentiable",
     "vary",
     "varying_axes",
+    "varying_like",
 ]
 
 
@@ -134,13 +135,13 @@ def vary(x: jax.Array, axes: Any) -> jax.Array:
     return jax.lax.pcast(x, axes, to="varying")
 
 
-def _like(x: jax.Array, axes: frozenset[str]) -> jax.Array:
+def varying_like(x: jax.Array, axes: frozenset[str]) -> jax.Array:
     """``x`` marked varying over ``axes`` (a gradient that must carry its primal's varying axes)."""
     missing = tuple(sorted(axes - varying_axes(x)))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
-def _replica_sum(x: jax.Array, like_axes: frozenset[str]) -> jax.Array:
+def replica_sum(x: jax.Array, like_axes: frozenset[str]) -> jax.Array:
     """Sums a reduce-scattered gradient over the mesh axes it varies over but its shard does not (HSDP's
     replica axes, where each replica saw other data).
 
@@ -182,7 +183,7 @@ def tie(buffers: Sequence[jax.Array], anchor: Any) -> list[jax.Array]:
 # One bucket: gather and its transpose
 
 
-def _layer_shapes(bucket: Bucket, plan: Plan) -> list[tuple[int, ...]]:
+def layer_shapes(bucket: Bucket, plan: Plan) -> list[tuple[int, ...]]:
     return [plan.layer_shape(plan.leaves[i]) for i in bucket.leaves]
 
 
@@ -197,16 +198,16 @@ def gather_leaves(local: jax.Array, bucket: Bucket, plan: Plan, how: Gather) -> 
       Input varies over ``plan.axis``; the leaves are the full tensors on every device.
     """
     out_dtype = how.leaf_dtype(local.dtype)
-    shapes = _layer_shapes(bucket, plan)
+    shapes = layer_shapes(bucket, plan)
     if not bucket.layout.total_size:  # only zero-size leaves: nothing to gather (XLA rejects an empty all-gather)
         x = vary(local, how.replica_axes).astype(how.policy.gather_dtype(local.dtype))
         return [jnp.reshape(x, s).astype(out_dtype) for s in shapes]
-    full = _all_gather(local, bucket, plan, how)
+    full = gather_buffer(local, bucket, plan, how)
     leaves = unpack(full, bucket.layout, shapes, kernels_policy=how.kernels, storage=bucket.storage)
     return [leaf.astype(out_dtype) for leaf in leaves]
 
 
-def _all_gather(local: jax.Array, bucket: Bucket, plan: Plan, how: Gather) -> jax.Array:
+def gather_buffer(local: jax.Array, bucket: Bucket, plan: Plan, how: Gather) -> jax.Array:
     """The full buffer of a local ``(S,)`` (stacked rows ``(L, S)``) shard in the gather dtype: cast then
     all-gather, or the FP8 block-scaled gather (:mod:`vescale_jax.step._fp8`) when the policy asks for one."""
     x = vary(local, how.replica_axes)
@@ -246,10 +247,10 @@ def scatter_leaves(
     master = np.dtype(bucket.dtype)
     grad_dtype = how.policy.grad_dtype(master)
     if not bucket.layout.total_size:  # nothing to reduce
-        return _like(jnp.zeros((0,), master), like_axes)
+        return varying_like(jnp.zeros((0,), master), like_axes)
     packed = pack(cts, bucket.layout, dtype=grad_dtype, kernels_policy=how.kernels, storage=bucket.storage)
     out = jax.lax.psum_scatter(packed, plan.axis, tiled=True)
-    return _replica_sum(out, like_axes).astype(master)
+    return replica_sum(out, like_axes).astype(master)
 
 
 def gather_bucket(
@@ -329,7 +330,7 @@ def gather_stacked(rows: jax.Array, bucket: Bucket, plan: Plan, how: Gather) -> 
 
     @jax.custom_vjp
     def run(r):
-        full = _all_gather(r, bucket, plan, how)
+        full = gather_buffer(r, bucket, plan, how)
         return [
             leaf.astype(how.leaf_dtype(master))
             for leaf in unpack(full, bucket.layout, shapes, kernels_policy=how.kernels, storage=bucket.storage)
@@ -348,7 +349,7 @@ def gather_stacked(rows: jax.Array, bucket: Bucket, plan: Plan, how: Gather) -> 
             storage=bucket.storage,
         )
         out = jax.lax.psum_scatter(packed, plan.axis, scatter_dimension=1, tiled=True)
-        return (_replica_sum(out, like).astype(master),)
+        return (replica_sum(out, like).astype(master),)
 
     run.defvjp(fwd, bwd)
     return list(run(rows))
@@ -377,178 +378,3 @@ def gather_params(local_buffers: Sequence[jax.Array], plan: Plan, how: Gather | 
             for i in bucket.leaves:
                 leaves[i] = local
     return jax.tree_util.tree_unflatten(plan.treedef, leaves)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# A segment of the model with its buckets gathered at the point of use
-
-
-def gather_segment(
-    fn: Callable[[list[list[jax.Array]], list[Any]], list[Any]],
-    locals_: Sequence[jax.Array],
-    buckets: Sequence[Bucket],
-    plan: Plan,
-    how: Gather,
-    others: Sequence[Any],
-    *,
-    keep: bool,
-    affine: bool,
-) -> list[Any]:
-    """``fn(leaves, others)`` with ``buckets`` gathered right before it and reduce-scattered inside its backward.
-
-    ``fn`` is a segment of the model: the operations from the first to the last read of these buckets' leaves
-    (``leaves[k]``: bucket ``k``'s leaves in slot order). Forward: the local shards are tied to ``others`` (the
-    segment's other inputs, :func:`tie`), so XLA cannot gather before the values arriving at the segment exist,
-    and the gathered leaves die with the segment. Backward:
-
-    * an *affine* segment (its Jacobian in the leaves does not read the leaves: matmuls, embedding lookups,
-      scales and biases) computes the leaves' cotangents first, without the leaves, and reduce-scatters them;
-      only then are the leaves gathered again (tied to the reduce-scatter), for the other inputs' cotangents,
-      and only if those read them (a bias or a lookup needs no gather at all). A gathered leaf and its
-      full-size gradient are never alive together;
-    * any other segment gathers again (tied to the cotangent) and takes the VJP as usual.
-
-    With ``keep`` the forward's gathered leaves are saved instead of gathered again (no reshard).
-    Constant-initialised arrays of the leaves' backward (e.g. the zeros an embedding's gradient is scattered
-    into) are tied to the cotangent too, so XLA cannot allocate them before the backward reaches them.
-
-    Returns:
-      ``fn``'s outputs.
-
-    Sharding:
-      Inside ``shard_map``; ``locals_`` vary over ``plan.axis``. One all-gather per bucket forward (and at most
-      one again backward); one reduce-scatter per bucket backward (plus the replica sum under HSDP).
-    """
-    buckets = list(buckets)
-    like = [varying_axes(x) for x in locals_]
-    shapes = [_layer_shapes(b, plan) for b in buckets]
-
-    def gathered(locs, anchor):
-        return [gather_leaves(x, b, plan, how) for x, b in zip(tie(locs, anchor), buckets, strict=True)]
-
-    def zeros():  # typed like the gathered leaves: varying over the shard's axes and the replica axes
-        return [
-            [_like(jnp.zeros(s, how.leaf_dtype(b.dtype)), ax | frozenset(how.replica_axes) if ax else ax) for s in ss]
-            for ss, b, ax in zip(shapes, buckets, like, strict=True)
-        ]
-
-    def scatter(dws):
-        return tuple(
-            scatter_leaves(dw, b, plan, how, like_axes=ax) for dw, b, ax in zip(dws, buckets, like, strict=True)
-        )
-
-    @jax.custom_vjp
-    def run(locs, others_):
-        return fn(gathered(locs, others_), others_)
-
-    def run_fwd(locs, others_):
-        ws = gathered(locs, others_)
-        return fn(ws, others_), (locs, others_, ws if keep else None)
-
-    def run_bwd(res, ct):
-        locs, others_, ws = res
-        if not affine:
-            ws = ws if ws is not None else gathered(locs, ct)
-            dws, d_others = jax.vjp(fn, ws, others_)[1](ct)
-            return scatter(dws), d_others
-        z = zeros()
-        dws = anchored(lambda c: jax.vjp(lambda w: fn(w, others_), z)[1](c)[0], ct)(ct)
-        d_locs = scatter(dws)
-        d_of_others = lambda w, c: jax.vjp(lambda o: fn(w, o), others_)[1](c)[0]
-        if reads(d_of_others, (z, ct), 0):
-            ws = ws if ws is not None else gathered(locs, d_locs)  # after the reduce-scatter
-        else:
-            ws = z  # the other inputs' cotangents do not read the leaves: no gather (z is dead code)
-        return d_locs, d_of_others(ws, ct)
-
-    run.defvjp(run_fwd, run_bwd)
-    return run(tuple(locals_), list(others))
-
-
-def reads(f: Callable[..., Any], args: Sequence[Any], argnum: int) -> bool:
-    """Whether ``f(*args)`` reads any leaf of ``args[argnum]`` (traced; dead operations do not count)."""
-    flat, tree = jax.tree.flatten(tuple(args))
-    counts = [len(jax.tree.leaves(a)) for a in args]
-    lo = sum(counts[:argnum])
-    closed = jax.make_jaxpr(lambda *xs: f(*jax.tree.unflatten(tree, xs)))(*flat)
-    jaxpr = closed.jaxpr
-    live = {v for v in jaxpr.outvars if not is_literal(v)}
-    for eqn in reversed(jaxpr.eqns):
-        if any(v in live for v in eqn.outvars) or eqn.effects:
-            live.update(v for v in eqn.invars if not is_literal(v))
-    return any(v in live for v in jaxpr.invars[lo : lo + counts[argnum]])
-
-
-def anchored(f: Callable[..., Any], anchor: Any) -> Callable[..., Any]:
-    """``f`` whose operations with only constant inputs (``zeros``, ``full``, ``iota`` buffers) are tied to
-    ``anchor`` (:func:`tie`): XLA schedules a constant's allocation wherever it likes, and may place a large
-    one at the very start of the step; tied, it cannot come before ``anchor`` exists."""
-
-    def run(*args):
-        flat, tree = jax.tree.flatten(args)
-        closed, shape = jax.make_jaxpr(lambda *xs: f(*jax.tree.unflatten(tree, xs)), return_shape=True)(*flat)
-        jaxpr = closed.jaxpr
-        env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts, strict=True))
-        env.update(zip(jaxpr.invars, flat, strict=True))
-        for eqn in jaxpr.eqns:
-            invals = [read(env, v) for v in eqn.invars]
-            if is_pvary(eqn) and all(
-                set(pvary_axes(eqn)) <= varying_axes(x) for x in invals
-            ):  # a tied constant varies already
-                env.update(zip(eqn.outvars, invals, strict=True))
-                continue
-            outs = bind_equation(eqn, invals)
-            if all(is_literal(v) for v in eqn.invars) and not eqn.effects:
-                outs = [tie([o], anchor)[0] if isinstance(o, jax.Array) and o.ndim else o for o in outs]
-            env.update(zip(eqn.outvars, outs, strict=True))
-        return jax.tree.unflatten(jax.tree.structure(shape), [read(env, v) for v in jaxpr.outvars])
-
-    return run
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Whole buffers: vj.accumulate(reduce="once")
-
-
-def gather_copies(buffers: Sequence[jax.Array], plan: Plan, how: Gather) -> tuple[jax.Array, ...]:
-    """Every bucket's full ``(m*S,)`` (stacked ``(L, m*S)``) buffer on each device, in the gather dtype.
-
-    Call inside ``shard_map``; the result's transpose is not needed (gradients come back through
-    :func:`reduce_copies`)."""
-    out = []
-    for bucket, b in zip(plan.buckets, buffers, strict=True):
-        if b.shape[-1]:
-            out.append(_all_gather(b, bucket, plan, how))
-        else:
-            out.append(vary(b, how.replica_axes).astype(how.policy.gather_dtype(b.dtype)))
-    return tuple(out)
-
-
-def unpack_copies(copies: Sequence[jax.Array], plan: Plan, how: Gather) -> list[jax.Array]:
-    """The logical leaves (flattened, plan order) of full per-device copies; the transpose packs each bucket's
-    cotangents into a full per-device gradient (padding zero) for :func:`reduce_copies`."""
-    leaves: list[Any] = [None] * len(plan.leaves)
-    for bucket, copy in zip(plan.buckets, copies, strict=True):
-        shapes = [plan.leaves[i].local_shape for i in bucket.leaves]
-        for i, x in zip(
-            bucket.leaves,
-            unpack_differentiable(copy, bucket.layout, shapes, kernels_policy=how.kernels, storage=bucket.storage),
-            strict=True,
-        ):
-            leaves[i] = x
-    return leaves
-
-
-def reduce_copies(grads: Sequence[jax.Array], plan: Plan, how: Gather) -> tuple[jax.Array, ...]:
-    """Reduce-scatters full per-device gradients into the plan's shards (in the reduce dtype, then the
-    bucket's); inside ``shard_map``."""
-    out = []
-    for g, bucket in zip(grads, plan.buckets, strict=True):
-        g = g.astype(how.policy.grad_dtype(bucket.dtype))
-        if not g.shape[-1]:  # a bucket of zero-size leaves: nothing to reduce
-            out.append(g.astype(bucket.dtype))
-            continue
-        r = jax.lax.psum_scatter(g, plan.axis, scatter_dimension=g.ndim - 1, tiled=True)
-        shard_axes = frozenset(plan.bucket_axes(bucket))
-        out.append(_replica_sum(r, shard_axes).astype(bucket.dtype))
-    return tuple(out)
