@@ -18,7 +18,7 @@ from flax import nnx
 
 import vescale_jax as vj
 from vescale_jax.kernels import pack, pack_reference, unpack_reference
-from vescale_jax.layout._planner import BucketLayout
+from vescale_jax.layout._bucket_layout import BucketLayout
 
 
 def tree():

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import vescale_jax as vj
-from vescale_jax.layout._planner import BucketLayout
+from vescale_jax.layout._bucket_layout import BucketLayout
 
 
 def assert_invariants(layout: BucketLayout, sizes, blocks, m, align):

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from vescale_jax.kernels import _ragged
 from vescale_jax.kernels._policy import KernelPolicy
 from vescale_jax.layout import _tiles as tiles
-from vescale_jax.layout._planner import BucketLayout
+from vescale_jax.layout._bucket_layout import BucketLayout
 
 __all__ = ["DEFAULT_KERNELS", "pack", "unpack", "unpack_differentiable"]
 

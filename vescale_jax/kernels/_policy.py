@@ -16,7 +16,7 @@ from typing import Any, Literal
 import jax
 
 from vescale_jax.kernels._ragged import BACKENDS, choose_backend
-from vescale_jax.layout._planner import BucketLayout
+from vescale_jax.layout._bucket_layout import BucketLayout
 
 __all__ = ["Implementation", "KernelPolicy"]
 

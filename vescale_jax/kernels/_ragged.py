@@ -39,7 +39,7 @@ from vescale_jax.kernels._reference import (
     unpack_reference,
 )
 from vescale_jax.kernels._schedule import ZERO, Schedule, pack_schedule, unpack_schedule
-from vescale_jax.layout._planner import BucketLayout
+from vescale_jax.layout._bucket_layout import BucketLayout
 
 __all__ = [
     "DEFAULT_CHUNK",

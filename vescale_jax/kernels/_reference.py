@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vescale_jax.layout._planner import BucketLayout
+from vescale_jax.layout._bucket_layout import BucketLayout
 
 __all__ = ["pack_reference", "unpack_reference"]
 

@@ -8,10 +8,11 @@
   buckets, each laid out by the planner; tensor / expert parallel specs split leaves first.
 """
 
+from vescale_jax.layout._bucket_layout import BucketLayout
 from vescale_jax.layout._granularity import Granularity, element, rows, tiles, whole
 from vescale_jax.layout._paths import default_unit
 from vescale_jax.layout._plan import Bucket, LeafSpec, Plan
-from vescale_jax.layout._planner import BucketLayout, plan_bucket
+from vescale_jax.layout._planner import plan_bucket
 from vescale_jax.layout._ragged import RaggedShard
 from vescale_jax.layout._tree_planner import plan
 

@@ -17,8 +17,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from vescale_jax.layout._bucket_layout import BucketLayout
 from vescale_jax.layout._granularity import Granularity
-from vescale_jax.layout._planner import BucketLayout
 from vescale_jax.layout._ragged import RaggedShard
 from vescale_jax.layout._tp import DimAxes
 

@@ -17,10 +17,10 @@ import numpy as np
 from vescale_jax._cache import plan_cache
 from vescale_jax.kernels import _dispatch as collectives
 from vescale_jax.layout import _tp as tp
+from vescale_jax.layout._bucket_layout import BucketLayout
 from vescale_jax.layout._checks import tree_difference
 from vescale_jax.layout._paths import path_str
 from vescale_jax.layout._plan import Bucket, Plan
-from vescale_jax.layout._planner import BucketLayout
 from vescale_jax.state._checks import check_sharded_params
 from vescale_jax.state._containers import GatheredParams, PerDevice, ShardedParams
 
