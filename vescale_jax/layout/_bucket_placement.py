@@ -19,6 +19,7 @@ __all__ = ["Candidates", "ceil_to", "try_shard_size"]
 
 
 def ceil_to(x: int, a: int) -> int:
+    """``x`` rounded up to a multiple of ``a``."""
     return -(-x // a) * a
 
 

@@ -133,6 +133,8 @@ class Entry:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Tables:
+    """A layout's static tables: its logical arrays and the shape of one device's rows."""
+
     entries: tuple[Entry, ...]
     local_shape: tuple[int, ...]  # one device's rows of the PerDevice value
 

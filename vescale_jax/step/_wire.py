@@ -184,6 +184,7 @@ def tie(buffers: Sequence[jax.Array], anchor: Any) -> list[jax.Array]:
 
 
 def layer_shapes(bucket: Bucket, plan: Plan) -> list[tuple[int, ...]]:
+    """The per-layer logical shapes of a bucket's leaves, in slot order."""
     return [plan.layer_shape(plan.leaves[i]) for i in bucket.leaves]
 
 

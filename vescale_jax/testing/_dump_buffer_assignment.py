@@ -23,6 +23,9 @@ COUNTED = ("argument", "output", "temp")  # the allocations memory_analysis() ad
 
 @dataclasses.dataclass(frozen=True)
 class Slot:
+    """Where one value lives: its allocation's kind and number, the value's offset and size in it, and for an
+    argument allocation the entry parameter it holds."""
+
     kind: str  # argument / output / temp / constant / thread-local
     allocation: int
     offset: int
@@ -63,6 +66,7 @@ def parse_assignment(text: str) -> dict[tuple[str, str], Slot]:
 
 
 def value_key(name: str) -> tuple[str, str]:
+    """The buffer assignment's key of a buffer name: ``while.38{2}`` -> ``("while.38", "{2}")``."""
     vm = VALUE_NAME.match(name)
     return (vm.group(1), "{" + vm.group(2).replace(" ", "") + "}") if vm else (name, "{}")
 
@@ -76,6 +80,7 @@ def distinct_bytes(values: list[tuple[Slot, int]]) -> int:
 
 
 def merge_spans(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The union of ``[lo, hi)`` byte ranges as sorted, disjoint ranges."""
     out: list[tuple[int, int]] = []
     for a, b in sorted(ranges):
         if out and a <= out[-1][1]:

@@ -24,6 +24,10 @@ _VIEWS = ("bitcast", "copy", "get-tuple-element", "slice", "dynamic-slice", "res
 
 @dataclasses.dataclass
 class Ins:
+    """One instruction of the dump: its computation (the entry or not), shape without layout, opcode, operand
+    names, JAX ``op_name``, the computations it calls (``(attribute, name)``), a ``get-tuple-element``'s index and
+    a ``parameter``'s number."""
+
     name: str
     computation: str
     entry: bool
@@ -51,6 +55,7 @@ def _operands(tail: str) -> tuple[list[str], str]:
 
 
 def parse_instructions(text: str) -> dict[str, Ins]:
+    """Every instruction of an optimised HLO module's text, by name."""
     instrs: dict[str, Ins] = {}
     for comp in _parse_module(text)[0]:
         for instr in comp.instrs:
@@ -76,6 +81,7 @@ def parse_instructions(text: str) -> dict[str, Ins]:
 
 
 def tuple_element(shape: str, index: tuple[int, ...]) -> str:
+    """The shape of element ``index`` of a tuple shape, followed as far as the tuple goes."""
     for i in index:
         elements = _tuple_elements(shape)
         if elements is None or i >= len(elements):
@@ -167,6 +173,7 @@ def value_bytes(instrs: dict[str, Ins], name: str) -> int:
 
 
 def shape_dims(shape: str) -> tuple[int, ...] | None:
+    """The dims of an array shape string (``f32[8,16]`` -> ``(8, 16)``); None for a tuple shape."""
     m = re.match(r"\s*[a-z][a-z0-9]*\[([^\]]*)\]", shape)
     if m is None:
         return None
