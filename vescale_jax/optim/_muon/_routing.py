@@ -4,8 +4,11 @@ that move each matrix's elements from the devices that hold them to its owner an
 Everything here is NumPy over the :class:`~vescale_jax.layout._plan.Plan`, built once per plan. Matrices
 (:mod:`._matrices`) are grouped by ``(p, q)`` *class* into ``(K_c, p, q)`` work arrays, ``K_c`` the
 most matrices of that class on any device (zero matrices pad the rest; Newton–Schulz maps zero to zero). Each of the
-four index tables (``send``, ``gather``, ``back_send``, ``back_gather``; :class:`Routing`) is a run table
-(:mod:`vescale_jax.relayout._run_lookup`).
+four index tables (``send``, ``gather``, ``back_send``, ``back_gather``; :class:`Routing`) is a strided run table
+of the relayout engine (:mod:`vescale_jax.relayout._run_lookup`), built from per-element entries rather than from
+two ``Placement`` s and ``plan_moves``: a matrix whose axes are permuted (transposed, or reduction / output axes
+reordered) is strided on one side, so a placement would hold one piece per element, and elements that stay on
+their device skip the all-to-all (its width counts moving elements only).
 
 With buckets split over tensor / expert axes the devices are those of the buckets' group axes and the plan's axis
 together (:func:`routing_axes`): a matrix is the whole logical matrix, gathered from every TP/EP group holding a
