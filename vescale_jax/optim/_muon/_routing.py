@@ -6,7 +6,7 @@ Everything here is NumPy over the :class:`~vescale_jax.layout._plan.Plan`, built
 most matrices of that class on any device (zero matrices pad the rest; Newton–Schulz maps zero to zero). Each of the
 four index tables (``send``, ``gather``, ``back_send``, ``back_gather``; :class:`Routing`) is a strided run table
 of the relayout engine (:mod:`vescale_jax.relayout._run_lookup`), built from per-element entries rather than from
-two ``Placement`` s and ``plan_moves``: a matrix whose axes are permuted (transposed, or reduction / output axes
+two ``Placement`` objects and ``plan_moves``: a matrix whose axes are permuted (transposed, or reduction / output axes
 reordered) is strided on one side, so a placement would hold one piece per element, and elements that stay on
 their device skip the all-to-all (its width counts moving elements only).
 
