@@ -372,7 +372,7 @@ def _simulate_routing(plan, routing, dims_tree):
 
 @pytest.mark.parametrize("m,granularity", [(3, None), (3, vj.rows(2)), (8, None), (8, vj.rows(2))])
 def test_run_tables_match_brute_force(m, granularity, monkeypatch):
-    from vescale_jax.optim._muon import _runs as runs
+    from vescale_jax.relayout import _run_lookup as runs
 
     shapes = jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s, jnp.float32), RUN_SHAPES, is_leaf=lambda x: isinstance(x, tuple)

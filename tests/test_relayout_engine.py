@@ -215,3 +215,32 @@ def test_periodic_runs_compress_and_expand_exactly(seed):
         finally:
             _runs._UNROLLED = old
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_run_lookup_paths_agree(seed, monkeypatch):
+    """The three device lookups of a periodic table (one select per run, the block index over its strided runs,
+    the loop of selects) and the strided form expanded in NumPy all give the per-element mapping, for runs of
+    single positions (back to back or strided) and of pieces."""
+    from vescale_jax.relayout import _run_lookup, _runs
+
+    rng = np.random.default_rng(seed)
+    m, n = 3, 240
+    keys, groups, pos, val, ln = [], [], [], [], []
+    want = np.full((m, n), -1, np.int64)
+    for k in range(m):
+        for g, (piece, pstep, vstep) in enumerate([(1, 1, 7), (1, 3, 2), (4, 5, 9)]):
+            at0, v0 = 80 * g + int(rng.integers(0, 3)), 10_000 * g + int(rng.integers(0, 50))
+            for c in range(int(rng.integers(1, 12))):
+                at, v = at0 + c * pstep, v0 + c * vstep
+                keys.append(k), groups.append(g), pos.append(at), val.append(v), ln.append(piece)
+                want[k, at : at + piece] = v + np.arange(piece)
+    table = _runs.compress(*(np.asarray(x) for x in (keys, groups, pos, val, ln)), m)
+    np.testing.assert_array_equal(_runs.expand(table, n, -1), want)
+    np.testing.assert_array_equal(_run_lookup.expand_strided(_runs.strided(table), n, -1), want)
+    for unrolled, block in ((_runs._UNROLLED, _runs._BLOCK_SEGMENTS), (0, _runs._BLOCK_SEGMENTS), (0, 0)):
+        monkeypatch.setattr(_runs, "_UNROLLED", unrolled)
+        monkeypatch.setattr(_runs, "_BLOCK_SEGMENTS", block)
+        got = [_runs.lookup(table, k, n) for k in range(m)]
+        np.testing.assert_array_equal(np.stack([np.asarray(jnp.where(ok, i, -1)) for i, ok in got]), want)
+        np.testing.assert_array_equal(np.stack([np.asarray(jnp.where(ok, 0, i)) for i, ok in got]), 0)

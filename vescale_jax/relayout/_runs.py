@@ -9,7 +9,8 @@ most runs ``R`` of any device with empty runs starting at ``2**31 - 1``.
 
 :func:`compress` builds a table from runs listed per group (e.g. per device pair, in message order), vectorised
 and greedy: a run continues the one before in its group while it has the same length and both steps stay the
-same. :func:`lookup` expands device ``k``'s positions inside ``shard_map``.
+same. :func:`lookup` expands device ``k``'s positions inside ``shard_map``: one select per run for a few runs,
+the block index of :mod:`._run_lookup` for many (:func:`strided`: the table as strided runs).
 """
 
 from __future__ import annotations
@@ -18,11 +19,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["NO_RUN", "compress", "expand", "lookup"]
+from vescale_jax.relayout._run_lookup import RunLookup, expand_runs
+
+__all__ = ["NO_RUN", "compress", "expand", "lookup", "strided"]
 
 NO_RUN = np.iinfo(np.int32).max  # start of the padding runs (after every position)
 _I64 = np.int64
 _UNROLLED = 48  # most runs per device looked up by one select each (fused, no position-sized temporaries)
+_BLOCK_SEGMENTS = 1 << 16  # most strided runs (and blocks) per device of a block-index lookup (else a loop)
 
 
 def compress(
@@ -108,12 +112,56 @@ def expand(table: np.ndarray, n: int, sentinel: int) -> np.ndarray:
     return out
 
 
+def strided(table: np.ndarray, *, most: int | None = None) -> np.ndarray | None:
+    """The same mapping as a strided run table ``(m, 4, S)`` ``(start, value, stride, length)`` (see
+    :mod:`._run_lookup`): a one-piece run, or one of single positions back to back, is one strided run; any
+    other periodic run is one per piece.
+
+    Args:
+      table: ``(m, 6, R)`` (see the module docstring).
+      most: if given, ``None`` instead of a table with more than ``most`` strided runs on some device (decided
+        before building it).
+
+    Returns:
+      ``(m, 4, S)`` int32, sorted by ``start`` and padded with runs starting at ``NO_RUN``.
+    """
+    m = table.shape[0]
+    k, r = np.nonzero(table[:, 0] < NO_RUN)
+    start, value, piece, count, pstep, vstep = (table[k, c, r].astype(_I64) for c in range(6))
+    one = (count == 1) | ((piece == 1) & (pstep == 1))  # a single strided run
+    reps = np.where(one, 1, count)
+    if most is not None and np.bincount(k, weights=reps, minlength=m).max(initial=0) > most:
+        return None
+    c = np.arange(int(reps.sum()), dtype=_I64) - np.repeat(np.cumsum(reps) - reps, reps)
+    k, start, value, piece, count, pstep, vstep, one = (
+        np.repeat(x, reps) for x in (k, start, value, piece, count, pstep, vstep, one)
+    )
+    cols = np.stack(
+        [
+            start + c * pstep,
+            value + c * vstep,
+            np.where(one & (count > 1), vstep, 1),
+            np.where(one & (count > 1), count, piece),
+        ]
+    )
+    by = np.lexsort((cols[0], k))
+    k, cols = k[by], cols[:, by]
+    counts = np.bincount(k, minlength=m)
+    slot = np.arange(k.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    out = np.zeros((m, 4, max(int(counts.max(initial=0)), 1)), _I64)
+    out[:, 0] = NO_RUN
+    out[k, :, slot] = cols.T
+    return out.astype(np.int32)
+
+
 def lookup(table: np.ndarray, k: jax.Array, n: int) -> tuple[jax.Array, jax.Array]:
     """Device ``k``'s ``(n,)`` int32 indices of positions ``0 .. n - 1``, and whether a run covers each.
 
-    Every run is one select over the positions with scalar operands (a short loop when there are more than
-    ``_UNROLLED`` runs), so XLA fuses the lookup into its consumer: no position-sized index temporaries beyond
-    the result.
+    Up to ``_UNROLLED`` runs, every run is one select over the positions with scalar operands; past that, the
+    block index of :class:`~vescale_jax.relayout._run_lookup.RunLookup` over :func:`strided` runs (``probes + 3``
+    small-table lookups per position, whatever the runs), or a loop of selects when that would hold more than
+    ``_BLOCK_SEGMENTS`` strided runs or blocks per device (its constants stay bounded, whatever the sizes).
+    Either way XLA fuses the lookup into its consumer: no position-sized index temporaries beyond the result.
     """
     runs = table.shape[2]
     real = table[:, 0] < NO_RUN
@@ -148,5 +196,11 @@ def lookup(table: np.ndarray, k: jax.Array, n: int) -> tuple[jax.Array, jax.Arra
             if real[:, j].any():
                 carry = one(j, carry, rows[:, j], kind(table[:, :, j].T))
         return carry
+    segments = strided(table, most=_BLOCK_SEGMENTS)
+    block = None if segments is None else RunLookup.build(segments, n, -1)
+    if block is not None and block.blocks.shape[1] <= _BLOCK_SEGMENTS:
+        idx = expand_runs(block, k, p)  # -1: no run (every real index is >= 0)
+        ok = idx >= 0
+        return jnp.where(ok, idx, 0), ok
     every = kind(np.moveaxis(table, 1, 0).reshape(6, -1))
     return jax.lax.fori_loop(0, runs, lambda j, c: one(j, c, rows[:, j], every), carry)

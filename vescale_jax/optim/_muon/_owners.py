@@ -2,11 +2,11 @@
 
 :func:`route_newton_schulz` is one ``shard_map`` with at most two padded all-to-alls (there and back) around batched
 Newton–Schulz on the owners, driven by the static tables of a :class:`~vescale_jax.optim._muon._routing.Routing`:
-the messages are packed from Muon's own element run tables and moved by the relayout engine's
-:func:`~vescale_jax.relayout._execute.exchange_messages`.
+the messages are packed from the routing's element run tables with the relayout engine's lookup for many runs
+(:mod:`vescale_jax.relayout._run_lookup`) and moved by its :func:`~vescale_jax.relayout._execute.exchange_messages`.
 
 Memory: every gather (the outgoing messages, the work arrays of each shape class, each bucket's result) is a loop over
-chunks reading the pieces where they lie (:func:`~vescale_jax.optim._muon._runs.run_gather`): no index array, no
+chunks reading the pieces where they lie (:func:`~vescale_jax.relayout._run_lookup.run_gather`): no index array, no
 concatenation of the local vector and what arrived, no copy of the all-to-all's operands. At its peak a device holds
 about three arrays of its owned work's size (e.g. the local vector, what arrived and the work arrays).
 """
@@ -24,8 +24,8 @@ import numpy as np
 
 from vescale_jax.layout._plan import Plan
 from vescale_jax.optim._muon._routing import Routing
-from vescale_jax.optim._muon._runs import run_gather
 from vescale_jax.relayout._execute import exchange_messages
+from vescale_jax.relayout._run_lookup import run_gather
 
 __all__ = ["route_newton_schulz"]
 

@@ -4,8 +4,11 @@ that move each matrix's elements from the devices that hold them to its owner an
 Everything here is NumPy over the :class:`~vescale_jax.layout._plan.Plan`, built once per plan. Matrices
 (:mod:`._matrices`) are grouped by ``(p, q)`` *class* into ``(K_c, p, q)`` work arrays, ``K_c`` the
 most matrices of that class on any device (zero matrices pad the rest; Newton–Schulz maps zero to zero). Each of the
-four index tables (``send``, ``gather``, ``back_send``, ``back_gather``; :class:`Routing`) is a run table
-(:mod:`vescale_jax.optim._muon._runs`).
+four index tables (``send``, ``gather``, ``back_send``, ``back_gather``; :class:`Routing`) is a strided run table
+of the relayout engine (:mod:`vescale_jax.relayout._run_lookup`), built from per-element entries rather than from
+two ``Placement`` objects and ``plan_moves``: a matrix whose axes are permuted (transposed, or reduction / output axes
+reordered) is strided on one side, so a placement would hold one piece per element, and elements that stay on
+their device skip the all-to-all (its width counts moving elements only).
 
 With buckets split over tensor / expert axes the devices are those of the buckets' group axes and the plan's axis
 together (:func:`routing_axes`): a matrix is the whole logical matrix, gathered from every TP/EP group holding a
@@ -26,7 +29,7 @@ from vescale_jax.layout import _tiles as tiles
 from vescale_jax.layout import _tp as _tp
 from vescale_jax.layout._plan import Plan
 from vescale_jax.optim._muon._matrices import MatrixRoute, matrix_indices, ns_macs, split_macs
-from vescale_jax.optim._muon._runs import RunLookup, _expand_np, _runs
+from vescale_jax.relayout._run_lookup import RunLookup, expand_strided, strided_runs
 
 __all__ = ["Routing", "build_routing", "routing_axes"]
 
@@ -108,7 +111,7 @@ class Routing:
         """The run tables expanded in NumPy: ``send`` and ``back_send`` ``(m, m, W)``, ``gather``
         ``(m, work_size)``, ``back_gather`` ``(m, T)`` (for tests and inspection: ``O(m * elements)``)."""
         m, w = len(self.loads), self.width
-        out = {name: _expand_np(getattr(self, name), *ext) for name, ext in self._extents().items()}
+        out = {name: expand_strided(getattr(self, name), *ext) for name, ext in self._extents().items()}
         out["send"], out["back_send"] = out["send"].reshape(m, m, w), out["back_send"].reshape(m, m, w)
         return out
 
@@ -435,11 +438,11 @@ def build_routing(
     # Runs of (device, position) -> index, from the entries listed in an order in which each table's positions
     # run consecutively: message order for the all-to-all tables, element order (stored rows) for the work
     # arrays, position order for X.
-    send = _runs(src_dev[msg], dst_dev[msg] * width + w_msg, src_pos[msg], n_dev)
-    back_send = _runs(dst_dev[msg], src_dev[msg] * width + w_msg, dst_pos[msg], n_dev)
-    gather = _runs(dst_dev, dst_pos, np.where(away, local_size + src_dev * width + w, src_pos), n_dev)
+    send = strided_runs(src_dev[msg], dst_dev[msg] * width + w_msg, src_pos[msg], n_dev)
+    back_send = strided_runs(dst_dev[msg], src_dev[msg] * width + w_msg, dst_pos[msg], n_dev)
+    gather = strided_runs(dst_dev, dst_pos, np.where(away, local_size + src_dev * width + w, src_pos), n_dev)
     index = np.where(away, work_size + dst_dev * width + w, dst_pos)
-    back_gather = _runs(src_dev[by_pos], src_pos[by_pos], index[by_pos], n_dev)
+    back_gather = strided_runs(src_dev[by_pos], src_pos[by_pos], index[by_pos], n_dev)
 
     return Routing(
         axes,

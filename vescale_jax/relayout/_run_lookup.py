@@ -1,13 +1,15 @@
-"""Run tables: the element mappings of Muon's owner routing, stored as arithmetic runs.
+"""The relayout engine's lookup for many runs: strided run tables and their block index.
 
-The element mapping is piecewise arithmetic (a stored row piece of a matrix on one device is a *run*: consecutive
-positions on one side whose indices on the other side form an arithmetic progression, stride 1 for a matrix stored
-as it is, the stored row length or the original's for a transposed one). A run table is ``(m, 4, R)`` int32 runs
-``(start, value, stride, length)`` sorted by ``start`` and padded to the most runs ``R`` of any device:
-``O(m * rows)`` instead of the ``O(m * elements)`` of dense index tables. What is baked into the update is their
-:class:`RunLookup` form (segments covering every position plus a block table); each device expands its row into the
-index array of one gather just before that gather (:func:`run_indices`: a short loop over chunks, ``probes + 3``
-small-table lookups per position), or gathers chunk by chunk without any index array (:func:`run_gather`).
+A *strided run* maps ``length`` consecutive positions from ``start`` to indices ``value + i * stride``: a
+stored row piece of a matrix (stride 1 as stored, the row length of a transposed one). A strided table is
+``(m, 4, R)`` int32 runs ``(start, value, stride, length)`` sorted by ``start`` and padded to the most runs ``R``
+of any device (:func:`strided_runs` builds one from per-element entries, vectorised). Where a device holds many
+runs (Muon's owner routing: about one per stored row), one select per run (the unrolled form of
+:func:`vescale_jax.relayout._runs.lookup`) is too slow, so what is baked into a program is the
+:class:`RunLookup` form (segments covering every position plus a block table): :func:`expand_runs` maps
+positions with ``probes + 3`` small-table lookups each; :func:`run_indices` expands a device's row into the
+index array of one gather (a short loop over chunks), and :func:`run_gather` gathers chunk by chunk without any
+index array.
 """
 
 from __future__ import annotations
@@ -22,15 +24,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["RunLookup", "expand_runs", "run_gather", "run_indices"]
+__all__ = ["RunLookup", "expand_runs", "expand_strided", "run_gather", "run_indices", "strided_runs"]
 
 
 _NO_RUN = np.iinfo(np.int32).max  # start of the padding runs (after every position)
 _PROBES = 4  # most run starts inside one block of a RunLookup (more probes stop XLA fusing the lookups)
 
 
-def _runs(key: np.ndarray, pos: np.ndarray, val: np.ndarray, m: int) -> np.ndarray:
-    """Run table ``(m, 4, R)`` of the entries ``(key, pos) -> val`` (device, position, index), listed in an
+def strided_runs(key: np.ndarray, pos: np.ndarray, val: np.ndarray, m: int) -> np.ndarray:
+    """Strided run table ``(m, 4, R)`` of the entries ``(key, pos) -> val`` (device, position, index), listed in an
     order in which the positions of a run follow each other. Greedy, vectorised: an entry continues the
     previous one's run when it has the same device, the next position and (from a run's third entry on)
     the same step of values; anything else, a non-arithmetic row included, just starts more runs."""
@@ -65,12 +67,12 @@ def _runs(key: np.ndarray, pos: np.ndarray, val: np.ndarray, m: int) -> np.ndarr
     out[k, :, slot] = cols.T
     last = out[:, 1] + out[:, 2] * np.maximum(out[:, 3] - 1, 0)
     if min(out[:, 1].min(), last.min()) < 0 or max(np.abs(out[:, 1:]).max(), last.max()) >= _NO_RUN:
-        raise ValueError("Muon routing: indices exceed int32")
+        raise ValueError("relayout: run table indices exceed int32")
     return out.astype(np.int32)
 
 
-def _expand_np(runs: np.ndarray, n: int, sentinel: int) -> np.ndarray:
-    """A run table ``(m, 4, R)`` as the ``(m, n)`` indices of positions ``0 .. n-1`` (NumPy; what the devices
+def expand_strided(runs: np.ndarray, n: int, sentinel: int) -> np.ndarray:
+    """A strided run table ``(m, 4, R)`` as the ``(m, n)`` indices of positions ``0 .. n-1`` (NumPy; what the devices
     compute): ``value + (i - start) * stride`` for ``i`` in a run, ``sentinel`` elsewhere."""
     pos = np.arange(n, dtype=np.int64)
     out = np.full((runs.shape[0], n), sentinel, np.int64)
@@ -89,7 +91,7 @@ def _wrap32(x: np.ndarray) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class RunLookup:
-    """A run table in the form the devices expand (:func:`expand_runs`).
+    """A strided run table in the form the devices expand (:func:`expand_runs`).
 
     The positions ``0 .. n-1`` of device ``k`` are covered by segments: its runs, and stride-0 segments of
     the sentinel in between. Position ``i`` lies in segment ``r0 + #{u = 1..probes: starts[r0 + u] <= i}``,
