@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from vescale_jax.kernels._dispatch import unpack_differentiable
 from vescale_jax.layout._plan import Plan
@@ -45,6 +46,10 @@ def unpack_copies(copies: Sequence[jax.Array], plan: Plan, how: Gather) -> list[
     leaves: list[Any] = [None] * len(plan.leaves)
     for bucket, copy in zip(plan.buckets, copies, strict=True):
         shapes = [plan.leaves[i].local_shape for i in bucket.leaves]
+        if not copy.shape[-1]:  # zero-size leaves only: plain autodiff keeps the copy's varying axes
+            for i, s in zip(bucket.leaves, shapes, strict=True):
+                leaves[i] = jnp.reshape(copy, s)
+            continue
         for i, x in zip(
             bucket.leaves,
             unpack_differentiable(copy, bucket.layout, shapes, kernels_policy=how.kernels, storage=bucket.storage),
