@@ -16,7 +16,9 @@ Sections:
   (:func:`is_nested_call`, :func:`nested_call_jaxpr`), :data:`VIEW_PRIMITIVES` (:func:`is_view`),
   :data:`LINEAR_OPERANDS` / :data:`BILINEAR_PRIMITIVES` / :data:`SELECT_N` (:func:`is_linear_in`),
   :data:`CONVERT_ELEMENT_TYPE`
-  (:func:`is_convert`, :func:`convert_dtype`), :data:`PVARY` (:func:`is_pvary`, :func:`pvary_axes`).
+  (:func:`is_convert`, :func:`convert_dtype`), :data:`PVARY` (:func:`is_pvary`, :func:`pvary_axes`),
+  :data:`SELECTION_PRIMITIVES` (:func:`is_selection`), :data:`SCAN` (:func:`scan_params`),
+  :data:`CHECKPOINT_PRIMITIVES` (:func:`checkpoint_params`), :data:`COND` (:func:`cond_branches`).
 * the process's JAX runtime: :func:`backends_are_initialized`, :func:`cluster_types`,
   :func:`distributed_job`.
 * optax: :func:`is_params_placeholder`, the Muon internals (:data:`MUON_NS_COEFFS_PRESETS`,
@@ -34,7 +36,7 @@ This module is the package's lowest layer: it imports only JAX, optax, NumPy and
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -44,6 +46,8 @@ from optax.tree_utils import _state_utils as _optax_state_utils
 
 __all__ = [
     "BILINEAR_PRIMITIVES",
+    "CHECKPOINT_PRIMITIVES",
+    "COND",
     "CONVERT_ELEMENT_TYPE",
     "LINEAR_OPERANDS",
     "MUON_DEFAULT_NS_COEFFS",
@@ -54,15 +58,21 @@ __all__ = [
     "OPTAX_MUON_MODULE",
     "OPTAX_PARTITION_MODULE",
     "PVARY",
+    "SCAN",
+    "SELECTION_PRIMITIVES",
     "SELECT_N",
     "TRACER_TYPES",
     "VIEW_PRIMITIVES",
+    "CheckpointParams",
     "ClosedJaxpr",
     "Literal",
+    "ScanParams",
     "as_closed",
     "backends_are_initialized",
     "bind_equation",
+    "checkpoint_params",
     "cluster_types",
+    "cond_branches",
     "convert_dtype",
     "distributed_job",
     "is_convert",
@@ -71,6 +81,7 @@ __all__ = [
     "is_nested_call",
     "is_params_placeholder",
     "is_pvary",
+    "is_selection",
     "is_tracer",
     "is_view",
     "muon_normalize_axes",
@@ -78,6 +89,7 @@ __all__ = [
     "nested_call_jaxpr",
     "primitive_name",
     "pvary_axes",
+    "scan_params",
 ]
 
 # ----------------------------------------------------------------------------------------------------------
@@ -322,6 +334,111 @@ def pvary_axes(eqn: Any) -> tuple[str, ...]:
     Verified on JAX 0.10.2 (``eqn.params["axes"]``). Used by ``step/_wire_segment``.
     """
     return tuple(eqn.params["axes"])
+
+
+SELECTION_PRIMITIVES = frozenset(
+    {
+        "concatenate",
+        "copy",
+        "copy_p",
+        "dynamic_slice",
+        "expand_dims",
+        "pcast",
+        "pvary",
+        "reshape",
+        "rev",
+        "slice",
+        "squeeze",
+        "transpose",
+    }
+)
+"""Primitives whose output elements are elements of their floating operands, each used at most once, with no
+parameter naming a dtype: applied to an fp32 copy of a bf16 value they give the fp32 copy of their bf16 result,
+and their transpose only moves cotangents (never sums them). Operands of another dtype (``dynamic_slice``'s
+indices) are read as they are. ``broadcast_in_dim`` and ``gather`` are left out on purpose: their transposes
+sum. Verified on JAX 0.10.2 (``x[1:]``, ``x[i]``, ``.reshape``, ``.T``, ``jnp.concatenate``, ``x[::-1]``).
+Used by ``step/_interpret`` (a widened value stays wide through them)."""
+
+
+def is_selection(eqn: Any) -> bool:
+    """Whether ``eqn`` only selects, moves or joins elements (see :data:`SELECTION_PRIMITIVES`).
+
+    Verified on JAX 0.10.2. Used by ``step/_interpret``.
+    """
+    return primitive_name(eqn) in SELECTION_PRIMITIVES
+
+
+SCAN = "scan"
+"""The primitive of ``jax.lax.scan`` (and of ``nnx.scan``, ``fori_loop`` with static bounds). Its parameters:
+``jaxpr`` (a closed jaxpr: consts, carry, xs -> carry, ys), ``num_consts``, ``num_carry``, ``length``,
+``reverse``, ``unroll``. Verified on JAX 0.10.2. Used by ``step/_interpret`` (through :func:`scan_params`)."""
+
+
+class ScanParams(NamedTuple):
+    """What ``jax.lax.scan`` needs to re-express a scan equation (see :data:`SCAN`)."""
+
+    jaxpr: Any  # closed: (*consts, *carry, *x) -> (*carry, *y)
+    num_consts: int
+    num_carry: int
+    length: int
+    reverse: bool
+    unroll: int | bool
+
+
+def scan_params(eqn: Any) -> ScanParams | None:
+    """The parameters of a scan equation, or None when ``eqn`` is not one (or has parameters this reading
+    does not know, so that re-expressing it could change it).
+
+    Verified on JAX 0.10.2: exactly the parameters named in :data:`SCAN`. Used by ``step/_interpret``.
+    """
+    if primitive_name(eqn) != SCAN or set(eqn.params) != set(ScanParams._fields):
+        return None
+    p = eqn.params
+    return ScanParams(as_closed(p["jaxpr"]), p["num_consts"], p["num_carry"], p["length"], p["reverse"], p["unroll"])
+
+
+CHECKPOINT_PRIMITIVES = frozenset({"checkpoint", "remat2"})
+"""The primitive of ``jax.checkpoint`` / ``jax.remat`` / ``nnx.remat`` (``"remat2"`` on JAX 0.10.2; the name
+``"checkpoint"`` is accepted too, should a later JAX rename it). Its parameters: ``jaxpr`` (open), ``policy``,
+``prevent_cse``, ``differentiated`` (True once the equation is inside a differentiated function). Verified on
+JAX 0.10.2. Used by ``step/_interpret`` (through :func:`checkpoint_params`)."""
+
+
+class CheckpointParams(NamedTuple):
+    """What ``jax.checkpoint`` needs to re-express a checkpoint equation (see :data:`CHECKPOINT_PRIMITIVES`)."""
+
+    jaxpr: Any  # closed
+    policy: Any
+    prevent_cse: bool
+
+
+def checkpoint_params(eqn: Any) -> CheckpointParams | None:
+    """The parameters of a ``jax.checkpoint`` equation not yet differentiated, else None.
+
+    Verified on JAX 0.10.2. Used by ``step/_interpret``.
+    """
+    if primitive_name(eqn) not in CHECKPOINT_PRIMITIVES or eqn.params.get("differentiated", False):
+        return None
+    if set(eqn.params) != {"jaxpr", "policy", "prevent_cse", "differentiated"}:
+        return None
+    p = eqn.params
+    return CheckpointParams(as_closed(p["jaxpr"]), p["policy"], p["prevent_cse"])
+
+
+COND = "cond"
+"""The primitive of ``jax.lax.cond`` / ``jax.lax.switch``: operand 0 the (clamped) branch index, the rest the
+branches' operands; ``params["branches"]`` the closed jaxprs. Verified on JAX 0.10.2. Used by
+``step/_interpret`` (through :func:`cond_branches`)."""
+
+
+def cond_branches(eqn: Any) -> tuple[Any, ...] | None:
+    """The closed branch jaxprs of a cond equation, or None when ``eqn`` is not one.
+
+    Verified on JAX 0.10.2 (``params == {"branches"}``). Used by ``step/_interpret``.
+    """
+    if primitive_name(eqn) != COND or set(eqn.params) != {"branches"}:
+        return None
+    return tuple(as_closed(b) for b in eqn.params["branches"])
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -11,6 +11,12 @@ model is run on an fp32 copy of it (exactly representable: it is an upcast) thro
 ``astype(float32)`` of the leaf is the identity. Its cotangent is therefore the model's fp32 partial sum,
 which the gather's transpose reduce-scatters in fp32 and rounds once. Uses of the leaf in its own dtype
 (``x_bf16 * b``) see the bf16 value unchanged; their gradient is bf16 already in the model (as unsharded).
+
+The casts are found wherever the leaf's value flows (:mod:`vescale_jax.step._interpret`): through slices and
+reshapes of it (``b[i].astype(f32)``), into nested ``jit``, ``scan`` (the model's own ``jax.lax.scan`` /
+``nnx.scan`` over a stacked leaf planned without ``stacked=``), ``jax.checkpoint`` / ``nnx.remat`` and ``cond``.
+``custom_jvp`` / ``custom_vjp`` functions and ``while`` loops receive the leaf in its own dtype: their
+gradient is what their rules (or no rule) make it.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vescale_jax._compat import bind_equation, convert_dtype, is_convert, is_literal
+from vescale_jax.step._interpret import Wide, evaluate
 
 __all__ = ["wide_dtype", "widened"]
 
@@ -70,43 +76,8 @@ def widened(fn: Callable[..., Any], narrow: Sequence[Any], *, is_leaf: Any = Non
             return fn(jax.tree.unflatten(treedef, leaves_), *args_)
 
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*in_flat)
-        outs = _eval(closed, in_flat, wide)
+        args = [Wide(*wide[i]) if i in wide else x for i, x in enumerate(in_flat)]
+        outs = [x.narrow() if isinstance(x, Wide) else x for x in evaluate(closed, args)]
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
     return run
-
-
-def _eval(closed: Any, in_flat: Sequence[Any], wide: dict[int, tuple[Any, np.dtype]]) -> list[Any]:
-    """Evaluates ``closed`` on ``in_flat``; input ``i`` in ``wide`` is ``(fp32 copy, dtype)``: its uses read
-    the copy cast to ``dtype``, except ``convert_element_type`` to the copy's dtype, which is the copy."""
-    jaxpr = closed.jaxpr
-    env: dict[Any, Any] = {}
-    copies: dict[Any, tuple[Any, np.dtype]] = {}
-
-    def read(v):
-        if is_literal(v):
-            return v.val
-        if v not in env:  # a wide input used in its own dtype
-            copy, dtype = copies[v]
-            env[v] = copy.astype(dtype)
-        return env[v]
-
-    for v, c in zip(jaxpr.constvars, closed.consts, strict=True):
-        env[v] = c
-    for i, v in enumerate(jaxpr.invars):
-        if i in wide:
-            copies[v] = wide[i]
-        else:
-            env[v] = in_flat[i]
-    for eqn in jaxpr.eqns:
-        src = eqn.invars[0] if eqn.invars else None
-        if (
-            is_convert(eqn)
-            and not is_literal(src)
-            and src in copies
-            and convert_dtype(eqn) == np.dtype(copies[src][0].dtype)
-        ):
-            env[eqn.outvars[0]] = copies[src][0]  # astype(f32) of the leaf: its exact fp32 copy
-            continue
-        env.update(zip(eqn.outvars, bind_equation(eqn, [read(v) for v in eqn.invars]), strict=True))
-    return [read(v) for v in jaxpr.outvars]
