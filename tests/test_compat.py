@@ -167,6 +167,92 @@ def test_higher_order_equations_stay_whole_and_rebind(kind):
     )
 
 
+SELECTIONS = {  # each a selection of elements of x, and its result's dtype is x's
+    "slice": lambda x: x[1:],
+    "index": lambda x: x[2],
+    "dynamic index": lambda x: jax.lax.dynamic_index_in_dim(x, jnp.int32(1), keepdims=False),
+    "reshape": lambda x: x.reshape(2, 2, 2),
+    "transpose": lambda x: x.reshape(2, 4).T,
+    "reverse": lambda x: x[::-1],
+    "concatenate": lambda x: jnp.concatenate([x, x[:2]]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SELECTIONS))
+def test_selections_are_recognised_and_rebind_on_fp32_copies(case):
+    f = SELECTIONS[case]
+    x = jnp.linspace(-1.0, 2.0, 8).astype(jnp.bfloat16)
+    closed = closed_of(f, x)
+    sel = [e for e in closed.jaxpr.eqns if _compat.is_selection(e)]
+    assert sel and all(_compat.is_selection(e) for e in closed.jaxpr.eqns if e.outvars[0].aval.dtype == x.dtype), broke(
+        "is_selection / SELECTION_PRIMITIVES",
+        f"{case} is made of equations named in SELECTION_PRIMITIVES (got "
+        f"{[_compat.primitive_name(e) for e in closed.jaxpr.eqns]})",
+        "step/_interpret (a wide value stays wide through them)",
+    )
+    wide = run_by_equations(closed_of(f, x.astype(jnp.float32)), x.astype(jnp.float32))[0]
+    np.testing.assert_array_equal(
+        np.asarray(wide.astype(jnp.bfloat16), np.float32),
+        np.asarray(f(x), np.float32),
+        err_msg=broke("SELECTION_PRIMITIVES", f"{case} on the fp32 copy is the copy of {case}", "step/_interpret"),
+    )
+    assert not _compat.is_selection(out_eqn(lambda x: jnp.broadcast_to(x, (2, 8)), x))
+    assert not _compat.is_selection(out_eqn(lambda x: x[jnp.array([0, 0, 1])], x))
+
+
+def test_scan_params_re_express_the_scan():
+    xs = jnp.arange(12.0).reshape(4, 3)
+    f = lambda c, xs: jax.lax.scan(lambda c, x: (c * 0.5 + x + 1.0, c.sum()), c, xs, reverse=True, unroll=2)
+    eqn = out_eqn(lambda c, xs: f(c, xs)[0], jnp.ones(3), xs)
+    p = _compat.scan_params(eqn)
+    assert p is not None and (p.length, p.reverse, p.unroll, p.num_carry) == (4, True, 2, 1), broke(
+        "scan_params / SCAN",
+        f"jax.lax.scan is a {_compat.SCAN!r} equation with params {sorted(_compat.ScanParams._fields)} (got "
+        f"{_compat.primitive_name(eqn)!r}, {sorted(eqn.params)})",
+        "step/_interpret (widening inside the model's own scan)",
+    )
+    consts = [jnp.ones(())] * p.num_consts
+    body = lambda c, x: (lambda o: (o[: p.num_carry], o[p.num_carry :]))(run_by_equations(p.jaxpr, *consts, *c, x))
+    got = jax.lax.scan(body, [jnp.ones(3)], xs, length=p.length, reverse=p.reverse, unroll=p.unroll)
+    want = f(jnp.ones(3), xs)
+    np.testing.assert_allclose(got[0][0], want[0], err_msg=broke("scan_params", "the body's order", "step/_interpret"))
+    np.testing.assert_allclose(got[1][0], want[1], err_msg=broke("scan_params", "the ys", "step/_interpret"))
+    assert _compat.scan_params(out_eqn(lambda x: jnp.sin(x), xs)) is None
+
+
+def test_checkpoint_params_re_express_the_checkpoint():
+    policy = jax.checkpoint_policies.dots_saveable
+    f = jax.checkpoint(lambda x: jnp.sin(x @ x.T), policy=policy, prevent_cse=False)
+    x = jnp.linspace(-1.0, 1.0, 6).reshape(2, 3)
+    eqn = out_eqn(f, x)
+    p = _compat.checkpoint_params(eqn)
+    assert p is not None and p.policy is policy and p.prevent_cse is False, broke(
+        "checkpoint_params / CHECKPOINT_PRIMITIVES",
+        f"jax.checkpoint is an equation named in CHECKPOINT_PRIMITIVES with jaxpr, policy, prevent_cse, "
+        f"differentiated (got {_compat.primitive_name(eqn)!r}, {sorted(eqn.params)})",
+        "step/_interpret (widening inside jax.checkpoint / nnx.remat)",
+    )
+    np.testing.assert_allclose(run_by_equations(p.jaxpr, x)[0], f(x), rtol=1e-6)
+    grad_eqns = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(f(x))))(x).jaxpr.eqns
+    assert all(_compat.checkpoint_params(e) is None for e in grad_eqns), broke(
+        "checkpoint_params", "a differentiated checkpoint is not re-expressed", "step/_interpret"
+    )
+
+
+def test_cond_branches_re_express_the_cond():
+    f = lambda i, x: jax.lax.switch(i, [jnp.sin, jnp.cos, lambda x: -x], x)
+    x = jnp.linspace(-1.0, 1.0, 4)
+    eqn = out_eqn(f, 1, x)
+    branches = _compat.cond_branches(eqn)
+    assert branches is not None and len(branches) == 3, broke(
+        "cond_branches / COND",
+        f"jax.lax.switch is a {_compat.COND!r} equation with params['branches'] (got {_compat.primitive_name(eqn)!r})",
+        "step/_interpret (widening inside cond branches)",
+    )
+    for i in range(3):
+        np.testing.assert_allclose(run_by_equations(branches[i], x)[0], f(i, x), rtol=1e-6)
+
+
 def test_while_loop_rebinds():
     f = lambda x: jax.lax.while_loop(lambda c: jnp.sum(c) < 10.0, lambda c: c * 1.5 + 0.1, x)
     x = jnp.linspace(0.1, 1.0, 4)
