@@ -167,34 +167,33 @@ def test_higher_order_equations_stay_whole_and_rebind(kind):
     )
 
 
-SELECTIONS = {  # each a selection of elements of x, and its result's dtype is x's
-    "slice": lambda x: x[1:],
-    "index": lambda x: x[2],
-    "dynamic index": lambda x: jax.lax.dynamic_index_in_dim(x, jnp.int32(1), keepdims=False),
-    "reshape": lambda x: x.reshape(2, 2, 2),
-    "transpose": lambda x: x.reshape(2, 4).T,
-    "reverse": lambda x: x[::-1],
-    "concatenate": lambda x: jnp.concatenate([x, x[:2]]),
+SELECTIONS = {  # each a selection of elements of x (i: a traced index, 1), its result's dtype x's
+    "slice": lambda x, i: x[1:],
+    "index": lambda x, i: x[2],
+    "dynamic index": lambda x, i: x[i],
+    "reshape": lambda x, i: x.reshape(2, 2, 2),
+    "transpose": lambda x, i: x.reshape(2, 4).T,
+    "reverse": lambda x, i: x[::-1],
+    "concatenate": lambda x, i: jnp.concatenate([x, x[:2]]),
 }
 
 
 @pytest.mark.parametrize("case", sorted(SELECTIONS))
 def test_selections_are_recognised_and_rebind_on_fp32_copies(case):
     f = SELECTIONS[case]
-    x = jnp.linspace(-1.0, 2.0, 8).astype(jnp.bfloat16)
-    closed = closed_of(f, x)
-    sel = [e for e in closed.jaxpr.eqns if _compat.is_selection(e)]
-    assert sel and all(_compat.is_selection(e) for e in closed.jaxpr.eqns if e.outvars[0].aval.dtype == x.dtype), broke(
+    x, i = jnp.linspace(-1.0, 2.0, 8).astype(jnp.bfloat16), jnp.int32(1)
+    eqns = closed_of(f, x, i).jaxpr.eqns
+    assert all(_compat.is_selection(e) for e in eqns if e.outvars[0].aval.dtype == x.dtype), broke(
         "is_selection / SELECTION_PRIMITIVES",
-        f"{case} is made of equations named in SELECTION_PRIMITIVES (got "
-        f"{[_compat.primitive_name(e) for e in closed.jaxpr.eqns]})",
+        f"{case} is made of equations named in SELECTION_PRIMITIVES (got {[_compat.primitive_name(e) for e in eqns]})",
         "step/_interpret (a wide value stays wide through them)",
     )
-    wide = run_by_equations(closed_of(f, x.astype(jnp.float32)), x.astype(jnp.float32))[0]
+    copy = x.astype(jnp.float32)
+    wide = run_by_equations(closed_of(f, copy, i), copy, i)[0]
     np.testing.assert_array_equal(
         np.asarray(wide.astype(jnp.bfloat16), np.float32),
-        np.asarray(f(x), np.float32),
-        err_msg=broke("SELECTION_PRIMITIVES", f"{case} on the fp32 copy is the copy of {case}", "step/_interpret"),
+        np.asarray(f(x, i), np.float32),
+        err_msg=broke("SELECTION_PRIMITIVES", f"{case} of the fp32 copy is the copy of {case}", "step/_interpret"),
     )
     assert not _compat.is_selection(out_eqn(lambda x: jnp.broadcast_to(x, (2, 8)), x))
     assert not _compat.is_selection(out_eqn(lambda x: x[jnp.array([0, 0, 1])], x))
