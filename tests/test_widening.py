@@ -213,6 +213,21 @@ def test_gradient_reaches_the_fp32_copy_unrounded(kind):
     np.testing.assert_allclose(np.asarray(got["w_in"]), np.asarray(want["w_in"]), rtol=1e-6, atol=1e-7)
 
 
+class RematScanModel(ScanModel):
+    def __call__(self, x):
+        body = nnx.remat(lambda block, h: (block(h), None))
+        scan = nnx.scan(body, in_axes=(0, nnx.Carry), out_axes=(nnx.Carry, 0))
+        return self.out(scan(self.blocks, self.inp(x))[0])
+
+
+def test_gradient_reaches_the_fp32_copy_through_nnx_remat_inside_nnx_scan():
+    graphdef, state = nnx.split(RematScanModel(nnx.Rngs(0)))
+    got, want = copy_grads(lambda s, x: nnx.merge(graphdef, s)(x), state, data(0)[0])
+    b, wb = np.asarray(got["blocks"]["b"].get_value()), np.asarray(want["blocks"]["b"].get_value())
+    assert np.any(wb != wb.astype(jnp.bfloat16).astype(np.float32))  # rounding would show
+    np.testing.assert_allclose(b, wb, rtol=1e-6, atol=1e-7)
+
+
 @jax.custom_vjp
 def doubled_grad(b):
     return b.astype(jnp.float32)
