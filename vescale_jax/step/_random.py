@@ -57,7 +57,7 @@ from vescale_jax._compat import (
 from vescale_jax.step._jaxpr import read
 from vescale_jax.step._wire import varying_axes, varying_like
 
-__all__ = ["split_draws", "split_layer_draws"]
+__all__ = ["split_draws", "split_layer_draws", "tolerant"]
 
 _U32 = jnp.uint32
 _INDEPENDENT = -1  # a draw whose shape grows with the batch in no clean way: drawn independently per device
@@ -140,8 +140,8 @@ def split_draws(
         batch = next((int(np.shape(x)[0]) for x in arg_leaves if np.ndim(x)), None)
         table = _batch_dims(flat_fn, in_flat, n_tree, [s for s, _ in local], size, global_args)
         draws = _Draws(axes, size, table, batch, check_vma)
-        with _active(draws):  # vj.scan_layers bodies are split as they are traced
-            closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*in_flat)
+        with _active(draws):  # vj.scan_layers bodies are split as they are traced (a new function: no cached trace)
+            closed, out_shape = jax.make_jaxpr(lambda *xs: flat_fn(*xs), return_shape=True)(*in_flat)
         outs = _run(closed, in_flat, [False] * n_tree + [True] * len(arg_leaves), draws)
         return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
 
@@ -167,6 +167,22 @@ def split_layer_draws(fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+def tolerant(fn: Callable[..., Any], *example: Any) -> Callable[..., Any]:
+    """``fn`` traced once on ``example`` and evaluated on later arguments that may vary over more mesh axes than
+    the example did: operands are marked varying where they meet a varying value (as JAX's own operations do
+    when traced). A :func:`vj.scan_layers` backward receives its per-layer inputs as ``shard_map`` residuals,
+    varying over every axis, where the forward had them invariant (``fold_in(key, layer_index)``)."""
+    flat, tree = jax.tree.flatten(example)
+    closed, out_shape = jax.make_jaxpr(lambda *xs: fn(*jax.tree.unflatten(tree, xs)), return_shape=True)(*flat)
+    out_tree = jax.tree.structure(out_shape)
+
+    def run(*args):
+        outs = _run(closed, jax.tree.leaves(args), [False] * len(flat), None)
+        return jax.tree.unflatten(out_tree, outs)
+
+    return run
+
+
 def _draw_shapes(jaxpr: Any) -> Iterator[tuple[tuple[int, ...], frozenset[str]]]:
     """Per draw of ``jaxpr`` and its nested jaxprs, in order: its per-key shape and its key's varying axes."""
     for eqn in jaxpr.eqns:
@@ -186,8 +202,8 @@ def _batch_dims(flat_fn, in_flat, n_tree, local, size, global_args) -> dict[tupl
         if shapes is None:
             return {}
         with _active(None):
-            closed = jax.make_jaxpr(flat_fn)(*in_flat[:n_tree], *shapes)
-    except Exception:  # noqa: BLE001 - a model that only traces at its local shapes: the leading-dim rule
+            closed = jax.make_jaxpr(lambda *xs: flat_fn(*xs))(*in_flat[:n_tree], *shapes)
+    except Exception:  # a model that traces only at its local shapes: the leading-dim rule
         return {}
     glob = [s for s, _ in _draw_shapes(closed.jaxpr)]
     if len(glob) != len(local):
@@ -205,9 +221,10 @@ def _batch_dims(flat_fn, in_flat, n_tree, local, size, global_args) -> dict[tupl
     return table
 
 
-def _run(closed: Any, invals: Sequence[Any], dep: Sequence[bool], draws: _Draws) -> list[Any]:
-    """Evaluates ``closed`` with its replicated batch draws split (nested jaxprs included). ``dep``: per input,
-    whether it comes from the batch (read only without ``check_vma``)."""
+def _run(closed: Any, invals: Sequence[Any], dep: Sequence[bool], draws: _Draws | None) -> list[Any]:
+    """Evaluates ``closed`` with its replicated batch draws split (nested jaxprs included; ``draws`` None: none
+    split, operands only matched in varying axes). ``dep``: per input, whether it comes from the batch (read
+    only without ``check_vma``)."""
     jaxpr = closed.jaxpr
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts, strict=True))
     env.update(zip(jaxpr.invars, invals, strict=True))
@@ -217,14 +234,14 @@ def _run(closed: Any, invals: Sequence[Any], dep: Sequence[bool], draws: _Draws)
         d = any(v in from_batch for v in eqn.invars if not is_literal(v))
         outs = None
         if is_random_draw(eqn):
-            outs = _split_draw(eqn, vals[0], d, draws)
+            outs = None if draws is None else _split_draw(eqn, vals[0], d, draws)
         else:
             keyish = any(
                 v in from_batch and _is_keyish(x) for v, x in zip(eqn.invars, vals, strict=True) if not is_literal(v)
             )
             outs = rerun_nested(eqn, vals, lambda c, a, k=keyish: _run(c, a, [k] * len(a), draws))
         if outs is None:
-            outs = _bind(eqn, vals, draws.check_vma)
+            outs = _bind(eqn, vals, draws is None or draws.check_vma)
         env.update(zip(eqn.outvars, outs, strict=True))
         if d:
             from_batch.update(eqn.outvars)
