@@ -664,3 +664,107 @@ def test_internals_only_in_compat():
         "belong in vescale_jax/_compat.py, each pinned by a test in tests/test_compat.py; found elsewhere:\n"
         + "\n".join(found)
     )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Random draws
+
+
+@pytest.mark.parametrize("make_key", [lambda: jax.random.key(0), lambda: jax.random.PRNGKey(0)], ids=["typed", "raw"])
+def test_random_draws_are_random_bits_and_random_split(make_key):
+    users = "step/_random (draws from a replicated key split as the unsharded run draws them)"
+    key = make_key()
+
+    def draws(k):
+        return (
+            jax.random.bernoulli(k, 0.5, (4, 3)),
+            jax.random.normal(jax.random.fold_in(k, 1), (5,)),
+            jax.random.uniform(k, (2, 6)),
+            jax.random.split(k, 7),
+            jax.random.bits(k, (3,), jnp.uint8),
+        )
+
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if _compat.is_random_draw(eqn):
+                found.append(eqn)
+            for sub in _compat.nested_jaxprs(eqn):
+                walk(sub.jaxpr)
+
+    walk(closed_of(draws, key).jaxpr)
+    shapes = [(_compat.draw_shape(e), _compat.is_random_split(e)) for e in found]
+    assert shapes == [((4, 3), False), ((5,), False), ((2, 6), False), ((7,), True), ((3,), False)], broke(
+        "RANDOM_DRAW_PRIMITIVES / nested_jaxprs / draw_shape",
+        f"samplers reach random_bits / random_split (in nested jits) with params['shape'] (got {shapes})",
+        users,
+    )
+    assert [_compat.draw_bit_width(e) for e in found if not _compat.is_random_split(e)] == [32, 32, 32, 8], broke(
+        "draw_bit_width", "params['bit_width'] is the draw's width", users
+    )
+
+
+def test_partitionable_threefry_is_the_hash_of_flat_indices():
+    users = "step/_random (the local slice of a draw computed from its global flat indices)"
+    key = jax.random.key(3)
+    assert _compat.key_impl_name(key) == _compat.THREEFRY_IMPL, broke("key_impl_name", "the default key", users)
+    assert _compat.key_impl_name(jax.random.key(0, impl="rbg")) == "rbg", broke("key_impl_name", "rbg keys", users)
+    assert _compat.threefry_partitionable(), broke("threefry_partitionable", "on by default", users)
+    words = jax.random.key_data(key)
+    n = 2 * 3 * 5
+    lo = jnp.arange(n, dtype=jnp.uint32).reshape(2, 3, 5)
+    b1, b2 = _compat.threefry2x32(words[0], words[1], jnp.zeros_like(lo), lo)
+    np.testing.assert_array_equal(
+        np.asarray(b1 ^ b2), np.asarray(jax.random.bits(key, (2, 3, 5))), err_msg=broke("threefry2x32", "bits", users)
+    )
+    keys = jax.random.key_data(jax.random.split(key, 4))
+    b1, b2 = _compat.threefry2x32(words[0], words[1], jnp.zeros(4, jnp.uint32), jnp.arange(4, dtype=jnp.uint32))
+    np.testing.assert_array_equal(
+        np.stack([b1, b2], -1), np.asarray(keys), err_msg=broke("threefry2x32", "split keys are (bits1, bits2)", users)
+    )
+
+
+def test_rerun_nested_covers_scan_while_cond_remat_and_jit():
+    users = "step/_random (draws inside nested jaxprs re-run through the public API)"
+
+    def f(x):
+        x = jax.jit(jnp.sin)(x)
+        x = jax.lax.scan(lambda c, y: (c + y, c * y), x, jnp.ones((3, 2)))[0]
+        x = jax.lax.while_loop(lambda c: c[0] < 5.0, lambda c: c + 1.0, x)
+        x = jax.lax.cond(x[0] > 0, jnp.cos, jnp.sin, x)
+        return jax.checkpoint(jnp.tanh)(x)
+
+    x = jnp.array([0.5, -1.0])
+    closed = closed_of(f, x)
+
+    def run(c, args):
+        env = dict(zip(c.jaxpr.constvars, c.consts, strict=True))
+        env.update(zip(c.jaxpr.invars, args, strict=True))
+        rd = lambda v: v.val if _compat.is_literal(v) else env[v]
+        for eqn in c.jaxpr.eqns:
+            vals = [rd(v) for v in eqn.invars]
+            outs = _compat.rerun_nested(eqn, vals, run)
+            env.update(zip(eqn.outvars, outs if outs is not None else _compat.bind_equation(eqn, vals), strict=True))
+        return [rd(v) for v in c.jaxpr.outvars]
+
+    names = {_compat.primitive_name(e) for e in closed.jaxpr.eqns}
+    assert {"jit", "scan", "while", "cond"} <= names and names & {"remat2", "checkpoint"}, broke(
+        "rerun_nested", f"the nested primitives are named jit / scan / while / cond / remat2 (got {names})", users
+    )
+    np.testing.assert_allclose(run(closed, [x])[0], f(x), rtol=1e-6, err_msg=broke("rerun_nested", "values", users))
+
+
+def test_aval_varying_axes_reads_shard_map_types():
+    mesh = make_mesh(2, "x", auto=True)
+    seen = []
+
+    def body(a):
+        seen.append(closed_of(lambda y, z: y + z, a, jnp.ones(1)).jaxpr.invars)
+        return a
+
+    jax.make_jaxpr(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))(jnp.ones(2))
+    (varying, invariant) = seen[0]
+    assert _compat.aval_varying_axes(varying.aval) == {"x"} and not _compat.aval_varying_axes(invariant.aval), broke(
+        "aval_varying_axes", "a jaxpr variable's aval says which manual axes it varies over", "step/_random"
+    )

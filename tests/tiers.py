@@ -82,6 +82,11 @@ FAST: dict[str, tuple[str, ...]] = {
         "test_census_one_all_gather_and_one_reduce_scatter_per_bucket",
     ),
     "test_padding.py": ("test_a_nan_batch_leaves_padding_of_params_and_moments_zero[m3]",),
+    # What runs on each device: draws from a replicated key.
+    "test_random.py": (
+        "test_closed_over_key_draws_the_unsharded_mask[3-typed]",
+        "test_key_as_a_step_argument_trains_like_unsharded[8-raw]",
+    ),
     # Mixed precision, accumulation, HSDP.
     "test_low_precision.py": (
         "test_bf16_leaf_gradient_matches_unsharded[3-True]",

@@ -19,6 +19,10 @@ Sections:
   (:func:`is_convert`, :func:`convert_dtype`), :data:`PVARY` (:func:`is_pvary`, :func:`pvary_axes`),
   :data:`SELECTION_PRIMITIVES` (:func:`is_selection`), :data:`SCAN` (:func:`scan_params`),
   :data:`CHECKPOINT_PRIMITIVES` (:func:`checkpoint_params`), :data:`COND` (:func:`cond_branches`).
+* random draws: :data:`RANDOM_DRAW_PRIMITIVES` (:func:`is_random_draw`, :func:`draw_shape`,
+  :func:`draw_bit_width`, :func:`is_random_split`), :func:`key_impl_name`, :func:`threefry_partitionable`,
+  :func:`threefry2x32`; re-running nested jaxprs: :func:`nested_jaxprs`, :func:`rerun_nested`;
+  :func:`aval_varying_axes`.
 * the process's JAX runtime: :func:`backends_are_initialized`, :func:`cluster_types`,
   :func:`distributed_job`.
 * optax: :func:`is_params_placeholder`, the Muon internals (:data:`MUON_NS_COEFFS_PRESETS`,
@@ -41,6 +45,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 import optax
+from jax.extend import random as _jex_random
 from optax.contrib import _muon as _optax_muon
 from optax.tree_utils import _state_utils as _optax_state_utils
 
@@ -58,9 +63,11 @@ __all__ = [
     "OPTAX_MUON_MODULE",
     "OPTAX_PARTITION_MODULE",
     "PVARY",
+    "RANDOM_DRAW_PRIMITIVES",
     "SCAN",
     "SELECTION_PRIMITIVES",
     "SELECT_N",
+    "THREEFRY_IMPL",
     "TRACER_TYPES",
     "VIEW_PRIMITIVES",
     "CheckpointParams",
@@ -68,6 +75,7 @@ __all__ = [
     "Literal",
     "ScanParams",
     "as_closed",
+    "aval_varying_axes",
     "backends_are_initialized",
     "bind_equation",
     "checkpoint_params",
@@ -75,21 +83,30 @@ __all__ = [
     "cond_branches",
     "convert_dtype",
     "distributed_job",
+    "draw_bit_width",
+    "draw_shape",
     "is_convert",
     "is_linear_in",
     "is_literal",
     "is_nested_call",
     "is_params_placeholder",
     "is_pvary",
+    "is_random_draw",
+    "is_random_split",
     "is_selection",
     "is_tracer",
     "is_view",
+    "key_impl_name",
     "muon_normalize_axes",
     "muon_orthogonalize",
     "nested_call_jaxpr",
+    "nested_jaxprs",
     "primitive_name",
     "pvary_axes",
+    "rerun_nested",
     "scan_params",
+    "threefry2x32",
+    "threefry_partitionable",
 ]
 
 # ----------------------------------------------------------------------------------------------------------
@@ -439,6 +456,157 @@ def cond_branches(eqn: Any) -> tuple[Any, ...] | None:
     if primitive_name(eqn) != COND or set(eqn.params) != {"branches"}:
         return None
     return tuple(as_closed(b) for b in eqn.params["branches"])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Random draws
+
+RANDOM_DRAW_PRIMITIVES = frozenset({"random_bits", "random_split"})
+"""The primitives that draw from a typed PRNG key: ``random_bits`` (``params["bit_width"]``,
+``params["shape"]``; every ``jax.random`` sampler, ``bernoulli`` / ``uniform`` / ``normal`` / ``randint`` ...)
+and ``random_split`` (``params["shape"]``). Their output is ``key.shape + shape`` (``+ (bits,)`` for none:
+a split's output is keys). ``random_fold_in`` / ``random_wrap`` / ``random_unwrap`` / ``random_seed`` draw no
+array. A raw ``jax.random.PRNGKey`` reaches them through ``random_wrap``, as a typed key. Verified on JAX 0.10.2
+(``jax.random.key`` and ``jax.random.PRNGKey``, impls ``threefry2x32``, ``rbg``, ``unsafe_rbg``). Used by
+``step/_random``."""
+
+THREEFRY_IMPL = "threefry2x32"
+"""The name :func:`key_impl_name` gives for the default key implementation. Verified on JAX 0.10.2."""
+
+
+def is_random_draw(eqn: Any) -> bool:
+    """Whether ``eqn`` draws from a key (see :data:`RANDOM_DRAW_PRIMITIVES`).
+
+    Verified on JAX 0.10.2. Used by ``step/_random``.
+    """
+    return primitive_name(eqn) in RANDOM_DRAW_PRIMITIVES
+
+
+def is_random_split(eqn: Any) -> bool:
+    """Whether a draw (:func:`is_random_draw`) is a ``random_split`` (its output is keys, not bits).
+
+    Verified on JAX 0.10.2. Used by ``step/_random``.
+    """
+    return primitive_name(eqn) == "random_split"
+
+
+def draw_shape(eqn: Any) -> tuple[int, ...]:
+    """The shape a draw asks for per key (``params["shape"]``; the output is ``key.shape + shape``).
+
+    Verified on JAX 0.10.2. Used by ``step/_random``.
+    """
+    return tuple(eqn.params["shape"])
+
+
+def draw_bit_width(eqn: Any) -> int:
+    """The bit width of a ``random_bits`` draw (``params["bit_width"]``: 8, 16, 32 or 64).
+
+    Verified on JAX 0.10.2. Used by ``step/_random``.
+    """
+    return int(eqn.params["bit_width"])
+
+
+def key_impl_name(key: Any) -> str:
+    """The implementation of typed key ``key`` by name (``"threefry2x32"``, ``"rbg"``, ``"unsafe_rbg"``).
+
+    Verified on JAX 0.10.2: ``jax.random.key_impl`` returns the name (a ``PRNGSpec`` whose ``str`` is the
+    name on later versions). Used by ``step/_random``.
+    """
+    impl = jax.random.key_impl(key)
+    return str(getattr(impl, "name", impl))
+
+
+def threefry_partitionable() -> bool:
+    """Whether threefry draws are partitionable: the bits of element ``i`` of a draw depend only on the key and
+    ``i``'s flat index (``jax_threefry_partitionable``, True by default since JAX 0.5).
+
+    Verified on JAX 0.10.2 (``jax._src.random.threefry2x32._threefry_random_bits_partitionable``: ``bits1,
+    bits2 = threefry2x32(k1, k2, hi(i), lo(i))``; 32 bits ``bits1 ^ bits2``, 8 / 16 bits that truncated, 64
+    bits ``bits1 << 32 | bits2``; ``_threefry_split_foldlike``: key data ``(bits1, bits2)``). Used by
+    ``step/_random``.
+    """
+    return bool(jax.config.jax_threefry_partitionable)
+
+
+def threefry2x32(k1: Any, k2: Any, x1: Any, x2: Any) -> list[Any]:
+    """The Threefry-2x32 hash of count words ``(x1, x2)`` (uint32 arrays of one shape) under key words
+    ``(k1, k2)`` (uint32 scalars): two uint32 arrays, as the partitionable draws compute them.
+
+    Verified on JAX 0.10.2 (``jax.extend.random.threefry2x32_p``). Used by ``step/_random``.
+    """
+    return list(_jex_random.threefry2x32_p.bind(k1, k2, x1, x2))
+
+
+def aval_varying_axes(aval: Any) -> frozenset[str]:
+    """The mesh axes a jaxpr variable's abstract value varies over inside ``shard_map`` (empty when the check is
+    off or outside ``shard_map``).
+
+    Verified on JAX 0.10.2 (``aval.manual_axis_type.varying``; ``aval.vma`` on later versions). Used by
+    ``step/_random``.
+    """
+    vma = getattr(aval, "vma", None)
+    if vma:
+        return frozenset(vma)
+    mat = getattr(aval, "manual_axis_type", None)
+    return frozenset(mat.varying) if mat is not None else frozenset()
+
+
+def nested_jaxprs(eqn: Any) -> list[Any]:
+    """Every jaxpr an equation holds in its parameters (a ``jit`` / ``scan`` / ``remat`` body, ``cond``
+    branches, a ``while``'s condition and body, a ``custom_jvp`` / ``custom_vjp`` primal), as closed jaxprs, in
+    parameter-name order.
+
+    Verified on JAX 0.10.2. Used by ``step/_random`` (to find draws wherever they sit).
+    """
+    out = []
+    for name in sorted(eqn.params):
+        value = eqn.params[name]
+        for v in value if isinstance(value, tuple | list) else (value,):
+            if hasattr(v, "eqns") or (hasattr(v, "jaxpr") and hasattr(v, "consts")):
+                out.append(as_closed(v))
+    return out
+
+
+def rerun_nested(eqn: Any, invals: Sequence[Any], run: Any) -> list[Any] | None:
+    """``eqn`` on ``invals`` with each nested jaxpr evaluated by ``run(closed_jaxpr, args) -> outputs``, through
+    JAX's public API (so types are recomputed), or None for a primitive not covered here (bind it as it is).
+
+    Covered, verified on JAX 0.10.2: nested calls (:data:`NESTED_CALL_PRIMITIVES`: inlined), ``scan``
+    (``num_consts``, ``num_carry``, ``length``, ``reverse``, ``unroll``: ``lax.scan``), ``while``
+    (``cond_nconsts``, ``body_nconsts``: ``lax.while_loop``), ``cond`` (``branches``, operand 0 the index:
+    ``lax.switch``) and ``remat2`` / ``checkpoint`` (``prevent_cse``, ``policy``: ``jax.checkpoint``).
+    ``custom_jvp_call`` / ``custom_vjp_call`` / ``shard_map`` are not (their derivative rules are opaque
+    functions). Used by ``step/_random``.
+    """
+    name = primitive_name(eqn)
+    p = eqn.params
+    if is_nested_call(eqn):
+        return list(run(nested_call_jaxpr(eqn), list(invals)))
+    if name == "scan":
+        nc, nk = p["num_consts"], p["num_carry"]
+        consts, init, xs = list(invals[:nc]), list(invals[nc : nc + nk]), list(invals[nc + nk :])
+
+        def body(carry, x):
+            outs = run(p["jaxpr"], [*consts, *carry, *x])
+            return list(outs[:nk]), list(outs[nk:])
+
+        carry, ys = jax.lax.scan(body, init, xs, length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+        return [*carry, *ys]
+    if name == "while":
+        cn, bn = p["cond_nconsts"], p["body_nconsts"]
+        cc, bc, init = list(invals[:cn]), list(invals[cn : cn + bn]), list(invals[cn + bn :])
+        out = jax.lax.while_loop(
+            lambda c: run(p["cond_jaxpr"], [*cc, *c])[0], lambda c: list(run(p["body_jaxpr"], [*bc, *c])), init
+        )
+        return list(out)
+    if name == "cond":
+        branches = [lambda *a, b=b: list(run(b, list(a))) for b in p["branches"]]
+        return list(jax.lax.switch(invals[0], branches, *invals[1:]))
+    if name in ("remat2", "checkpoint"):
+        body = as_closed(p["jaxpr"])
+        f = jax.checkpoint(lambda *a: list(run(body, list(a))), prevent_cse=p["prevent_cse"], policy=p["policy"])
+        return list(f(*invals))
+    return None
 
 
 # ----------------------------------------------------------------------------------------------------------

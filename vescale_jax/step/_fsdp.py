@@ -42,6 +42,7 @@ from vescale_jax.step._fp32_grads import widened
 from vescale_jax.step._point_of_use import at_point_of_use
 from vescale_jax.step._policy import StepPolicy, enclosing_policy, running
 from vescale_jax.step._precision import MixedPrecision
+from vescale_jax.step._random import split_draws
 from vescale_jax.step._scan_layers import LayerShard
 from vescale_jax.step._wire import Gather
 from vescale_jax.step._wire_copies import unpack_copies
@@ -194,6 +195,7 @@ def apply(
         plan, data_axes, kernels, reshard_after_forward=reshard_after_forward, prefetch=prefetch, precision=precision
     )
     fn, in_specs, out_specs = _batch_specs(fn, args, plan, policy.data_axes, in_specs, out_specs)
+    fn = _split_draws(fn, plan, policy.data_axes, policy.kernels.check_vma, in_specs)
 
     how = policy.wire()
     fn = widened(fn, _narrow_leaves(plan, how), is_leaf=lambda x: isinstance(x, LayerShard))
@@ -219,6 +221,19 @@ def _batch_specs(fn, args, plan: Plan, axes: tuple[str, ...], in_specs: Any, out
         out_specs = P(axes)
         fn = _per_example_outputs(fn, axes)
     return fn, in_specs, out_specs
+
+
+def _split_draws(fn, plan: Plan, axes: tuple[str, ...], check_vma: bool, in_specs: Any):
+    """``fn`` whose draws from keys that are the same on every device are what the unsharded run draws for this
+    device's examples (:mod:`vescale_jax.step._random`); the batch-dim trace knows the global shapes when the
+    arguments are split on dim 0 (the default ``in_specs``)."""
+    size = _data_size(plan.mesh, axes)
+    default = all(spec == P(axes) for spec in in_specs)
+
+    def global_args(leaves):
+        return [jax.ShapeDtypeStruct((np.shape(x)[0] * size, *np.shape(x)[1:]), x.dtype) for x in leaves]
+
+    return split_draws(fn, axes=axes, size=size, check_vma=check_vma, global_args=global_args if default else None)
 
 
 def _per_example_outputs(fn: Callable[..., Any], axes: tuple[str, ...]) -> Callable[..., Any]:
@@ -254,6 +269,7 @@ def _apply_gathered(fn, params, args, data_axes, in_specs, out_specs, kernels):
     policy = _policy_of_apply(plan, data_axes, kernels)
     fn, in_specs, out_specs = _batch_specs(fn, args, plan, policy.data_axes, in_specs, out_specs)
     how = policy.wire()
+    fn = _split_draws(fn, plan, policy.data_axes, how.kernels.check_vma, in_specs)
 
     def local(copies, *local_args):
         return fn(jax.tree_util.tree_unflatten(plan.treedef, unpack_copies(copies, plan, how)), *local_args)

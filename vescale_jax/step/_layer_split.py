@@ -49,7 +49,10 @@ class Phases:
 
 def _nbytes(v: Any) -> int:
     aval = v.aval
-    return int(math.prod(aval.shape)) * np.dtype(aval.dtype).itemsize if hasattr(aval, "shape") else 0
+    if not hasattr(aval, "shape"):
+        return 0
+    itemsize = getattr(aval.dtype, "itemsize", None)  # a PRNG key's dtype is not a NumPy one (8 bytes: threefry)
+    return int(math.prod(aval.shape)) * (np.dtype(aval.dtype).itemsize if itemsize is None else int(itemsize))
 
 
 def split_layer(

@@ -32,6 +32,7 @@ from vescale_jax.layout._plan import Plan
 from vescale_jax.step._fp32_grads import widened
 from vescale_jax.step._layer_split import split_layer
 from vescale_jax.step._policy import StepPolicy
+from vescale_jax.step._random import split_layer_draws, tolerant
 from vescale_jax.step._wire import (
     example_leaves,
     gather_leaves,
@@ -239,7 +240,10 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
     # Example leaves with the right dtypes and varying-axes types (dead code once converted; no collective).
     example = tuple(tuple(example_leaves(r[0], bucket, plan, how)) for r, bucket in zip(rows, buckets, strict=True))
     x0 = jax.tree.map(lambda a: a[0], xs)
-    fn, consts = jax.closure_convert(layer, example, carry, x0)
+    # Draws from keys that are the same on every device are split as vj.apply splits them (step/_random); the
+    # backward evaluates the layer on residuals that vary over every axis (tolerant).
+    fn, consts = jax.closure_convert(split_layer_draws(layer), example, carry, x0)
+    fn = tolerant(fn, example, carry, x0, *consts)
     phases = None
     if not prefetch and not keep and num_layers > 1:
         phases = _split(fn, example, carry, x0, consts, num_layers)

@@ -1,0 +1,330 @@
+"""Random draws inside ``vj.apply`` that mean what they mean unsharded.
+
+Inside ``vj.apply`` the model runs per device on that device's slice of the batch. A key that does not come
+through the batch (closed over from ``nnx.Rngs``, a step argument, Linen's ``rngs=``) is the same on every
+device, so ``jax.random.bernoulli(key, p, x.shape)`` would draw the same mask everywhere, at the local shape
+``(b, ...)``. Unsharded, the draw has the global shape ``(B, ...)`` and device ``d``'s examples get rows
+``[d*b, (d+1)*b)`` of it.
+
+:func:`split_draws` re-runs the model's jaxpr with every such draw (``random_bits`` and ``random_split`` whose
+key does not vary over the data axes and whose requested shape has the batch dim) replaced by this device's
+part of the global draw:
+
+* partitionable threefry (JAX's default key): the bits of element ``i`` of a draw depend only on the key and
+  ``i``'s flat index, so only the local slice's bits are computed, from their global flat indices (64-bit,
+  as uint32 pairs): bit for bit the unsharded draw, at per-device memory;
+* other implementations (``rbg``, ``unsafe_rbg``, non-partitionable threefry): the local shape drawn from the
+  key folded with the device's index over the data axes: independent per device, the same distribution.
+
+Which dim is the batch dim: the model is traced again with the batch arguments at their global shape and the
+draws are matched in order: a dim ``m`` times larger (``m`` devices over the data axes) is the batch dim, an
+unchanged shape has none (a ``(D,)`` noise shared by all examples is drawn as unsharded). When that trace
+fails or its draws do not match, a leading dim equal to the local batch size is the batch dim. Draws inside
+``jit``, ``scan``, ``while``, ``cond`` and ``remat`` are reached; :func:`vj.scan_layers` bodies through
+:func:`split_layer_draws`. A model without such a draw runs untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from vescale_jax._compat import (
+    THREEFRY_IMPL,
+    aval_varying_axes,
+    bind_equation,
+    draw_bit_width,
+    draw_shape,
+    is_literal,
+    is_pvary,
+    is_random_draw,
+    is_random_split,
+    key_impl_name,
+    nested_jaxprs,
+    pvary_axes,
+    rerun_nested,
+    threefry2x32,
+    threefry_partitionable,
+)
+from vescale_jax.step._jaxpr import read
+from vescale_jax.step._wire import varying_axes, varying_like
+
+__all__ = ["split_draws", "split_layer_draws", "tolerant"]
+
+_U32 = jnp.uint32
+_INDEPENDENT = -1  # a draw whose shape grows with the batch in no clean way: drawn independently per device
+
+
+@dataclasses.dataclass(frozen=True)
+class _Draws:
+    """How the draws of one ``vj.apply`` are split: the data axes, their size ``m``, the batch dim per local
+    draw shape (``None``: none; ``-1``: independent per device), the local batch size for shapes the table
+    lacks, and whether varying axes are typed (``check_vma``)."""
+
+    axes: tuple[str, ...]
+    size: int
+    table: dict[tuple[int, ...], int | None]
+    local_batch: int | None
+    check_vma: bool
+
+    def batch_dim(self, shape: tuple[int, ...]) -> int | None:
+        if shape in self.table:
+            return self.table[shape]
+        return 0 if shape and self.local_batch is not None and shape[0] == self.local_batch else None
+
+
+_ACTIVE: contextvars.ContextVar[_Draws | None] = contextvars.ContextVar("vescale_jax_draws", default=None)
+
+
+@contextlib.contextmanager
+def _active(draws: _Draws | None) -> Iterator[None]:
+    token = _ACTIVE.set(draws)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def split_draws(
+    fn: Callable[..., Any],
+    *,
+    axes: Sequence[str],
+    size: int,
+    check_vma: bool,
+    global_args: Callable[[Sequence[Any]], Sequence[Any] | None] | None = None,
+) -> Callable[..., Any]:
+    """``fn(tree, *args)`` whose draws from keys not varying over ``axes`` are this device's part of the draw
+    the unsharded model makes (see the module docstring); call inside ``shard_map``.
+
+    Args:
+      fn: the model ``(tree, *args) -> outputs``; ``args`` are the batch (local slices).
+      axes: the data axes the batch is split over.
+      size: the number of devices over ``axes``.
+      check_vma: whether the enclosing ``shard_map`` types varying axes; without it a key counts as the same on
+        every device unless it is computed from ``args``.
+      global_args: ``local arg leaves -> global shape structs`` for the batch-dim trace (None: the leading-dim
+        rule only).
+
+    Returns:
+      The wrapped model (same signature and outputs' types, up to varying axes).
+
+    Sharding:
+      Inside ``shard_map`` over ``axes``; a replaced draw varies over ``axes``.
+    """
+    axes = tuple(axes)
+    if size == 1:
+        return fn
+
+    def run(tree, *args):
+        in_flat, in_tree = jax.tree.flatten((tree, args))
+        n_tree = len(jax.tree.leaves(tree))
+
+        def flat_fn(*xs):
+            t, a = jax.tree.unflatten(in_tree, xs)
+            return fn(t, *a)
+
+        with _active(None):
+            closed = jax.make_jaxpr(flat_fn)(*in_flat)
+        local = list(_draw_shapes(closed.jaxpr))
+        if not any(s and (not check_vma or not (v & set(axes))) for s, v in local):
+            return fn(tree, *args)  # no draw to split: the model as it is
+        arg_leaves = in_flat[n_tree:]
+        batch = next((int(np.shape(x)[0]) for x in arg_leaves if np.ndim(x)), None)
+        table = _batch_dims(flat_fn, in_flat, n_tree, [s for s, _ in local], size, global_args)
+        draws = _Draws(axes, size, table, batch, check_vma)
+        with _active(draws):  # vj.scan_layers bodies are split as they are traced (a new function: no cached trace)
+            closed, out_shape = jax.make_jaxpr(lambda *xs: flat_fn(*xs), return_shape=True)(*in_flat)
+        outs = _run(closed, in_flat, [False] * n_tree + [True] * len(arg_leaves), draws)
+        return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+    return run
+
+
+def split_layer_draws(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (a :func:`vj.scan_layers` layer body ``(params, carry, x) -> carry``) with its draws split as the
+    enclosing :func:`split_draws` splits the model's, or ``fn`` itself outside one. The carry counts as the
+    batch (without ``check_vma``)."""
+
+    def run(*a):
+        draws = _ACTIVE.get()
+        if draws is None:
+            return fn(*a)
+        in_flat, in_tree = jax.tree.flatten(a)
+        dep = [i == 1 for i, x in enumerate(a) for _ in jax.tree.leaves(x)]
+        closed, out_shape = jax.make_jaxpr(lambda *xs: fn(*jax.tree.unflatten(in_tree, xs)), return_shape=True)(
+            *in_flat
+        )
+        return jax.tree.unflatten(jax.tree.structure(out_shape), _run(closed, in_flat, dep, draws))
+
+    return run
+
+
+def tolerant(fn: Callable[..., Any], *example: Any) -> Callable[..., Any]:
+    """``fn`` traced once on ``example`` and evaluated on later arguments that may vary over more mesh axes than
+    the example did: operands are marked varying where they meet a varying value (as JAX's own operations do
+    when traced). A :func:`vj.scan_layers` backward receives its per-layer inputs as ``shard_map`` residuals,
+    varying over every axis, where the forward had them invariant (``fold_in(key, layer_index)``)."""
+    flat, tree = jax.tree.flatten(example)
+    closed, out_shape = jax.make_jaxpr(lambda *xs: fn(*jax.tree.unflatten(tree, xs)), return_shape=True)(*flat)
+    out_tree = jax.tree.structure(out_shape)
+
+    def run(*args):
+        outs = _run(closed, jax.tree.leaves(args), [False] * len(flat), None)
+        return jax.tree.unflatten(out_tree, outs)
+
+    return run
+
+
+def _draw_shapes(jaxpr: Any) -> Iterator[tuple[tuple[int, ...], frozenset[str]]]:
+    """Per draw of ``jaxpr`` and its nested jaxprs, in order: its per-key shape and its key's varying axes."""
+    for eqn in jaxpr.eqns:
+        if is_random_draw(eqn):
+            yield draw_shape(eqn), aval_varying_axes(eqn.invars[0].aval)
+        for sub in nested_jaxprs(eqn):
+            yield from _draw_shapes(sub.jaxpr)
+
+
+def _batch_dims(flat_fn, in_flat, n_tree, local, size, global_args) -> dict[tuple[int, ...], int | None]:
+    """Per local draw shape, its batch dim, from a trace of the model at the global batch shapes (empty when
+    that trace fails or its draws do not match the local ones)."""
+    if global_args is None:
+        return {}
+    try:
+        shapes = global_args(in_flat[n_tree:])
+        if shapes is None:
+            return {}
+        with _active(None):
+            closed = jax.make_jaxpr(lambda *xs: flat_fn(*xs))(*in_flat[:n_tree], *shapes)
+    except Exception:  # a model that traces only at its local shapes: the leading-dim rule
+        return {}
+    glob = [s for s, _ in _draw_shapes(closed.jaxpr)]
+    if len(glob) != len(local):
+        return {}
+    table: dict[tuple[int, ...], int | None] = {}
+    for lo, gl in zip(local, glob, strict=True):
+        if lo == gl:
+            dim = None
+        else:
+            grown = [j for j in range(len(lo)) if len(lo) == len(gl) and gl[j] != lo[j]]
+            dim = grown[0] if len(grown) == 1 and gl[grown[0]] == size * lo[grown[0]] else _INDEPENDENT
+        if table.get(lo, dim) != dim:
+            dim = _INDEPENDENT  # one local shape, two meanings: never the same draw on every device
+        table[lo] = dim
+    return table
+
+
+def _run(closed: Any, invals: Sequence[Any], dep: Sequence[bool], draws: _Draws | None) -> list[Any]:
+    """Evaluates ``closed`` with its replicated batch draws split (nested jaxprs included; ``draws`` None: none
+    split, operands only matched in varying axes). ``dep``: per input, whether it comes from the batch (read
+    only without ``check_vma``)."""
+    jaxpr = closed.jaxpr
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts, strict=True))
+    env.update(zip(jaxpr.invars, invals, strict=True))
+    from_batch = {v for v, d in zip(jaxpr.invars, dep, strict=True) if d}
+    for eqn in jaxpr.eqns:
+        vals = [read(env, v) for v in eqn.invars]
+        d = any(v in from_batch for v in eqn.invars if not is_literal(v))
+        outs = None
+        if is_random_draw(eqn):
+            outs = None if draws is None else _split_draw(eqn, vals[0], d, draws)
+        else:
+            keyish = any(
+                v in from_batch and _is_keyish(x) for v, x in zip(eqn.invars, vals, strict=True) if not is_literal(v)
+            )
+            outs = rerun_nested(eqn, vals, lambda c, a, k=keyish: _run(c, a, [k] * len(a), draws))
+        if outs is None:
+            outs = _bind(eqn, vals, draws is None or draws.check_vma)
+        env.update(zip(eqn.outvars, outs, strict=True))
+        if d:
+            from_batch.update(eqn.outvars)
+    return [read(env, v) for v in jaxpr.outvars]
+
+
+def _bind(eqn: Any, vals: list[Any], check_vma: bool) -> list[Any]:
+    """Binds ``eqn``, its operands first marked varying over the union of their varying axes where a split draw
+    made some of them vary (as JAX's own operations do when traced), and a ``pvary`` of a value that already
+    varies passing it through."""
+    if check_vma:
+        seen = [varying_axes(x) for x in vals]
+        union = frozenset().union(*seen)
+        if is_pvary(eqn) and len(vals) == 1 and set(pvary_axes(eqn)) <= seen[0]:
+            return [vals[0]]
+        if any(a != union for a in seen) and not is_pvary(eqn):
+            vals = [x if a == union else varying_like(jnp.asarray(x), union) for x, a in zip(vals, seen, strict=True)]
+    return bind_equation(eqn, vals)
+
+
+def _is_keyish(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and (jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) or dtype == np.uint32)
+
+
+def _split_draw(eqn: Any, key: Any, from_batch: bool, draws: _Draws) -> list[Any] | None:
+    """This device's part of a replicated draw with the batch dim, or None to draw as the model does."""
+    varies = bool(varying_axes(key) & set(draws.axes)) if draws.check_vma else from_batch
+    shape = draw_shape(eqn)
+    dim = draws.batch_dim(shape) if shape else None
+    if varies or dim is None:
+        return None
+    index = jax.lax.axis_index(draws.axes)
+    exact = dim >= 0 and threefry_partitionable() and key_impl_name(key) == THREEFRY_IMPL
+    if exact:
+        one = lambda k: _threefry_part(k, eqn, shape, dim, index, draws.size)
+    else:
+        one = lambda k: bind_equation(eqn, [jax.random.fold_in(k, index)])[0]
+    for _ in range(np.ndim(key)):  # a key array: one draw per key
+        one = jax.vmap(one)
+    return [one(key)]
+
+
+def _threefry_part(key: Any, eqn: Any, shape: tuple[int, ...], dim: int, index: Any, size: int) -> Any:
+    """Rows ``[index*b, (index+1)*b)`` along ``dim`` of the partitionable threefry draw of ``eqn`` at the global
+    shape (``shape`` with ``dim`` ``size`` times larger), from their global flat indices."""
+    global_shape = list(shape)
+    global_shape[dim] *= size
+    strides = [math.prod(global_shape[j + 1 :]) for j in range(len(shape))]
+    acc = (jnp.zeros(shape, _U32), jnp.zeros(shape, _U32))
+    for j, stride in enumerate(strides):
+        coord = jax.lax.broadcasted_iota(_U32, shape, j)
+        if j == dim:
+            coord = coord + (index * shape[dim]).astype(_U32)
+        acc = _add64(acc, _mul64(coord, stride))
+    words = jax.random.key_data(key)
+    bits1, bits2 = threefry2x32(words[0], words[1], acc[0], acc[1])
+    if is_random_split(eqn):
+        return jax.random.wrap_key_data(jnp.stack([bits1, bits2], axis=-1), impl=key_impl_name(key))
+    width = draw_bit_width(eqn)
+    if width == 64:
+        u64 = jnp.dtype("uint64")
+        return (bits1.astype(u64) << np.uint64(32)) | bits2.astype(u64)
+    bits = bits1 ^ bits2
+    return bits if width == 32 else bits.astype(jnp.dtype(f"uint{width}"))
+
+
+def _mul64(x: Any, c: int) -> tuple[Any, Any]:
+    """``x * c`` modulo 2**64 as ``(hi, lo)`` uint32 words, for a uint32 array ``x`` and an integer ``c``."""
+    c_lo, c_hi = c & 0xFFFFFFFF, (c >> 32) & 0xFFFFFFFF
+    x_lo, x_hi = x & _U32(0xFFFF), x >> _U32(16)
+    c0, c1 = c_lo & 0xFFFF, c_lo >> 16
+    lo = x_lo * _U32(c0)
+    mid_a, mid_b = x_lo * _U32(c1), x_hi * _U32(c0)
+    hi = x_hi * _U32(c1) + (mid_a >> _U32(16)) + (mid_b >> _U32(16))
+    for part in (mid_a << _U32(16), mid_b << _U32(16)):
+        new = lo + part
+        hi = hi + (new < lo).astype(_U32)
+        lo = new
+    return hi + x * _U32(c_hi), lo
+
+
+def _add64(a: tuple[Any, Any], b: tuple[Any, Any]) -> tuple[Any, Any]:
+    """``a + b`` modulo 2**64 on ``(hi, lo)`` uint32 words."""
+    lo = a[1] + b[1]
+    return a[0] + b[0] + (lo < a[1]).astype(_U32), lo
