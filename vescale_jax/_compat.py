@@ -16,7 +16,8 @@ Sections:
   (:func:`is_nested_call`, :func:`nested_call_jaxpr`), :data:`VIEW_PRIMITIVES` (:func:`is_view`),
   :data:`LINEAR_OPERANDS` / :data:`BILINEAR_PRIMITIVES` / :data:`SELECT_N` (:func:`is_linear_in`),
   :data:`CONVERT_ELEMENT_TYPE`
-  (:func:`is_convert`, :func:`convert_dtype`), :data:`PVARY` (:func:`is_pvary`, :func:`pvary_axes`).
+  (:func:`is_convert`, :func:`convert_dtype`), :data:`PVARY` (:func:`is_pvary`, :func:`pvary_axes`); the axes a
+  value varies over: :func:`varying_axes`.
 * the process's JAX runtime: :func:`backends_are_initialized`, :func:`cluster_types`,
   :func:`distributed_job`.
 * optax: :func:`is_params_placeholder`, the Muon internals (:data:`MUON_NS_COEFFS_PRESETS`,
@@ -322,6 +323,19 @@ def pvary_axes(eqn: Any) -> tuple[str, ...]:
     Verified on JAX 0.10.2 (``eqn.params["axes"]``). Used by ``step/_wire_segment``.
     """
     return tuple(eqn.params["axes"])
+
+
+def varying_axes(x: Any) -> frozenset[str]:
+    """The mesh axes a value inside ``shard_map`` varies over (empty outside one, or where ``check_vma`` is off).
+
+    Verified on JAX 0.10.2 (``jax.typeof(x).manual_axis_type.varying``); JAX 0.11 has ``jax.typeof(x).vma``,
+    tried first. Used by ``step/_model_call`` (new model state must not vary over the data axes).
+    """
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
+    return frozenset(vma)
 
 
 # ----------------------------------------------------------------------------------------------------------
