@@ -29,11 +29,11 @@ def _check_plan(plan: Plan) -> list[str]:
             spec = plan.leaves[bucket.leaves[0]]
             raise ValueError(
                 f"vj.flax.linen_apply: {spec.path} (shape {spec.shape}) is in the stacked layer group "
-                f"{bucket.unit!r} (planned with stacked=): inside vj.apply it is a per-layer shard stand-in of "
-                f"shape {spec.local_shape[1:] if spec.local_shape else ()} per layer, which only vj.scan_layers / "
-                "vj.flax.nnx_scan_layers gather layer by layer; a Linen model (nn.scan, nn.remat, indexing) needs "
-                f"the whole array. Plan the group without stacked= ({bucket.unit!r} is then gathered whole at its "
-                "point of use), or write the layer loop in NNX with vj.flax.nnx_scan_layers."
+                f"{bucket.unit!r} (planned with stacked=): inside vj.apply the group is this device's shard of its "
+                f"bucket (shape {bucket.local_shape}), which only vj.scan_layers / vj.flax.nnx_scan_layers gather "
+                f"layer by layer, while a Linen model (nn.scan, nn.remat) reads the whole {spec.shape} array. Plan "
+                f"the group without stacked= ({bucket.unit!r} is then gathered whole at its point of use), or write "
+                "the layer loop in NNX with vj.flax.nnx_scan_layers."
             )
     return tops
 

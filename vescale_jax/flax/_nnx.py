@@ -46,12 +46,13 @@ def _merge(graphdef: Any, params: Any, state: Any) -> Any:
         ) from None
 
 
-def _check_params_unchanged(model: Any, params: Any) -> None:
-    """Raises, naming the variable, when the model assigned a planned leaf (its update would be dropped)."""
+def _check_params_unchanged(model: Any, before: dict[str, Any]) -> None:
+    """Raises, naming the variable, when the model assigned a planned leaf (``before``: the planned leaves by key,
+    read before the call; its update would be dropped)."""
     from flax import nnx
 
     now = _flat(nnx.state(model))
-    for key, leaf in _flat(params).items():
+    for key, leaf in before.items():
         if now.get(key, leaf) is not leaf:
             raise ValueError(
                 f"vj.flax.nnx_apply: the model updated {_name(key)}, a leaf of the planned params; planned leaves "
@@ -118,6 +119,7 @@ def nnx_apply(
 
     def fn(tree, *a, **kw):
         given = kw.pop("state") if state is not None else None
+        before = _flat(tree)  # merge shares the tree's Variables with the model: read the leaves first
         model = _merge(graphdef, tree, given)
         if axes is not None:
             global_batch_norm_nnx(model, axes)
@@ -125,7 +127,7 @@ def nnx_apply(
             out = model(*a, **kw)
         else:
             out = getattr(model, method)(*a, **kw) if isinstance(method, str) else method(model, *a, **kw)
-        _check_params_unchanged(model, tree)
+        _check_params_unchanged(model, before)
         if state is None:
             return out
         now = _flat(nnx.state(model))
