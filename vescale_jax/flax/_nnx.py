@@ -112,7 +112,8 @@ def nnx_apply(
     if isinstance(graphdef, nnx.Module):
         raise TypeError(
             f"vj.flax.nnx_apply: the first argument is a {type(graphdef).__name__} module; pass its graphdef: "
-            f"{_SPLIT_HINT}."
+            "graphdef, params = nnx.split(model) for a model of parameters only; for a model with other "
+            f"variables (BatchNorm statistics, counters, RNG state): {_SPLIT_HINT}."
         )
     plan = getattr(params, "plan", None)  # ShardedParams, or GatheredParams inside vj.accumulate
     axes = batch_axes(plan, data_axes) if plan is not None else None
