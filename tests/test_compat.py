@@ -350,6 +350,22 @@ def test_pcast_to_varying_is_pvary():
     assert _compat.is_view(eqn), broke("VIEW_PRIMITIVES", "a pvary equation is a view", "step/_jaxpr")
 
 
+def test_varying_axes_inside_shard_map():
+    mesh = make_mesh(2, "x", auto=True)
+    seen = {}
+
+    def body(a, b):
+        seen["batch"], seen["mean"] = _compat.varying_axes(a), _compat.varying_axes(jax.lax.pmean(a.mean(0), "x"))
+        seen["whole"] = _compat.varying_axes(b)
+        return a
+
+    jax.make_jaxpr(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))(jnp.ones(4), jnp.ones(2))
+    users = "step/_model_call (model state that varies over the data axes is refused)"
+    assert seen == {"batch": {"x"}, "mean": set(), "whole": set()}, broke(
+        "varying_axes", f"a split input varies over its axis, a pmean and a P() input do not (got {seen})", users
+    )
+
+
 def test_astype_is_a_convert_with_its_dtype():
     users = "step/_fp32_grads (an fp32 cast of a low-precision leaf reads its exact fp32 copy)"
     for f in (lambda x: x.astype(jnp.float32), lambda x: jax.lax.convert_element_type(x, jnp.float32)):

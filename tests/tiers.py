@@ -71,6 +71,14 @@ FAST: dict[str, tuple[str, ...]] = {
         "test_params_not_matching_the_plan",
         "test_mesh_without_the_axis",
     ),
+    # Model state and keyword inputs through vj.flax: BatchNorm over the global batch, the refusals.
+    "test_flax_state.py": (
+        "test_nnx_batch_norm_matches_unsharded[plain-m3]",
+        "test_linen_scan_over_stacked_group_is_refused",
+        "test_state_update_that_differs_per_device_is_refused",
+        "test_missing_or_planned_state_is_named",
+        "test_linen_refusals_name_the_collection",
+    ),
     "test_point_of_use.py": (
         "test_gradients_match_unsharded_for_every_kind_of_use[m3-reshard]",
         "test_gradients_match_unsharded_for_every_kind_of_use[m8-keep]",

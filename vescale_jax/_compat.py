@@ -22,7 +22,7 @@ Sections:
 * random draws: :data:`RANDOM_DRAW_PRIMITIVES` (:func:`is_random_draw`, :func:`draw_shape`,
   :func:`draw_bit_width`, :func:`is_random_split`), :func:`key_impl_name`, :func:`threefry_partitionable`,
   :func:`threefry2x32`; re-running nested jaxprs: :func:`nested_jaxprs`, :func:`rerun_nested`;
-  :func:`aval_varying_axes`.
+  the axes a value varies over: :func:`aval_varying_axes`, :func:`varying_axes`.
 * the process's JAX runtime: :func:`backends_are_initialized`, :func:`cluster_types`,
   :func:`distributed_job`.
 * optax: :func:`is_params_placeholder`, the Muon internals (:data:`MUON_NS_COEFFS_PRESETS`,
@@ -607,6 +607,15 @@ def rerun_nested(eqn: Any, invals: Sequence[Any], run: Any) -> list[Any] | None:
         f = jax.checkpoint(lambda *a: list(run(body, list(a))), prevent_cse=p["prevent_cse"], policy=p["policy"])
         return list(f(*invals))
     return None
+
+
+def varying_axes(x: Any) -> frozenset[str]:
+    """The mesh axes a value inside ``shard_map`` varies over (empty outside one, or where ``check_vma`` is off):
+    :func:`aval_varying_axes` of ``jax.typeof(x)``.
+
+    Verified on JAX 0.10.2. Used by ``step/_model_call`` (new model state must not vary over the data axes).
+    """
+    return aval_varying_axes(jax.typeof(x))
 
 
 # ----------------------------------------------------------------------------------------------------------

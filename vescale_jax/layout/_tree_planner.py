@@ -47,8 +47,11 @@ def _leaf_shape_dtype(path: KeyPath, leaf: Any) -> tuple[tuple[int, ...], np.dty
         )
     if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
         raise TypeError(
-            f"vj.plan: leaf {jax.tree_util.keystr(path)} holds PRNG keys ({dtype}); keep RNG state out of the "
-            "params tree (e.g. nnx.state(model, nnx.Param))."
+            f"vj.plan: leaf {jax.tree_util.keystr(path)} holds PRNG keys ({dtype}); RNG state is not a trained "
+            "parameter. Plan the parameters only and pass the rest as the model's state: NNX: graphdef, params, "
+            "state = nnx.split(model, nnx.Param, ...); vj.plan(params, mesh); vj.flax.nnx_apply(graphdef, params, "
+            "*batch, state=state). Linen: plan {'params': ...} and pass keys as vj.flax.linen_apply(..., "
+            "rngs={'dropout': key})."
         )
     dtype = np.dtype(dtype)
     check_x64(jax.tree_util.keystr(path), dtype)

@@ -59,7 +59,7 @@ def _scalar_leaf(name: str, leaf: Any, data_axes: tuple[str, ...]) -> ValueError
     )
 
 
-def _check_placed(args: Any, plan: Plan, axes: tuple[str, ...]) -> None:
+def _check_placed(args: Any, plan: Plan, axes: tuple[str, ...], what: str | None = None) -> None:
     """On Explicit mesh axes a batch must already carry dim 0 over the data axes (shard_map does not move it)."""
     types = dict(zip(plan.mesh.axis_names, plan.mesh.axis_types, strict=True))
     explicit = [a for a in axes if types[a] == jax.sharding.AxisType.Explicit]
@@ -70,7 +70,10 @@ def _check_placed(args: Any, plan: Plan, axes: tuple[str, ...]) -> None:
         spec = tuple(getattr(sharding, "spec", ()) or ())
         dim0 = _axes(spec[0]) if spec and spec[0] is not None else ()
         if dim0 != axes:
-            where = f"batch argument {path[0].idx}" + jax.tree_util.keystr(path[1:]) if path else "batch argument"
+            if what is not None:  # a dict of named inputs (keyword arguments)
+                where = f"{what} {path[0].key}" + jax.tree_util.keystr(path[1:])
+            else:
+                where = f"batch argument {path[0].idx}" + jax.tree_util.keystr(path[1:]) if path else "batch argument"
             if len(spec) > 1 and spec[1] is not None and _axes(spec[1]) == axes:
                 raise ValueError(
                     f"vj.apply: {where} (shape {tuple(np.shape(leaf))}) still has its leading micro-batch dim (the "

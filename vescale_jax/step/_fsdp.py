@@ -39,6 +39,7 @@ from vescale_jax.state._placement import constrain_outputs
 from vescale_jax.step._batch import _check_batch, _check_placed, _data_size, place_batch
 from vescale_jax.step._checks import check_kernel_policy, check_microbatches, check_precision_type, check_step_outputs
 from vescale_jax.step._fp32_grads import widened
+from vescale_jax.step._model_call import model_call
 from vescale_jax.step._point_of_use import at_point_of_use
 from vescale_jax.step._policy import StepPolicy, enclosing_policy, running
 from vescale_jax.step._precision import MixedPrecision
@@ -148,14 +149,26 @@ def apply(
     out_specs: Any = None,
     kernels: KernelPolicy | None = None,
     plan: Plan | None = None,
+    state: Any = None,
+    **kwargs: Any,
 ) -> Any:
-    """Runs ``fn(logical_params, *args)`` on every device's batch shard with gathered parameters.
+    """Runs ``fn(logical_params, *args, **kwargs)`` on every device's batch shard with gathered parameters.
 
     Args:
-      fn: the model: ``(params_tree, *args) -> outputs``. It sees the plan's logical tree: non-stacked leaves as
-        full arrays, stacked layer groups as stand-ins to pass to :func:`vj.scan_layers`.
+      fn: the model: ``(params_tree, *args, **kwargs) -> outputs``. It sees the plan's logical tree: non-stacked
+        leaves as full arrays, stacked layer groups as stand-ins to pass to :func:`vj.scan_layers`.
       params: the sharded parameters (global buffers; under ``vj.fsdp`` these are the step's params).
       *args: batch-like inputs whose dim 0 is split over the data axes.
+      **kwargs: keyword arguments of ``fn``, batch inputs like ``args``. The batch size ``B`` is the leading dim
+        of ``args`` (of the first keyword argument holding an array when ``args`` has none). An array leaf
+        (``jax.Array`` / ``numpy``) with leading dim ``B`` is split over the data axes; any other array is passed
+        whole (the same on every device); Python values (``bool``, ``int``, ``float``, ``None``, ...) are static.
+        To pass an array of leading dim ``B`` whole, close over it instead. ``in_specs`` covers ``args`` only.
+      state: model state other than the parameters (e.g. BatchNorm statistics), passed whole to every device:
+        ``fn`` is then called as ``fn(params_tree, *args, state=state, **kwargs)`` and returns ``(outputs,
+        new_state)``. Every leaf of ``new_state`` must be the same on every device (computed from global-batch
+        quantities, e.g. through a ``jax.lax.pmean`` over the data axes); a leaf that varies over the data axes
+        raises, naming it.
       data_axes: mesh axes the batch is split over (default: the enclosing ``vj.fsdp``'s, else the plan's axis).
       reshard_after_forward: drop gathered parameters after the forward and gather them again in backward
         (default: the enclosing ``vj.fsdp``'s, else True).
@@ -171,7 +184,7 @@ def apply(
         raises, saying how they differ).
 
     Returns:
-      ``fn``'s outputs as global arrays.
+      ``fn``'s outputs as global arrays; with ``state``: ``(outputs, new_state)``, ``new_state`` replicated.
 
     Sharding:
       A ``shard_map`` over the plan's mesh. Each non-stacked bucket is all-gathered once, right before the first
@@ -182,7 +195,7 @@ def apply(
     if plan is not None and isinstance(params, ShardedParams | GatheredParams):
         _check_same_plan(params.plan, plan, "vj.apply")
     if isinstance(params, GatheredParams):
-        return _apply_gathered(fn, params, args, data_axes, in_specs, out_specs, kernels)
+        return _apply_gathered(fn, params, args, kwargs, state, data_axes, in_specs, out_specs, kernels)
     if not callable(fn):
         raise TypeError(
             f"vj.apply: the first argument must be the model function (params_tree, *args) -> outputs, got "
@@ -194,8 +207,8 @@ def apply(
     policy = _policy_of_apply(
         plan, data_axes, kernels, reshard_after_forward=reshard_after_forward, prefetch=prefetch, precision=precision
     )
-    fn, in_specs, out_specs = _batch_specs(fn, args, plan, policy.data_axes, in_specs, out_specs)
-    fn = _split_draws(fn, plan, policy.data_axes, policy.kernels.check_vma, in_specs)
+    fn, args, in_specs, out_specs = _model_specs(fn, args, kwargs, state, plan, policy.data_axes, in_specs, out_specs)
+    fn = _split_draws(fn, plan, policy.data_axes, policy.kernels.check_vma, in_specs, args)
 
     how = policy.wire()
     fn = widened(fn, _narrow_leaves(plan, how), is_leaf=lambda x: isinstance(x, LayerShard))
@@ -208,6 +221,22 @@ def apply(
         local, mesh=plan.mesh, in_specs=(specs, *in_specs), out_specs=out_specs, check_vma=policy.kernels.check_vma
     )
     return mapped(params.buffers, *args)
+
+
+def _model_specs(fn, args, kwargs, state, plan: Plan, axes: tuple[str, ...], in_specs: Any, out_specs: Any):
+    """``(fn, args, in_specs, out_specs)`` over flat inputs: the positional batch as :func:`_batch_specs` has
+    it, then the keyword arrays (split or whole) and the state (whole, returned whole)."""
+    if not kwargs and state is None:
+        fn, in_specs, out_specs = _batch_specs(fn, args, plan, axes, in_specs, out_specs)
+        return fn, args, in_specs, out_specs
+    _, in_specs, _ = _batch_specs(fn, args, plan, axes, in_specs, P())
+    check, _, out_specs = _batch_specs(lambda out: out, (), plan, axes, (), out_specs)
+    call = model_call(fn, args, kwargs, state, axes=axes, check_outputs=check)
+    what = "vj.apply keyword argument"
+    _check_batch(call.split, _data_size(plan.mesh, axes), axes, what=what)
+    _check_placed(call.split, plan, axes, what=what)
+    out_specs = out_specs if state is None else (out_specs, P())
+    return call.fn, (*args, *call.extra), (*in_specs, *call.extra_specs), out_specs
 
 
 def _batch_specs(fn, args, plan: Plan, axes: tuple[str, ...], in_specs: Any, out_specs: Any):
@@ -223,17 +252,18 @@ def _batch_specs(fn, args, plan: Plan, axes: tuple[str, ...], in_specs: Any, out
     return fn, in_specs, out_specs
 
 
-def _split_draws(fn, plan: Plan, axes: tuple[str, ...], check_vma: bool, in_specs: Any):
+def _split_draws(fn, plan: Plan, axes: tuple[str, ...], check_vma: bool, in_specs: Any, args: tuple[Any, ...]):
     """``fn`` whose draws from keys that are the same on every device are what the unsharded run draws for this
-    device's examples (:mod:`vescale_jax.step._random`); the batch-dim trace knows the global shapes when the
-    arguments are split on dim 0 (the default ``in_specs``)."""
+    device's examples (:mod:`vescale_jax.step._random`). The batch-dim trace runs the model at the global
+    arguments' shapes when every argument is split on dim 0 (the default ``in_specs``) or passed whole."""
     size = _data_size(plan.mesh, axes)
-    default = all(spec == P(axes) for spec in in_specs)
+    known = all(spec == P(axes) or spec == P() for spec in in_specs)
+    shapes = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in jax.tree.leaves(args)]
 
     def global_args(leaves):
-        return [jax.ShapeDtypeStruct((np.shape(x)[0] * size, *np.shape(x)[1:]), x.dtype) for x in leaves]
+        return shapes if len(leaves) == len(shapes) else None
 
-    return split_draws(fn, axes=axes, size=size, check_vma=check_vma, global_args=global_args if default else None)
+    return split_draws(fn, axes=axes, size=size, check_vma=check_vma, global_args=global_args if known else None)
 
 
 def _per_example_outputs(fn: Callable[..., Any], axes: tuple[str, ...]) -> Callable[..., Any]:
@@ -263,13 +293,13 @@ def _policy_of_apply(plan: Plan, data_axes: Any, kernels: KernelPolicy | None, *
     return outer.refined(plan, data_axes=data_axes, kernels=kernels, **options)
 
 
-def _apply_gathered(fn, params, args, data_axes, in_specs, out_specs, kernels):
+def _apply_gathered(fn, params, args, kwargs, state, data_axes, in_specs, out_specs, kernels):
     """``vj.apply`` on full per-device copies (``vj.accumulate(..., reduce="once")``): no collective at all."""
     plan = params.plan
     policy = _policy_of_apply(plan, data_axes, kernels)
-    fn, in_specs, out_specs = _batch_specs(fn, args, plan, policy.data_axes, in_specs, out_specs)
+    fn, args, in_specs, out_specs = _model_specs(fn, args, kwargs, state, plan, policy.data_axes, in_specs, out_specs)
     how = policy.wire()
-    fn = _split_draws(fn, plan, policy.data_axes, how.kernels.check_vma, in_specs)
+    fn = _split_draws(fn, plan, policy.data_axes, how.kernels.check_vma, in_specs, args)
 
     def local(copies, *local_args):
         return fn(jax.tree_util.tree_unflatten(plan.treedef, unpack_copies(copies, plan, how)), *local_args)
