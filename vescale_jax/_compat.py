@@ -17,6 +17,9 @@ Sections:
   :data:`LINEAR_OPERANDS` / :data:`BILINEAR_PRIMITIVES` / :data:`SELECT_N` (:func:`is_linear_in`),
   :data:`CONVERT_ELEMENT_TYPE`
   (:func:`is_convert`, :func:`convert_dtype`), :data:`PVARY` (:func:`is_pvary`, :func:`pvary_axes`).
+* control flow: :data:`COND`, :data:`WHILE`, :data:`SCAN` (:func:`cond_parts`, :func:`while_parts`,
+  :func:`scan_parts`, :func:`body_name`), :data:`PSUM_PRIMITIVES` (:func:`summed_axes`), :data:`OPAQUE_BODY_PRIMITIVES`
+  (:func:`nested_jaxprs`), :func:`varying_axes_of`, :func:`equation_source`.
 * the process's JAX runtime: :func:`backends_are_initialized`, :func:`cluster_types`,
   :func:`distributed_job`.
 * optax: :func:`is_params_placeholder`, the Muon internals (:data:`MUON_NS_COEFFS_PRESETS`,
@@ -44,27 +47,35 @@ from optax.tree_utils import _state_utils as _optax_state_utils
 
 __all__ = [
     "BILINEAR_PRIMITIVES",
+    "COND",
     "CONVERT_ELEMENT_TYPE",
     "LINEAR_OPERANDS",
     "MUON_DEFAULT_NS_COEFFS",
     "MUON_NS_COEFFS_PRESETS",
     "MUON_PRECONDITIONINGS",
     "NESTED_CALL_PRIMITIVES",
+    "OPAQUE_BODY_PRIMITIVES",
     "OPTAX_MASKING_MODULE",
     "OPTAX_MUON_MODULE",
     "OPTAX_PARTITION_MODULE",
+    "PSUM_PRIMITIVES",
     "PVARY",
+    "SCAN",
     "SELECT_N",
     "TRACER_TYPES",
     "VIEW_PRIMITIVES",
+    "WHILE",
     "ClosedJaxpr",
     "Literal",
     "as_closed",
     "backends_are_initialized",
     "bind_equation",
+    "body_name",
     "cluster_types",
+    "cond_parts",
     "convert_dtype",
     "distributed_job",
+    "equation_source",
     "is_convert",
     "is_linear_in",
     "is_literal",
@@ -76,8 +87,13 @@ __all__ = [
     "muon_normalize_axes",
     "muon_orthogonalize",
     "nested_call_jaxpr",
+    "nested_jaxprs",
     "primitive_name",
     "pvary_axes",
+    "scan_parts",
+    "summed_axes",
+    "varying_axes_of",
+    "while_parts",
 ]
 
 # ----------------------------------------------------------------------------------------------------------
@@ -88,8 +104,10 @@ __all__ = [
 # 0.10.2), the private module only as the fallback. Used through is_literal / as_closed below.
 try:
     from jax.extend.core import ClosedJaxpr, Literal
+    from jax.extend.core import Jaxpr as _Jaxpr
 except ImportError:  # pragma: no cover - a JAX that moved them out of jax.extend
     from jax._src.core import ClosedJaxpr, Literal
+    from jax._src.core import Jaxpr as _Jaxpr
 
 
 def is_literal(v: Any) -> bool:
@@ -322,6 +340,147 @@ def pvary_axes(eqn: Any) -> tuple[str, ...]:
     Verified on JAX 0.10.2 (``eqn.params["axes"]``). Used by ``step/_wire_segment``.
     """
     return tuple(eqn.params["axes"])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Control flow: predicates, nested bodies, varying axes and source lines of equations
+
+COND = "cond"
+"""``lax.cond`` / ``lax.switch`` (and ``nnx.cond``): operand 0 is the branch index (a bool predicate is converted
+to an int32 index first), the branches in ``params["branches"]`` (closed jaxprs over operands 1...). Verified on
+JAX 0.10.2. Used by ``step/_control_flow``."""
+
+WHILE = "while"
+"""``lax.while_loop`` / ``fori_loop`` with a traced bound: operands ``cond_consts + body_consts + carry``
+(``params["cond_nconsts"]``, ``params["body_nconsts"]``), the condition in ``params["cond_jaxpr"]`` (one output,
+the predicate) and the body in ``params["body_jaxpr"]``. Verified on JAX 0.10.2. Used by ``step/_control_flow``."""
+
+SCAN = "scan"
+"""``lax.scan`` (and ``fori_loop`` with static bounds, ``nnx.scan``): operands ``consts + carry + xs``
+(``params["num_consts"]``, ``params["num_carry"]``), the body in ``params["jaxpr"]`` with the same inputs and
+outputs ``carry + ys``. Verified on JAX 0.10.2. Used by ``step/_control_flow``."""
+
+PSUM_PRIMITIVES = frozenset({"psum", "psum_invariant", "psum2"})
+"""``lax.psum`` (and ``pmean``'s sum) inside ``shard_map``: ``"psum_invariant"`` with the varying-axes check on,
+``"psum"`` with it off (JAX 0.10.2; ``"psum2"`` on older versions), the mesh axes in ``params["axes"]``. Used by
+``step/_control_flow`` (a sum over the data axes is the same on every device)."""
+
+OPAQUE_BODY_PRIMITIVES = frozenset({"pallas_call"})
+"""Primitives whose nested jaxpr is not a JAX-level computation over the same values (a Pallas kernel body sees
+refs and program ids, not the operands' varying axes): :func:`nested_jaxprs` does not enter them. Verified on
+JAX 0.10.2. Used by ``step/_control_flow``."""
+
+
+def _open(jaxpr: Any) -> Any:
+    return jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
+
+
+def cond_parts(eqn: Any) -> tuple[Any, list[Any], list[Any]] | None:
+    """``(index, branches, operands)`` of a cond / switch equation (:data:`COND`): the index atom, the branches
+    as open jaxprs, the atoms they read; ``None`` for another equation.
+
+    Verified on JAX 0.10.2. Used by ``step/_control_flow``.
+    """
+    if primitive_name(eqn) != COND:
+        return None
+    return eqn.invars[0], [_open(b) for b in eqn.params["branches"]], list(eqn.invars[1:])
+
+
+def while_parts(eqn: Any) -> tuple[Any, Any, list[Any], list[Any], list[Any]] | None:
+    """``(cond, body, cond_consts, body_consts, carry)`` of a while equation (:data:`WHILE`): the condition and
+    body as open jaxprs (the condition reads ``cond_consts + carry``, the body ``body_consts + carry`` and returns
+    the carry), and the operand atoms; ``None`` for another equation.
+
+    Verified on JAX 0.10.2. Used by ``step/_control_flow``.
+    """
+    if primitive_name(eqn) != WHILE:
+        return None
+    nc, nb = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+    ins = list(eqn.invars)
+    return _open(eqn.params["cond_jaxpr"]), _open(eqn.params["body_jaxpr"]), ins[:nc], ins[nc : nc + nb], ins[nc + nb :]
+
+
+def scan_parts(eqn: Any) -> tuple[Any, int, int] | None:
+    """``(body, num_consts, num_carry)`` of a scan equation (:data:`SCAN`): the body as an open jaxpr over the
+    equation's operands (``consts + carry + xs``) returning ``carry + ys``; ``None`` for another equation.
+
+    Verified on JAX 0.10.2. Used by ``step/_control_flow``.
+    """
+    if primitive_name(eqn) != SCAN:
+        return None
+    return _open(eqn.params["jaxpr"]), eqn.params["num_consts"], eqn.params["num_carry"]
+
+
+_BODY_NAMES = {"remat2": "jax.checkpoint", "checkpoint": "jax.checkpoint", "pjit": "jit", "closed_call": "call"}
+
+
+def body_name(eqn: Any) -> str:
+    """How a user wrote the equation whose nested jaxpr a message points into: ``"scan"``, ``"jax.checkpoint"``
+    (``remat2``), ``"jit"``, ``"cond"``, ``"while"``, ``"custom_vjp_call"``; the primitive's name otherwise.
+
+    Verified on JAX 0.10.2. Used by ``step/_control_flow`` (errors say where a refused branch is).
+    """
+    name = primitive_name(eqn)
+    return _BODY_NAMES.get(name, name)
+
+
+def summed_axes(eqn: Any) -> tuple[str, ...]:
+    """The mesh axes a ``psum`` equation (:data:`PSUM_PRIMITIVES`) sums over; ``()`` for another equation.
+
+    Verified on JAX 0.10.2 (``params["axes"]``; positional axes of ``pmap`` are left out). Used by
+    ``step/_control_flow``.
+    """
+    if primitive_name(eqn) not in PSUM_PRIMITIVES:
+        return ()
+    return tuple(a for a in eqn.params.get("axes", ()) if isinstance(a, str))
+
+
+def nested_jaxprs(eqn: Any) -> list[Any]:
+    """The open jaxprs an equation runs inside it (the bodies of ``scan``, ``while``, ``cond``, ``checkpoint``,
+    ``jit``, ``custom_jvp_call`` / ``custom_vjp_call``, ``shard_map``), read from every parameter that holds a
+    ``Jaxpr`` or ``ClosedJaxpr`` (or a tuple of them); none for :data:`OPAQUE_BODY_PRIMITIVES`.
+
+    Verified on JAX 0.10.2. Assumes nested bodies are stored as parameters of those types (callables such as a
+    custom_vjp's ``bwd`` are not entered). Used by ``step/_control_flow``.
+    """
+    if primitive_name(eqn) in OPAQUE_BODY_PRIMITIVES:
+        return []
+    out = []
+    for value in eqn.params.values():
+        for v in value if isinstance(value, tuple | list) else (value,):
+            if isinstance(v, ClosedJaxpr):
+                out.append(v.jaxpr)
+            elif isinstance(v, _Jaxpr):
+                out.append(v)
+    return out
+
+
+def varying_axes_of(v: Any) -> frozenset[str]:
+    """The mesh axes jaxpr variable ``v`` varies over inside ``shard_map`` (empty outside one, or with
+    ``check_vma`` off), from its abstract value.
+
+    Verified on JAX 0.10.2 (``aval.manual_axis_type.varying``; ``aval.vma`` on other versions). Used by
+    ``step/_control_flow``.
+    """
+    aval = getattr(v, "aval", None)
+    mat = getattr(aval, "manual_axis_type", None)
+    return frozenset(getattr(aval, "vma", None) or (mat.varying if mat is not None else ()))
+
+
+def equation_source(eqn: Any) -> str | None:
+    """Where the user's code created ``eqn``: ``"file.py:12:8 (function)"`` (JAX's own frames skipped), or
+    ``None`` when JAX keeps no source information.
+
+    Verified on JAX 0.10.2 (``jax._src.source_info_util.summarize(eqn.source_info)``). Used by
+    ``step/_control_flow`` (errors name the line).
+    """
+    try:
+        from jax._src import source_info_util
+
+        where = source_info_util.summarize(eqn.source_info)
+    except Exception:  # pragma: no cover - a JAX that moved or changed it: the message goes without the line
+        return None
+    return where if where and "unknown" not in where else None
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -38,7 +38,9 @@ from vescale_jax.state._padding import zero_padding
 from vescale_jax.state._placement import constrain_outputs
 from vescale_jax.step._batch import _check_batch, _check_placed, _data_size, place_batch
 from vescale_jax.step._checks import check_kernel_policy, check_microbatches, check_precision_type, check_step_outputs
+from vescale_jax.step._control_flow import checked_model
 from vescale_jax.step._fp32_grads import widened
+from vescale_jax.step._outputs import split_or_whole
 from vescale_jax.step._point_of_use import at_point_of_use
 from vescale_jax.step._policy import StepPolicy, enclosing_policy, running
 from vescale_jax.step._precision import MixedPrecision
@@ -162,8 +164,11 @@ def apply(
         enclosing ``vj.fsdp``'s, else False).
       precision: a :class:`vj.MixedPrecision` policy (default: the enclosing ``vj.fsdp``'s, else none).
       in_specs: ``PartitionSpec`` prefix for ``args`` (default: dim 0 over the data axes).
-      out_specs: ``PartitionSpec`` prefix for the outputs (default: dim 0 over the data axes, i.e. per-example
-        outputs; a scalar computed per device needs ``P()`` and a ``lax.pmean`` over the data axes in ``fn``).
+      out_specs: ``PartitionSpec`` prefix for the outputs. Default: an output that varies over the data axes is
+        per-example, dim 0 split over them (a scalar computed per device raises: compute it with
+        :func:`vj.batch_mean` or return per-example values); one that does not (a statistic computed with
+        :func:`vj.batch_mean` / :func:`vj.batch_sum`, or from the parameters alone) is returned whole, as the
+        unsharded model returns it.
       kernels: a :class:`vj.kernels.KernelPolicy`: XLA or the Pallas kernels for unpack and pack (default: the
         enclosing ``vj.fsdp``'s, else ``KernelPolicy.from_env()``).
       plan: optional: the model runs on the plan ``params`` carry; given, it must be that plan (another one
@@ -193,7 +198,9 @@ def apply(
     policy = _policy_of_apply(
         plan, data_axes, kernels, reshard_after_forward=reshard_after_forward, prefetch=prefetch, precision=precision
     )
-    fn, in_specs, out_specs = _batch_specs(fn, args, plan, policy.data_axes, in_specs, out_specs)
+    fn, in_specs, out_specs, finish = _batch_specs(
+        fn, args, plan, policy.data_axes, in_specs, out_specs, typed=policy.kernels.check_vma
+    )
 
     how = policy.wire()
     fn = widened(fn, _narrow_leaves(plan, how), is_leaf=lambda x: isinstance(x, LayerShard))
@@ -205,39 +212,36 @@ def apply(
     mapped = jax.shard_map(
         local, mesh=plan.mesh, in_specs=(specs, *in_specs), out_specs=out_specs, check_vma=policy.kernels.check_vma
     )
-    return mapped(params.buffers, *args)
+    return finish(mapped(params.buffers, *args))
 
 
-def _batch_specs(fn, args, plan: Plan, axes: tuple[str, ...], in_specs: Any, out_specs: Any):
-    """``(fn, in_specs, out_specs)`` with the defaults filled in: arguments split on dim 0 over ``axes``
-    (checked and, on Explicit axes, required to be placed so), per-example outputs (checked)."""
+def _batch_specs(fn, args, plan: Plan, axes: tuple[str, ...], in_specs: Any, out_specs: Any, *, typed: bool):
+    """``(fn, in_specs, out_specs, finish)`` with the defaults filled in: arguments split on dim 0 over ``axes``
+    (checked and, on Explicit axes, required to be placed so); outputs per-example or, for the ones that do not
+    depend on the batch, whole (:func:`_per_example_outputs`; ``finish`` maps the ``shard_map``'s outputs to the
+    model's). The model's control flow is checked and ``vj.batch_mean`` reduces over ``axes`` while it is traced
+    (:func:`vescale_jax.step._control_flow.checked_model`), whatever the specs."""
     if in_specs is None:
         _check_batch(args, _data_size(plan.mesh, axes), axes, what="vj.apply argument")
         _check_placed(args, plan, axes)
         in_specs = tuple(P(axes) for _ in args)
+    dependence: list[bool] = []
+    fn = checked_model(fn, axes, typed=typed, dependence=dependence)
+    finish = lambda out: out
     if out_specs is None:
         out_specs = P(axes)
-        fn = _per_example_outputs(fn, axes)
-    return fn, in_specs, out_specs
+        fn, finish = _per_example_outputs(fn, axes, plan.mesh, dependence)
+    return fn, in_specs, out_specs, finish
 
 
-def _per_example_outputs(fn: Callable[..., Any], axes: tuple[str, ...]) -> Callable[..., Any]:
-    """Wraps ``fn`` to check its outputs have a batch dim (the default ``out_specs`` splits dim 0)."""
-
-    @functools.wraps(fn)
-    def checked(*a):
-        out = fn(*a)
-        for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
-            if not np.shape(leaf):
-                raise ValueError(
-                    f"vj.apply: output {jax.tree_util.keystr(path) or '<root>'} of the model is a scalar; by default "
-                    f"outputs are per-example, dim 0 split over {axes}. Return per-example values and reduce "
-                    "outside (jnp.mean(vj.apply(...))), or pass out_specs=P() and average inside with "
-                    f"jax.lax.pmean(x, {axes})."
-                )
-        return out
-
-    return checked
+def _per_example_outputs(
+    fn: Callable[..., Any], axes: tuple[str, ...], mesh: jax.sharding.Mesh, dependence: list[bool]
+) -> tuple[Callable[..., Any], Callable[[Any], Any]]:
+    """The default ``out_specs``: outputs that depend on the device's batch slice are per-example (dim 0 split;
+    a scalar among them raises, naming its key path and the fix), the others (batch statistics from
+    ``vj.batch_mean``, values of the parameters alone) are returned whole
+    (:func:`vescale_jax.step._outputs.split_or_whole`)."""
+    return split_or_whole(fn, axes, mesh, dependence)
 
 
 def _policy_of_apply(plan: Plan, data_axes: Any, kernels: KernelPolicy | None, **options: Any) -> StepPolicy:
@@ -252,7 +256,9 @@ def _apply_gathered(fn, params, args, data_axes, in_specs, out_specs, kernels):
     """``vj.apply`` on full per-device copies (``vj.accumulate(..., reduce="once")``): no collective at all."""
     plan = params.plan
     policy = _policy_of_apply(plan, data_axes, kernels)
-    fn, in_specs, out_specs = _batch_specs(fn, args, plan, policy.data_axes, in_specs, out_specs)
+    fn, in_specs, out_specs, finish = _batch_specs(
+        fn, args, plan, policy.data_axes, in_specs, out_specs, typed=policy.kernels.check_vma
+    )
     how = policy.wire()
 
     def local(copies, *local_args):
@@ -262,7 +268,7 @@ def _apply_gathered(fn, params, args, data_axes, in_specs, out_specs, kernels):
     mapped = jax.shard_map(
         local, mesh=plan.mesh, in_specs=(specs, *in_specs), out_specs=out_specs, check_vma=how.kernels.check_vma
     )
-    return mapped(params.buffers, *args)
+    return finish(mapped(params.buffers, *args))
 
 
 def fsdp(
