@@ -448,6 +448,95 @@ def test_select_predicate_is_not_linear():
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Control flow
+
+
+CONTROL_USERS = "step/_control_flow (the batch dependence of the model's values; refusing a per-device branch)"
+
+
+def test_cond_while_scan_parts():
+    def f(x, c):
+        y = jax.lax.cond(x[0] > 0, lambda a, b: a * b, lambda a, b: a - b, x, c)
+        z = jax.lax.while_loop(lambda s: s[0] < c, lambda s: (s[0] + 1.0, s[1] * 2.0), (c, y))[1]
+        return jax.lax.scan(lambda k, v: (k + v * c, k * 2.0), jnp.zeros(()), z)
+
+    jaxpr = closed_of(f, jnp.ones(3), jnp.float32(2.0)).jaxpr
+    eqns = {_compat.primitive_name(e): e for e in jaxpr.eqns}
+    index, branches, operands = _compat.cond_parts(eqns[_compat.COND])
+    assert index is eqns[_compat.COND].invars[0] and len(branches) == 2, broke(
+        "cond_parts / COND",
+        "a cond equation's operand 0 is the index and params['branches'] its branches",
+        CONTROL_USERS,
+    )
+    assert all(len(b.invars) == len(operands) == 2 and hasattr(b, "eqns") for b in branches), broke(
+        "cond_parts", "each branch is a jaxpr over operands 1...", CONTROL_USERS
+    )
+    cond, body, cc, bc, carry = _compat.while_parts(eqns[_compat.WHILE])
+    assert len(cond.invars) == len(cc) + len(carry) and len(body.invars) == len(bc) + len(carry), broke(
+        "while_parts / WHILE", "the condition reads cond_consts + carry and the body body_consts + carry", CONTROL_USERS
+    )
+    assert len(cond.outvars) == 1 and len(body.outvars) == len(carry) == 2, broke(
+        "while_parts", "the condition returns the predicate and the body the carry", CONTROL_USERS
+    )
+    body, n_consts, n_carry = _compat.scan_parts(eqns[_compat.SCAN])
+    assert (n_consts, n_carry) == (1, 1) and len(body.invars) == len(eqns[_compat.SCAN].invars), broke(
+        "scan_parts / SCAN", "the body reads the equation's operands consts + carry + xs", CONTROL_USERS
+    )
+    assert len(body.outvars) == len(eqns[_compat.SCAN].outvars), broke(
+        "scan_parts", "the body returns carry + ys", CONTROL_USERS
+    )
+    assert _compat.cond_parts(eqns[_compat.SCAN]) is None and _compat.scan_parts(eqns[_compat.COND]) is None
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_psum_names_and_varying_axes(check_vma):
+    mesh = make_mesh(2, "x", auto=True)
+    seen = {}
+
+    def body(a):
+        jaxpr = closed_of(lambda y: (jax.lax.psum(jnp.sum(y), "x"), y * 2.0), a).jaxpr
+        seen["sum"] = next(e for e in jaxpr.eqns if _compat.summed_axes(e))
+        seen["vary"] = [_compat.aval_varying_axes(v.aval) for v in (jaxpr.invars[0], *jaxpr.outvars)]
+        return a
+
+    jax.make_jaxpr(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=check_vma))(jnp.ones(4))
+    assert _compat.summed_axes(seen["sum"]) == ("x",), broke(
+        "PSUM_PRIMITIVES / summed_axes",
+        f"lax.psum is one of {sorted(_compat.PSUM_PRIMITIVES)} with its axes",
+        CONTROL_USERS,
+    )
+    want = [frozenset({"x"}), frozenset(), frozenset({"x"})] if check_vma else [frozenset()] * 3
+    assert seen["vary"] == want, broke(
+        "aval_varying_axes",
+        "a jaxpr variable's aval names the mesh axes it varies over (none unchecked)",
+        CONTROL_USERS,
+    )
+
+
+def test_nested_jaxprs_and_source():
+    @jax.custom_vjp
+    def cv(x):
+        return jnp.sin(x)
+
+    cv.defvjp(lambda x: (jnp.sin(x), x), lambda x, g: (g * jnp.cos(x),))
+    f = lambda x: jax.jit(jnp.cos)(jax.checkpoint(jnp.tanh)(cv(x)))
+    jaxpr = closed_of(f, jnp.ones(2)).jaxpr
+    for eqn in jaxpr.eqns:
+        (closed,) = _compat.nested_jaxprs(eqn)
+        sub = closed.jaxpr
+        assert len(sub.invars) == len(eqn.invars) and len(sub.outvars) == len(eqn.outvars), broke(
+            "nested_jaxprs", f"a {_compat.primitive_name(eqn)} equation runs one jaxpr over its operands", CONTROL_USERS
+        )
+    assert _compat.nested_jaxprs(closed_of(jnp.sin, jnp.ones(2)).jaxpr.eqns[0]) == []
+    names = [_compat.body_name(e) for e in jaxpr.eqns]
+    assert names[1:] == ["jax.checkpoint", "jit"], broke("body_name", "checkpoint is remat2, jit is jit", CONTROL_USERS)
+    where = _compat.equation_source(jaxpr.eqns[0])
+    assert where is not None and "test_compat.py" in where, broke(
+        "equation_source", "an equation's source_info summarises to the user's file and line", CONTROL_USERS
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
 # The process's JAX runtime
 
 

@@ -399,7 +399,7 @@ CASES = [
         "apply_scalar_output",
         lambda w: vj.apply(lambda t, x: jnp.sum(model(t, x)), w.sp, w.batch),
         ValueError,
-        ("output <root>", "scalar", r"jnp\.mean\(vj\.apply", r"out_specs=P\(\)"),
+        ("output <root>", "scalar", r"jnp\.mean\(vj\.apply", r"vj\.batch_mean"),
     ),
     Case(
         "apply_scalar_output_in_dict",

@@ -79,6 +79,14 @@ FAST: dict[str, tuple[str, ...]] = {
         "test_missing_or_planned_state_is_named",
         "test_linen_refusals_name_the_collection",
     ),
+    # Statistics over the global batch, batch-free outputs, branches on the batch slice refused.
+    "test_batch_statistics.py": (
+        "test_moe_aux_loss_gradients_match_unsharded[m3]",
+        "test_batch_mean_and_sum_are_global[m8]",
+        "test_cond_on_a_per_device_mean_is_refused[m3]",
+        "test_cond_on_batch_mean_matches_unsharded[m8]",
+        "test_per_device_scalar_output_is_refused",
+    ),
     "test_point_of_use.py": (
         "test_gradients_match_unsharded_for_every_kind_of_use[m3-reshard]",
         "test_gradients_match_unsharded_for_every_kind_of_use[m8-keep]",

@@ -23,6 +23,9 @@ Sections:
   :func:`draw_bit_width`, :func:`is_random_split`), :func:`key_impl_name`, :func:`threefry_partitionable`,
   :func:`threefry2x32`; re-running nested jaxprs: :func:`nested_jaxprs`, :func:`rerun_nested`;
   the axes a value varies over: :func:`aval_varying_axes`, :func:`varying_axes`.
+* control flow: :data:`WHILE` (:func:`while_parts`), :func:`cond_parts`, :func:`scan_parts`, :func:`body_name`,
+  :data:`PSUM_PRIMITIVES` (:func:`summed_axes`), :data:`OPAQUE_BODY_PRIMITIVES` (left out by
+  :func:`nested_jaxprs`), :func:`equation_source`.
 * the process's JAX runtime: :func:`backends_are_initialized`, :func:`cluster_types`,
   :func:`distributed_job`.
 * optax: :func:`is_params_placeholder`, the Muon internals (:data:`MUON_NS_COEFFS_PRESETS`,
@@ -59,9 +62,11 @@ __all__ = [
     "MUON_NS_COEFFS_PRESETS",
     "MUON_PRECONDITIONINGS",
     "NESTED_CALL_PRIMITIVES",
+    "OPAQUE_BODY_PRIMITIVES",
     "OPTAX_MASKING_MODULE",
     "OPTAX_MUON_MODULE",
     "OPTAX_PARTITION_MODULE",
+    "PSUM_PRIMITIVES",
     "PVARY",
     "RANDOM_DRAW_PRIMITIVES",
     "SCAN",
@@ -388,7 +393,8 @@ def is_selection(eqn: Any) -> bool:
 SCAN = "scan"
 """The primitive of ``jax.lax.scan`` (and of ``nnx.scan``, ``fori_loop`` with static bounds). Its parameters:
 ``jaxpr`` (a closed jaxpr: consts, carry, xs -> carry, ys), ``num_consts``, ``num_carry``, ``length``,
-``reverse``, ``unroll``. Verified on JAX 0.10.2. Used by ``step/_interpret`` (through :func:`scan_params`)."""
+``reverse``, ``unroll``. Verified on JAX 0.10.2. Used by ``step/_interpret`` (through :func:`scan_params`) and
+``step/_control_flow`` (through :func:`scan_parts`)."""
 
 
 class ScanParams(NamedTuple):
@@ -444,8 +450,9 @@ def checkpoint_params(eqn: Any) -> CheckpointParams | None:
 
 COND = "cond"
 """The primitive of ``jax.lax.cond`` / ``jax.lax.switch``: operand 0 the (clamped) branch index, the rest the
-branches' operands; ``params["branches"]`` the closed jaxprs. Verified on JAX 0.10.2. Used by
-``step/_interpret`` (through :func:`cond_branches`)."""
+branches' operands (a bool predicate is converted to an int32 index first); ``params["branches"]`` the closed
+jaxprs. Verified on JAX 0.10.2. Used by ``step/_interpret`` (through :func:`cond_branches`) and
+``step/_control_flow`` (through :func:`cond_parts`)."""
 
 
 def cond_branches(eqn: Any) -> tuple[Any, ...] | None:
@@ -554,10 +561,14 @@ def aval_varying_axes(aval: Any) -> frozenset[str]:
 def nested_jaxprs(eqn: Any) -> list[Any]:
     """Every jaxpr an equation holds in its parameters (a ``jit`` / ``scan`` / ``remat`` body, ``cond``
     branches, a ``while``'s condition and body, a ``custom_jvp`` / ``custom_vjp`` primal), as closed jaxprs, in
-    parameter-name order.
+    parameter-name order; none for :data:`OPAQUE_BODY_PRIMITIVES` (a Pallas kernel's body). Callables (a
+    ``custom_vjp``'s ``bwd``) are not entered.
 
-    Verified on JAX 0.10.2. Used by ``step/_random`` (to find draws wherever they sit).
+    Verified on JAX 0.10.2. Used by ``step/_random`` (to find draws wherever they sit) and ``step/_control_flow``
+    (``.jaxpr`` of each: the bodies a predicate may sit in).
     """
+    if primitive_name(eqn) in OPAQUE_BODY_PRIMITIVES:
+        return []
     out = []
     for name in sorted(eqn.params):
         value = eqn.params[name]
@@ -616,6 +627,105 @@ def varying_axes(x: Any) -> frozenset[str]:
     Verified on JAX 0.10.2. Used by ``step/_model_call`` (new model state must not vary over the data axes).
     """
     return aval_varying_axes(jax.typeof(x))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Control flow: predicates, nested bodies, varying axes and source lines of equations
+
+WHILE = "while"
+"""``lax.while_loop`` / ``fori_loop`` with a traced bound: operands ``cond_consts + body_consts + carry``
+(``params["cond_nconsts"]``, ``params["body_nconsts"]``), the condition in ``params["cond_jaxpr"]`` (one output,
+the predicate) and the body in ``params["body_jaxpr"]``. Verified on JAX 0.10.2. Used by ``step/_control_flow``."""
+
+PSUM_PRIMITIVES = frozenset({"psum", "psum_invariant", "psum2"})
+"""``lax.psum`` (and ``pmean``'s sum) inside ``shard_map``: ``"psum_invariant"`` with the varying-axes check on,
+``"psum"`` with it off (JAX 0.10.2; ``"psum2"`` on older versions), the mesh axes in ``params["axes"]``. Used by
+``step/_control_flow`` (a sum over the data axes is the same on every device)."""
+
+OPAQUE_BODY_PRIMITIVES = frozenset({"pallas_call"})
+"""Primitives whose nested jaxpr is not a JAX-level computation over the same values (a Pallas kernel body sees
+refs and program ids, not the operands' varying axes): :func:`nested_jaxprs` does not enter them. Verified on
+JAX 0.10.2. Used by ``step/_control_flow``."""
+
+
+def _open(jaxpr: Any) -> Any:
+    return jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
+
+
+def cond_parts(eqn: Any) -> tuple[Any, list[Any], list[Any]] | None:
+    """``(index, branches, operands)`` of a cond / switch equation (:data:`COND`): the index atom, the branches
+    as open jaxprs, the atoms they read; ``None`` for another equation.
+
+    Verified on JAX 0.10.2. Used by ``step/_control_flow``.
+    """
+    if primitive_name(eqn) != COND:
+        return None
+    return eqn.invars[0], [_open(b) for b in eqn.params["branches"]], list(eqn.invars[1:])
+
+
+def while_parts(eqn: Any) -> tuple[Any, Any, list[Any], list[Any], list[Any]] | None:
+    """``(cond, body, cond_consts, body_consts, carry)`` of a while equation (:data:`WHILE`): the condition and
+    body as open jaxprs (the condition reads ``cond_consts + carry``, the body ``body_consts + carry`` and returns
+    the carry), and the operand atoms; ``None`` for another equation.
+
+    Verified on JAX 0.10.2. Used by ``step/_control_flow``.
+    """
+    if primitive_name(eqn) != WHILE:
+        return None
+    nc, nb = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+    ins = list(eqn.invars)
+    return _open(eqn.params["cond_jaxpr"]), _open(eqn.params["body_jaxpr"]), ins[:nc], ins[nc : nc + nb], ins[nc + nb :]
+
+
+def scan_parts(eqn: Any) -> tuple[Any, int, int] | None:
+    """``(body, num_consts, num_carry)`` of a scan equation (:data:`SCAN`): the body as an open jaxpr over the
+    equation's operands (``consts + carry + xs``) returning ``carry + ys``; ``None`` for another equation.
+
+    Verified on JAX 0.10.2. Used by ``step/_control_flow``.
+    """
+    if primitive_name(eqn) != SCAN:
+        return None
+    return _open(eqn.params["jaxpr"]), eqn.params["num_consts"], eqn.params["num_carry"]
+
+
+_BODY_NAMES = {"remat2": "jax.checkpoint", "checkpoint": "jax.checkpoint", "pjit": "jit", "closed_call": "call"}
+
+
+def body_name(eqn: Any) -> str:
+    """How a user wrote the equation whose nested jaxpr a message points into: ``"scan"``, ``"jax.checkpoint"``
+    (``remat2``), ``"jit"``, ``"cond"``, ``"while"``, ``"custom_vjp_call"``; the primitive's name otherwise.
+
+    Verified on JAX 0.10.2. Used by ``step/_control_flow`` (errors say where a refused branch is).
+    """
+    name = primitive_name(eqn)
+    return _BODY_NAMES.get(name, name)
+
+
+def summed_axes(eqn: Any) -> tuple[str, ...]:
+    """The mesh axes a ``psum`` equation (:data:`PSUM_PRIMITIVES`) sums over; ``()`` for another equation.
+
+    Verified on JAX 0.10.2 (``params["axes"]``; positional axes of ``pmap`` are left out). Used by
+    ``step/_control_flow``.
+    """
+    if primitive_name(eqn) not in PSUM_PRIMITIVES:
+        return ()
+    return tuple(a for a in eqn.params.get("axes", ()) if isinstance(a, str))
+
+
+def equation_source(eqn: Any) -> str | None:
+    """Where the user's code created ``eqn``: ``"file.py:12:8 (function)"`` (JAX's own frames skipped), or
+    ``None`` when JAX keeps no source information.
+
+    Verified on JAX 0.10.2 (``jax._src.source_info_util.summarize(eqn.source_info)``). Used by
+    ``step/_control_flow`` (errors name the line).
+    """
+    try:
+        from jax._src import source_info_util
+
+        where = source_info_util.summarize(eqn.source_info)
+    except Exception:  # pragma: no cover - a JAX that moved or changed it: the message goes without the line
+        return None
+    return where if where and "unknown" not in where else None
 
 
 # ----------------------------------------------------------------------------------------------------------

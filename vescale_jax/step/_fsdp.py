@@ -38,12 +38,13 @@ from vescale_jax.state._padding import zero_padding
 from vescale_jax.state._placement import constrain_outputs
 from vescale_jax.step._batch import _check_batch, _check_placed, _data_size, place_batch
 from vescale_jax.step._checks import check_kernel_policy, check_microbatches, check_precision_type, check_step_outputs
+from vescale_jax.step._control_flow import checked_model
 from vescale_jax.step._fp32_grads import widened
 from vescale_jax.step._model_call import model_call
+from vescale_jax.step._outputs import split_or_whole
 from vescale_jax.step._point_of_use import at_point_of_use
 from vescale_jax.step._policy import StepPolicy, enclosing_policy, running
 from vescale_jax.step._precision import MixedPrecision
-from vescale_jax.step._random import split_draws
 from vescale_jax.step._scan_layers import LayerShard
 from vescale_jax.step._wire import Gather
 from vescale_jax.step._wire_copies import unpack_copies
@@ -176,8 +177,11 @@ def apply(
         enclosing ``vj.fsdp``'s, else False).
       precision: a :class:`vj.MixedPrecision` policy (default: the enclosing ``vj.fsdp``'s, else none).
       in_specs: ``PartitionSpec`` prefix for ``args`` (default: dim 0 over the data axes).
-      out_specs: ``PartitionSpec`` prefix for the outputs (default: dim 0 over the data axes, i.e. per-example
-        outputs; a scalar computed per device needs ``P()`` and a ``lax.pmean`` over the data axes in ``fn``).
+      out_specs: ``PartitionSpec`` prefix for the outputs. Default: an output that varies over the data axes is
+        per-example, dim 0 split over them (a scalar computed per device raises: compute it with
+        :func:`vj.batch_mean` or return per-example values); one that does not (a statistic computed with
+        :func:`vj.batch_mean` / :func:`vj.batch_sum`, or from the parameters alone) is returned whole, as the
+        unsharded model returns it.
       kernels: a :class:`vj.kernels.KernelPolicy`: XLA or the Pallas kernels for unpack and pack (default: the
         enclosing ``vj.fsdp``'s, else ``KernelPolicy.from_env()``).
       plan: optional: the model runs on the plan ``params`` carry; given, it must be that plan (another one
@@ -207,7 +211,9 @@ def apply(
     policy = _policy_of_apply(
         plan, data_axes, kernels, reshard_after_forward=reshard_after_forward, prefetch=prefetch, precision=precision
     )
-    fn, args, in_specs, out_specs = _model_specs(fn, args, kwargs, state, plan, policy.data_axes, in_specs, out_specs)
+    fn, args, in_specs, out_specs, finish = _model_specs(
+        fn, args, kwargs, state, plan, policy.data_axes, in_specs, out_specs, typed=policy.kernels.check_vma
+    )
     fn = _split_draws(fn, plan, policy.data_axes, policy.kernels.check_vma, in_specs, args)
 
     how = policy.wire()
@@ -220,36 +226,37 @@ def apply(
     mapped = jax.shard_map(
         local, mesh=plan.mesh, in_specs=(specs, *in_specs), out_specs=out_specs, check_vma=policy.kernels.check_vma
     )
-    return mapped(params.buffers, *args)
+    return finish(mapped(params.buffers, *args))
 
 
-def _model_specs(fn, args, kwargs, state, plan: Plan, axes: tuple[str, ...], in_specs: Any, out_specs: Any):
-    """``(fn, args, in_specs, out_specs)`` over flat inputs: the positional batch as :func:`_batch_specs` has
-    it, then the keyword arrays (split or whole) and the state (whole, returned whole)."""
-    if not kwargs and state is None:
-        fn, in_specs, out_specs = _batch_specs(fn, args, plan, axes, in_specs, out_specs)
-        return fn, args, in_specs, out_specs
-    _, in_specs, _ = _batch_specs(fn, args, plan, axes, in_specs, P())
-    check, _, out_specs = _batch_specs(lambda out: out, (), plan, axes, (), out_specs)
-    call = model_call(fn, args, kwargs, state, axes=axes, check_outputs=check)
-    what = "vj.apply keyword argument"
-    _check_batch(call.split, _data_size(plan.mesh, axes), axes, what=what)
-    _check_placed(call.split, plan, axes, what=what)
-    out_specs = out_specs if state is None else (out_specs, P())
-    return call.fn, (*args, *call.extra), (*in_specs, *call.extra_specs), out_specs
-
-
-def _batch_specs(fn, args, plan: Plan, axes: tuple[str, ...], in_specs: Any, out_specs: Any):
-    """``(fn, in_specs, out_specs)`` with the defaults filled in: arguments split on dim 0 over ``axes``
-    (checked and, on Explicit axes, required to be placed so), per-example outputs (checked)."""
+def _model_specs(fn, args, kwargs, state, plan: Plan, axes: tuple[str, ...], in_specs: Any, out_specs: Any, *, typed):
+    """``(fn, args, in_specs, out_specs, finish)`` over flat inputs: the positional batch (split on dim 0 over
+    ``axes`` by default: checked and, on Explicit axes, required to be placed so), then the keyword arrays (split
+    or whole, :mod:`vescale_jax.step._model_call`) and the state (whole, returned whole). The model's control
+    flow is checked and ``vj.batch_mean`` reduces over ``axes`` while it is traced
+    (:func:`vescale_jax.step._control_flow.checked_model`); by default its outputs are per-example or, for the
+    ones that do not depend on the batch, whole (:func:`vescale_jax.step._outputs.split_or_whole`; ``finish``
+    maps the ``shard_map``'s outputs to the model's)."""
     if in_specs is None:
         _check_batch(args, _data_size(plan.mesh, axes), axes, what="vj.apply argument")
         _check_placed(args, plan, axes)
         in_specs = tuple(P(axes) for _ in args)
+    call = model_call(fn, args, kwargs, state, axes=axes)
+    if call.split:
+        what = "vj.apply keyword argument"
+        _check_batch(call.split, _data_size(plan.mesh, axes), axes, what=what)
+        _check_placed(call.split, plan, axes, what=what)
+    in_specs = (*in_specs, *call.extra_specs)
+    whole = [spec == P() for spec in in_specs]
+    dependence: list[bool] = []
+    fn = checked_model(call.fn, axes, typed=typed, dependence=dependence, whole=whole)
+    finish = lambda out: out
     if out_specs is None:
         out_specs = P(axes)
-        fn = _per_example_outputs(fn, axes)
-    return fn, in_specs, out_specs
+        fn, finish = split_or_whole(fn, axes, plan.mesh, dependence, state=state is not None)
+    if state is not None:
+        out_specs = (out_specs, P())
+    return fn, (*args, *call.extra), in_specs, out_specs, finish
 
 
 def _split_draws(fn, plan: Plan, axes: tuple[str, ...], check_vma: bool, in_specs: Any, args: tuple[Any, ...]):
@@ -266,25 +273,6 @@ def _split_draws(fn, plan: Plan, axes: tuple[str, ...], check_vma: bool, in_spec
     return split_draws(fn, axes=axes, size=size, check_vma=check_vma, global_args=global_args if known else None)
 
 
-def _per_example_outputs(fn: Callable[..., Any], axes: tuple[str, ...]) -> Callable[..., Any]:
-    """Wraps ``fn`` to check its outputs have a batch dim (the default ``out_specs`` splits dim 0)."""
-
-    @functools.wraps(fn)
-    def checked(*a):
-        out = fn(*a)
-        for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:
-            if not np.shape(leaf):
-                raise ValueError(
-                    f"vj.apply: output {jax.tree_util.keystr(path) or '<root>'} of the model is a scalar; by default "
-                    f"outputs are per-example, dim 0 split over {axes}. Return per-example values and reduce "
-                    "outside (jnp.mean(vj.apply(...))), or pass out_specs=P() and average inside with "
-                    f"jax.lax.pmean(x, {axes})."
-                )
-        return out
-
-    return checked
-
-
 def _policy_of_apply(plan: Plan, data_axes: Any, kernels: KernelPolicy | None, **options: Any) -> StepPolicy:
     """``vj.apply``'s policy: the enclosing step's (outside one: the defaults, kernels from the environment)
     with ``vj.apply``'s own arguments over it."""
@@ -297,7 +285,9 @@ def _apply_gathered(fn, params, args, kwargs, state, data_axes, in_specs, out_sp
     """``vj.apply`` on full per-device copies (``vj.accumulate(..., reduce="once")``): no collective at all."""
     plan = params.plan
     policy = _policy_of_apply(plan, data_axes, kernels)
-    fn, args, in_specs, out_specs = _model_specs(fn, args, kwargs, state, plan, policy.data_axes, in_specs, out_specs)
+    fn, args, in_specs, out_specs, finish = _model_specs(
+        fn, args, kwargs, state, plan, policy.data_axes, in_specs, out_specs, typed=policy.kernels.check_vma
+    )
     how = policy.wire()
     fn = _split_draws(fn, plan, policy.data_axes, how.kernels.check_vma, in_specs, args)
 
@@ -308,7 +298,7 @@ def _apply_gathered(fn, params, args, kwargs, state, data_axes, in_specs, out_sp
     mapped = jax.shard_map(
         local, mesh=plan.mesh, in_specs=(specs, *in_specs), out_specs=out_specs, check_vma=how.kernels.check_vma
     )
-    return mapped(params.buffers, *args)
+    return finish(mapped(params.buffers, *args))
 
 
 def fsdp(

@@ -66,7 +66,6 @@ def model_call(
     state: Any,
     *,
     axes: tuple[str, ...],
-    check_outputs: Callable[[Any], Any],
 ) -> ModelCall:
     """``fn(params, *args, **kwargs)`` (with ``state=state`` when given) over flat inputs.
 
@@ -76,7 +75,6 @@ def model_call(
       kwargs: the keyword arguments (see the module docstring for which leaves are split, whole or static).
       state: model state passed whole, or ``None``.
       axes: the data axes.
-      check_outputs: applied to the model's outputs (not to the new state).
 
     Returns:
       The :class:`ModelCall`.
@@ -105,7 +103,7 @@ def model_call(
         kw_leaves = [next(kw_arrays) if kind != _STATIC else value for kind, value in zip(kinds, static, strict=True)]
         kw = jax.tree_util.tree_unflatten(treedef, kw_leaves)
         if state is None:
-            return check_outputs(fn(params, *positional, **kw))
+            return fn(params, *positional, **kw)
         result = fn(params, *positional, state=flat[-1], **kw)
         if not (isinstance(result, tuple) and len(result) == 2):
             raise TypeError(
@@ -114,7 +112,7 @@ def model_call(
             )
         outputs, new_state = result
         _check_same_on_every_device(new_state, axes)
-        return check_outputs(outputs), new_state
+        return outputs, new_state
 
     extra = (*arrays, *(() if state is None else (state,)))
     extra_specs = (*specs, *(() if state is None else (P(),)))

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vescale_jax._compat import varying_axes
 from vescale_jax.kernels import KernelPolicy
 from vescale_jax.kernels._dispatch import DEFAULT_KERNELS, pack, unpack, unpack_differentiable
 from vescale_jax.layout._plan import Bucket, Plan
@@ -112,13 +113,6 @@ class Gather:
 
 # ----------------------------------------------------------------------------------------------------------
 # Varying mesh axes (HSDP)
-
-
-def varying_axes(x: Any) -> frozenset[str]:
-    """Mesh axes ``x`` varies over inside ``shard_map`` (empty outside, or when the check is off)."""
-    t = jax.typeof(x)
-    mat = getattr(t, "manual_axis_type", None)
-    return frozenset(getattr(t, "vma", None) or (mat.varying if mat is not None else ()))
 
 
 def vary(x: jax.Array, axes: Any) -> jax.Array:
