@@ -45,6 +45,7 @@ from vescale_jax.step._outputs import split_or_whole
 from vescale_jax.step._point_of_use import at_point_of_use
 from vescale_jax.step._policy import StepPolicy, enclosing_policy, running
 from vescale_jax.step._precision import MixedPrecision
+from vescale_jax.step._random import split_draws
 from vescale_jax.step._scan_layers import LayerShard
 from vescale_jax.step._wire import Gather
 from vescale_jax.step._wire_copies import unpack_copies
