@@ -266,6 +266,48 @@ def test_per_device_scalar_output_is_refused():
     )
 
 
+@pytest.mark.parametrize("m", (3, 8), ids=lambda m: f"m{m}")
+def test_per_device_array_statistic_is_refused(m):
+    """A non-scalar statistic of the device's slice (``jnp.mean(h, axis=0)``) is neither per-example nor the
+    unsharded value: refused, naming the output and both shapes."""
+
+    def model(p, x):
+        h = jnp.tanh(x @ p["w1"])
+        return {"y": h @ p["w2"], "centre": jnp.mean(h, axis=0)}
+
+    params = small_params()
+    plan = vj.plan(params, make_mesh(m))
+    with pytest.raises(
+        ValueError, match=r"output \['centre'\] of the model \(shape \(16,\) on each device, \(16,\)"
+    ) as e:
+        vj.apply(model, vj.shard(params, plan), vj.place_batch(signed_batch(), plan))
+    assert "vj.batch_mean" in str(e.value) and "not per-example" in str(e.value)
+
+
+@pytest.mark.parametrize("m", COUNTS, ids=lambda m: f"m{m}")
+def test_outputs_per_example_by_their_unsharded_shape(m):
+    """Token rows (``b * T`` per device) are per-example; a parameter broadcast over the batch is per-example
+    too (its rows are the same on every device); a batch mean whose length happens to equal the device's batch
+    rows is whole. Each as the unsharded model returns it."""
+    n_local = B // m
+
+    def model(p, x):
+        tok = jnp.tanh(jnp.repeat(x, T, axis=0) @ p["w1"])  # (b * T, H): token rows
+        return {
+            "tokens": tok,
+            "bias": jnp.broadcast_to(p["w2"][:, 0], (x.shape[0], H)),  # batch-free, dim 0 = b
+            "stat": vj.batch_mean(jnp.tanh(x @ p["w1"])[:, :n_local], axis=0),  # batch-free, length b
+        }
+
+    params, x = small_params(), signed_batch()
+    want = model(params, x)
+    plan = vj.plan(params, make_mesh(m))
+    sp, xb = vj.shard(params, plan), vj.place_batch(x, plan)
+    got = jax.jit(lambda sp, x: vj.apply(model, sp, x))(sp, xb)
+    assert {k: v.shape for k, v in got.items()} == {k: v.shape for k, v in want.items()}
+    assert_trees_close(got, want, rtol=1e-5)
+
+
 def test_user_out_specs_still_win():
     def model(p, x):
         return jax.lax.pmean(jnp.mean(x @ p["w1"]), "fsdp")[None]

@@ -82,6 +82,27 @@ def test_closed_over_key_draws_the_unsharded_mask(m, kind):
     assert_masks(applied(model, sp, x), model(params, x), m)
 
 
+@pytest.mark.parametrize("kind", KEYS)
+@pytest.mark.parametrize("m", COUNTS)
+def test_key_as_a_keyword_argument_draws_the_unsharded_mask(m, kind):
+    """A key passed as a keyword argument reaches every device whole: its draws are split like a closed-over
+    key's, and a branch on the dropped activations (different on every device) is refused."""
+    key = KEYS[kind]()
+    params = params_of()
+    x, _ = batch_of(m)
+    sp = vj.shard(params, vj.plan(params, make_mesh(m)))
+
+    def model(p, x, *, key, rate=0.5):
+        h = jnp.tanh(x @ p["w1"])
+        return jnp.where(jax.random.bernoulli(key, 1 - rate, h.shape), h / (1 - rate), 0.0)
+
+    assert_masks(applied(model, sp, x, key=key) != 0, model(params, x, key=key) != 0, m)
+    if m > 1:
+        branchy = lambda p, x, *, key: jax.lax.cond(jnp.sum(model(p, x, key=key)) > 0, lambda: x, lambda: -x)
+        with pytest.raises(ValueError, match="lax.cond"):
+            applied(branchy, sp, x, key=key)
+
+
 @pytest.mark.parametrize("m", COUNTS)
 def test_every_sampler_and_split_match_unsharded(m):
     key = jax.random.key(3)

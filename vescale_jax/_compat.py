@@ -24,8 +24,8 @@ Sections:
   :func:`threefry2x32`; re-running nested jaxprs: :func:`nested_jaxprs`, :func:`rerun_nested`;
   the axes a value varies over: :func:`aval_varying_axes`, :func:`varying_axes`.
 * control flow: :data:`WHILE` (:func:`while_parts`), :func:`cond_parts`, :func:`scan_parts`, :func:`body_name`,
-  :data:`PSUM_PRIMITIVES` (:func:`summed_axes`), :data:`OPAQUE_BODY_PRIMITIVES` (left out by
-  :func:`nested_jaxprs`), :func:`equation_source`.
+  :data:`PSUM_PRIMITIVES` (:func:`summed_axes`), :data:`AXIS_INDEX` (:func:`indexed_axes`),
+  :data:`OPAQUE_BODY_PRIMITIVES` (left out by :func:`nested_jaxprs`), :func:`equation_source`.
 * the process's JAX runtime: :func:`backends_are_initialized`, :func:`cluster_types`,
   :func:`distributed_job`.
 * optax: :func:`is_params_placeholder`, the Muon internals (:data:`MUON_NS_COEFFS_PRESETS`,
@@ -53,6 +53,7 @@ from optax.contrib import _muon as _optax_muon
 from optax.tree_utils import _state_utils as _optax_state_utils
 
 __all__ = [
+    "AXIS_INDEX",
     "BILINEAR_PRIMITIVES",
     "CHECKPOINT_PRIMITIVES",
     "COND",
@@ -90,6 +91,7 @@ __all__ = [
     "distributed_job",
     "draw_bit_width",
     "draw_shape",
+    "indexed_axes",
     "is_convert",
     "is_linear_in",
     "is_literal",
@@ -641,6 +643,25 @@ PSUM_PRIMITIVES = frozenset({"psum", "psum_invariant", "psum2"})
 """``lax.psum`` (and ``pmean``'s sum) inside ``shard_map``: ``"psum_invariant"`` with the varying-axes check on,
 ``"psum"`` with it off (JAX 0.10.2; ``"psum2"`` on older versions), the mesh axes in ``params["axes"]``. Used by
 ``step/_control_flow`` (a sum over the data axes is the same on every device)."""
+
+AXIS_INDEX = "axis_index"
+"""``lax.axis_index`` inside ``shard_map``: the device's index along ``params["axis_name"]`` (one axis name; a
+tuple of axes is traced as one equation per axis, verified on JAX 0.10.2). Used by ``step/_control_flow`` (a
+value computed from the index over a data axis differs between devices, like the batch slice; the draws
+``step/_random`` splits are such values)."""
+
+
+def indexed_axes(eqn: Any) -> tuple[str, ...]:
+    """The mesh axes an ``axis_index`` equation (:data:`AXIS_INDEX`) indexes; ``()`` for another equation.
+
+    Verified on JAX 0.10.2 (``params["axis_name"]``, a string; a tuple accepted too). Used by
+    ``step/_control_flow``.
+    """
+    if primitive_name(eqn) != AXIS_INDEX:
+        return ()
+    names = eqn.params.get("axis_name", ())
+    return tuple(a for a in (names if isinstance(names, tuple | list) else (names,)) if isinstance(a, str))
+
 
 OPAQUE_BODY_PRIMITIVES = frozenset({"pallas_call"})
 """Primitives whose nested jaxpr is not a JAX-level computation over the same values (a Pallas kernel body sees

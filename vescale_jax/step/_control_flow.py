@@ -31,6 +31,7 @@ from vescale_jax._compat import (
     body_name,
     cond_parts,
     equation_source,
+    indexed_axes,
     is_literal,
     nested_jaxprs,
     scan_parts,
@@ -90,6 +91,8 @@ def _dependence(jaxpr: Any, inputs: list[bool], ctx: _Context, within: tuple[str
 def _equation(eqn: Any, ins: list[bool], ctx: _Context, within: tuple[str, ...]) -> list[bool]:
     """Per output of ``eqn``, whether it depends on the batch slice (before the equation's own sum or type)."""
     inner = (*within, body_name(eqn))
+    if set(indexed_axes(eqn)) & set(ctx.axes):
+        return [True]  # the device's index over a data axis: differs between devices as the batch slice does
     cond = cond_parts(eqn)
     if cond is not None:
         _, branches, _ = cond

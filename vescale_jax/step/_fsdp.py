@@ -215,7 +215,6 @@ def apply(
     fn, args, in_specs, out_specs, finish = _model_specs(
         fn, args, kwargs, state, plan, policy.data_axes, in_specs, out_specs, typed=policy.kernels.check_vma
     )
-    fn = _split_draws(fn, plan, policy.data_axes, policy.kernels.check_vma, in_specs, args)
 
     how = policy.wire()
     fn = widened(fn, _narrow_leaves(plan, how), is_leaf=lambda x: isinstance(x, LayerShard))
@@ -233,11 +232,13 @@ def apply(
 def _model_specs(fn, args, kwargs, state, plan: Plan, axes: tuple[str, ...], in_specs: Any, out_specs: Any, *, typed):
     """``(fn, args, in_specs, out_specs, finish)`` over flat inputs: the positional batch (split on dim 0 over
     ``axes`` by default: checked and, on Explicit axes, required to be placed so), then the keyword arrays (split
-    or whole, :mod:`vescale_jax.step._model_call`) and the state (whole, returned whole). The model's control
-    flow is checked and ``vj.batch_mean`` reduces over ``axes`` while it is traced
-    (:func:`vescale_jax.step._control_flow.checked_model`); by default its outputs are per-example or, for the
-    ones that do not depend on the batch, whole (:func:`vescale_jax.step._outputs.split_or_whole`; ``finish``
-    maps the ``shard_map``'s outputs to the model's)."""
+    or whole, :mod:`vescale_jax.step._model_call`) and the state (whole, returned whole).
+
+    The model is wrapped, innermost first: draws from keys that are the same on every device become this
+    device's part of the unsharded draw (:mod:`vescale_jax.step._random`); its control flow is checked and
+    ``vj.batch_mean`` reduces over ``axes`` while it is traced (:mod:`vescale_jax.step._control_flow`); by default
+    its outputs are per-example or, for those that do not depend on the batch, whole
+    (:mod:`vescale_jax.step._outputs`; ``finish`` maps the ``shard_map``'s outputs to the model's)."""
     if in_specs is None:
         _check_batch(args, _data_size(plan.mesh, axes), axes, what="vj.apply argument")
         _check_placed(args, plan, axes)
@@ -248,30 +249,39 @@ def _model_specs(fn, args, kwargs, state, plan: Plan, axes: tuple[str, ...], in_
         _check_batch(call.split, _data_size(plan.mesh, axes), axes, what=what)
         _check_placed(call.split, plan, axes, what=what)
     in_specs = (*in_specs, *call.extra_specs)
-    whole = [spec == P() for spec in in_specs]
+    flat_args = (*args, *call.extra)
+    size = _data_size(plan.mesh, axes)
+    # The model at the global arguments' shapes (known when each argument is split on dim 0 or passed whole).
+    known = all(spec == P(axes) or spec == P() for spec in in_specs)
+    shapes = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in jax.tree.leaves(flat_args)] if known else None
+
+    def global_outputs(tree, *local_args):
+        if shapes is None:
+            return None
+        global_args = jax.tree.unflatten(jax.tree.structure(local_args), shapes)
+        out = jax.eval_shape(call.fn, tree, *global_args)
+        return jax.tree.leaves(out[0] if state is not None else out)
+
+    fn = split_draws(call.fn, axes=axes, size=size, check_vma=typed, global_args=_global_args(shapes))
     dependence: list[bool] = []
-    fn = checked_model(call.fn, axes, typed=typed, dependence=dependence, whole=whole)
+    fn = checked_model(fn, axes, typed=typed, dependence=dependence, whole=[spec == P() for spec in in_specs])
     finish = lambda out: out
     if out_specs is None:
         out_specs = P(axes)
-        fn, finish = split_or_whole(fn, axes, plan.mesh, dependence, state=state is not None)
+        batch = None if call.batch is None else call.batch // size
+        fn, finish = split_or_whole(
+            fn, axes, plan.mesh, dependence, state=state is not None, batch=batch, global_outputs=global_outputs
+        )
     if state is not None:
         out_specs = (out_specs, P())
-    return fn, (*args, *call.extra), in_specs, out_specs, finish
+    return fn, flat_args, in_specs, out_specs, finish
 
 
-def _split_draws(fn, plan: Plan, axes: tuple[str, ...], check_vma: bool, in_specs: Any, args: tuple[Any, ...]):
-    """``fn`` whose draws from keys that are the same on every device are what the unsharded run draws for this
-    device's examples (:mod:`vescale_jax.step._random`). The batch-dim trace runs the model at the global
-    arguments' shapes when every argument is split on dim 0 (the default ``in_specs``) or passed whole."""
-    size = _data_size(plan.mesh, axes)
-    known = all(spec == P(axes) or spec == P() for spec in in_specs)
-    shapes = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in jax.tree.leaves(args)]
-
-    def global_args(leaves):
-        return shapes if len(leaves) == len(shapes) else None
-
-    return split_draws(fn, axes=axes, size=size, check_vma=check_vma, global_args=global_args if known else None)
+def _global_args(shapes: list[Any] | None) -> Callable[[Any], Any] | None:
+    """For :func:`vescale_jax.step._random.split_draws`: the local argument leaves' global shapes."""
+    if shapes is None:
+        return None
+    return lambda leaves: shapes if len(leaves) == len(shapes) else None
 
 
 def _policy_of_apply(plan: Plan, data_axes: Any, kernels: KernelPolicy | None, **options: Any) -> StepPolicy:
@@ -290,7 +300,6 @@ def _apply_gathered(fn, params, args, kwargs, state, data_axes, in_specs, out_sp
         fn, args, kwargs, state, plan, policy.data_axes, in_specs, out_specs, typed=policy.kernels.check_vma
     )
     how = policy.wire()
-    fn = _split_draws(fn, plan, policy.data_axes, how.kernels.check_vma, in_specs, args)
 
     def local(copies, *local_args):
         return fn(jax.tree_util.tree_unflatten(plan.treedef, unpack_copies(copies, plan, how)), *local_args)

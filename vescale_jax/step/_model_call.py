@@ -51,12 +51,14 @@ class ModelCall:
       extra: the inputs after the positional ones: the keyword arrays, then the state (if any).
       extra_specs: their ``PartitionSpec`` (split: dim 0 over the data axes; whole and state: ``P()``).
       split: the keyword arrays split with the batch, by name (for the batch checks).
+      batch: the global batch size ``B`` (``None`` when no argument has a leading dim).
     """
 
     fn: Callable[..., Any]
     extra: tuple[Any, ...]
     extra_specs: tuple[Any, ...]
     split: dict[str, Any]
+    batch: int | None = None
 
 
 def model_call(
@@ -116,7 +118,7 @@ def model_call(
 
     extra = (*arrays, *(() if state is None else (state,)))
     extra_specs = (*specs, *(() if state is None else (P(),)))
-    return ModelCall(call, extra, extra_specs, split)
+    return ModelCall(call, extra, extra_specs, split, batch)
 
 
 def _check_same_on_every_device(new_state: Any, axes: tuple[str, ...]) -> None:

@@ -3,22 +3,31 @@
 ``shard_map`` needs its ``out_specs`` before the model is traced, but whether an output is per-example (rows of
 the batch, one slice per device) or a value of the whole batch (the same on every device) is known only once the
 model is traced: whether the output depends on the device's slice of the batch
-(:func:`vescale_jax.step._control_flow.batch_dependence`). Every output therefore leaves the ``shard_map`` split
-on dim 0 over the data axes, and the decision is made while tracing:
+(:func:`vescale_jax.step._control_flow.batch_dependence`) and what shape the unsharded model gives it. Every
+output therefore leaves the ``shard_map`` split on dim 0 over the data axes, and the decision is made while
+tracing. With ``b`` the device's batch rows:
 
-* an output that depends on the batch slice is per-example: its dim 0 is the device's rows (a scalar cannot be,
-  and is refused, naming the output and the fix);
-* an output that does not (computed with ``vj.batch_mean``, or from the parameters alone) gets a leading
-  length-1 dim inside, and the copy of device 0 is taken outside: the model's value, as the unsharded model
-  returns it. Its cotangent reaches the one copy taken (zero on the other devices), and the backward sums it
-  over the devices (the ``shard_map``'s transpose for a value typed as not varying, the gradient's
-  reduce-scatter for the parameters), so it differentiates as the unsharded output.
+* an output that depends on the batch slice is per-example when its dim 0 is ``b``, or when the model traced at
+  the global arguments' shapes gives it ``size`` times the rows (``(b * T, D)`` token rows); a scalar, or an
+  array the unsharded model returns with the same shape (``jnp.mean(h, axis=0)``: a statistic of the device's
+  slice), is refused, naming the output and the fix;
+* an output that does not depend on it (computed with ``vj.batch_mean``, or from the parameters alone) gets a
+  leading length-1 dim inside, and the copy of device 0 is taken outside: the model's value, as the unsharded
+  model returns it. Its cotangent reaches the one copy taken (zero on the other devices), and the backward sums
+  it over the devices (the ``shard_map``'s transpose for a value typed as not varying, the gradient's
+  reduce-scatter for the parameters), so it differentiates as the unsharded output. The exception: a
+  batch-free output with dim 0 equal to ``b`` that the global trace shows per-example (a parameter broadcast
+  over the batch) is split, as the unsharded model's rows are the same.
+
+The trace at the global shapes runs only for those ambiguous outputs, and when it cannot run (a model that
+traces only at its local shapes) the leading-dim rule decides: dim 0 equal to ``b`` is per-example.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -29,6 +38,9 @@ from jax.sharding import PartitionSpec as P
 __all__ = ["split_or_whole"]
 
 
+_SPLIT, _WHOLE = "split", "whole"
+
+
 def split_or_whole(
     fn: Callable[..., Any],
     axes: tuple[str, ...],
@@ -36,6 +48,8 @@ def split_or_whole(
     dependence: list[bool],
     *,
     state: bool = False,
+    batch: int | None = None,
+    global_outputs: Callable[..., Sequence[Any] | None] | None = None,
 ) -> tuple[Callable[..., Any], Callable[[Any], Any]]:
     """``(wrapped fn, finish)`` for outputs with ``out_specs=P(axes)``: ``finish`` turns the ``shard_map``'s
     results into the model's outputs (see the module docstring).
@@ -48,6 +62,9 @@ def split_or_whole(
         (:func:`vescale_jax.step._control_flow.checked_model`).
       state: ``fn`` returns ``(outputs, new_state)``: only ``outputs`` are split or whole, ``new_state`` passes
         as it is (its own ``out_specs``).
+      batch: the device's batch rows ``b`` (``None``: no argument has a batch dim).
+      global_outputs: ``(*fn's arguments) -> the output leaves' shapes`` of the model at the global arguments'
+        shapes, or ``None`` when that trace cannot run; called only for an ambiguous output.
 
     Returns:
       The wrapped model and the function to apply to the ``shard_map``'s outputs (after the wrapped model was
@@ -56,6 +73,7 @@ def split_or_whole(
     Sharding:
       Per-example outputs: dim 0 split over ``axes``. Whole outputs: replicated.
     """
+    size = math.prod(mesh.shape[a] for a in axes)
     whole: list[bool] = []
 
     @functools.wraps(fn)
@@ -63,12 +81,27 @@ def split_or_whole(
         result = fn(*a)
         out = result[0] if state else result
         flat, tree = jax.tree_util.tree_flatten_with_path(out)
-        kinds = [not d for d in dependence[: len(flat)]]  # the outputs' leaves come first (before the state's)
-        for (path, leaf), is_whole in zip(flat, kinds, strict=True):
-            if not is_whole and not np.shape(leaf):
-                raise _scalar(jax.tree_util.keystr(path) or "<root>", axes)
-        whole[:] = kinds
-        out = jax.tree_util.tree_unflatten(tree, [x[None] if w else x for (_, x), w in zip(flat, kinds, strict=True)])
+        cache: list[Sequence[Any] | None] = []
+
+        def global_shape(i: int) -> tuple[int, ...] | None:
+            if not cache:
+                shapes = None
+                if global_outputs is not None:
+                    try:
+                        shapes = global_outputs(*a)
+                    except Exception:  # a model that traces only at its local shapes: the leading-dim rule
+                        shapes = None
+                cache.append(shapes if shapes is not None and len(shapes) == len(flat) else None)
+            return None if cache[0] is None else tuple(np.shape(cache[0][i]))
+
+        kinds = [
+            _kind(
+                jax.tree_util.keystr(path) or "<root>", tuple(np.shape(leaf)), dep, i, batch, size, global_shape, axes
+            )
+            for i, ((path, leaf), dep) in enumerate(zip(flat, dependence[: len(flat)], strict=True))
+        ]  # the outputs' leaves come first in ``dependence`` (before the state's)
+        whole[:] = [k == _WHOLE for k in kinds]
+        out = jax.tree_util.tree_unflatten(tree, [x[None] if w else x for (_, x), w in zip(flat, whole, strict=True)])
         return (out, result[1]) if state else out
 
     replicated = NamedSharding(mesh, P())
@@ -85,6 +118,45 @@ def split_or_whole(
         return (finish_outputs(result[0]), result[1]) if state else finish_outputs(result)
 
     return wrapped, finish
+
+
+def _kind(
+    name: str,
+    shape: tuple[int, ...],
+    dependent: bool,
+    i: int,
+    batch: int | None,
+    size: int,
+    global_shape: Callable[[int], tuple[int, ...] | None],
+    axes: tuple[str, ...],
+) -> str:
+    """Whether output ``i`` (local ``shape``) leaves split or whole; raises for a per-device statistic."""
+
+    def per_example(glob: tuple[int, ...] | None) -> bool:
+        return glob is not None and len(glob) == len(shape) and glob[0] == shape[0] * size and glob[1:] == shape[1:]
+
+    if dependent:
+        if not shape:
+            raise _scalar(name, axes)
+        if size == 1 or shape[0] == batch:
+            return _SPLIT
+        glob = global_shape(i)
+        if glob is None or per_example(glob):
+            return _SPLIT
+        raise _statistic(name, shape, glob, axes)
+    if size > 1 and shape and shape[0] == batch and per_example(global_shape(i)):
+        return _SPLIT  # the same rows on every device (a parameter broadcast over the batch): per-example
+    return _WHOLE
+
+
+def _statistic(name: str, shape: tuple[int, ...], glob: tuple[int, ...], axes: tuple[str, ...]) -> ValueError:
+    return ValueError(
+        f"vj.apply: output {name} of the model (shape {shape} on each device, {glob} unsharded) is computed from "
+        f"each device's slice of the batch (the data axes are {axes}) but is not per-example: it differs between "
+        "devices and is not the unsharded model's value (a statistic such as jnp.mean(h, axis=0)). Compute it "
+        "over the global batch with vj.batch_mean / vj.batch_sum (it is then returned whole, as unsharded), or "
+        "return per-example values (dim 0 the batch) and reduce outside."
+    )
 
 
 def _scalar(name: str, axes: tuple[str, ...]) -> ValueError:
