@@ -24,7 +24,7 @@ import numpy as np
 import optax
 
 from vescale_jax.layout._plan import Plan
-from vescale_jax.state._sharded import ShardedParams
+from vescale_jax.state._sharded import ShardedParams, as_bits, from_bits
 
 __all__ = [
     "apply_updates",
@@ -142,9 +142,10 @@ def _zero_node(sp: ShardedParams) -> ShardedParams:
     if not todo:
         return sp
 
-    def local(*shards):
+    def local(*shards):  # the select on the bits of low-precision floats: NaN payloads stay as they are
         return tuple(
-            jnp.where(local_padding_mask(plan, b), x, jnp.zeros((), x.dtype)) for b, x in zip(todo, shards, strict=True)
+            from_bits(jnp.where(local_padding_mask(plan, b), as_bits(x, x.dtype), 0), x.dtype)
+            for b, x in zip(todo, shards, strict=True)
         )
 
     specs = _specs(plan, todo)
