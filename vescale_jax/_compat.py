@@ -155,7 +155,7 @@ except AttributeError:  # pragma: no cover - a JAX without jax.core.Tracer
 def is_tracer(x: Any) -> bool:
     """Whether ``x`` is a traced value (abstract inside ``jit`` / ``grad`` / ...), not a concrete one.
 
-    Verified on JAX 0.10.2 (see :data:`TRACER_TYPES`). Used by ``optim/_leaf_tables``,
+    Verified on JAX 0.10.2 (see :data:`TRACER_TYPES`). Used by ``state/_checks``, ``optim/_leaf_tables``,
     ``optim/_rows_to_logical``, ``optim/_shampoo/_transform``.
     """
     return isinstance(x, TRACER_TYPES)

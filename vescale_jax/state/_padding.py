@@ -24,6 +24,7 @@ import numpy as np
 import optax
 
 from vescale_jax.layout._plan import Plan
+from vescale_jax.state._checks import check_not_donated
 from vescale_jax.state._sharded import ShardedParams, as_bits, from_bits
 
 __all__ = [
@@ -133,6 +134,7 @@ def _is_global_buffer(x: Any, bucket: Any) -> bool:
 
 
 def _zero_node(sp: ShardedParams) -> ShardedParams:
+    check_not_donated(sp, "vj.zero_padding (also under vj.apply_updates, vj.tree_map, vj.global_norm)")
     plan = sp.plan
     todo = [
         b
