@@ -745,6 +745,61 @@ def test_optax_per_leaf_code_runs_in_its_module(entry):
     )
 
 
+class _CodeRecorder:
+    """A pytree node that records the code objects on the stack each time it is flattened."""
+
+    codes: typing.ClassVar[list[set[typing.Any]]] = []
+
+    def __init__(self, children):
+        self.children = list(children)
+
+    def tree_flatten(self):
+        frame, codes = sys._getframe(1), set()
+        while frame is not None:
+            codes.add(frame.f_code)
+            frame = frame.f_back
+        _CodeRecorder.codes.append(codes)
+        return self.children, None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(children)
+
+
+jax.tree_util.register_pytree_node_class(_CodeRecorder)
+
+PER_LEAF_TRANSFORMS = {  # public optax optimizer -> the name OPTAX_PER_LEAF_CODES gives its per-leaf code
+    "lamb": (lambda: optax.lamb(0.1), "scale_by_trust_ratio"),
+    "lars": (lambda: optax.lars(0.1), "scale_by_trust_ratio"),
+    "fromage": (lambda: optax.fromage(0.1), "scale_by_trust_ratio"),
+    "scale_by_param_block_norm": (optax.scale_by_param_block_norm, "scale_by_param_block_norm"),
+    "scale_by_param_block_rms": (optax.scale_by_param_block_rms, "scale_by_param_block_rms"),
+    "clip_by_block_rms": (lambda: optax.clip_by_block_rms(1.0), "clip_by_block_rms"),
+    "adafactor": (lambda: optax.adafactor(0.1), "scale_by_factored_rms"),
+    "sm3": (lambda: optax.sm3(0.1), "scale_by_sm3"),
+    "novograd": (lambda: optax.novograd(0.1), "scale_by_novograd"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PER_LEAF_TRANSFORMS))
+def test_optax_per_leaf_transforms_map_in_their_own_frames(name):
+    make, want = PER_LEAF_TRANSFORMS[name]
+    users = "state/_guards (optax's per-leaf norm / shape transformations on ShardedParams raise)"
+    tx = make()
+    tree = _CodeRecorder([jnp.ones((2, 3)), jnp.ones(3)])
+    _CodeRecorder.codes.clear()
+    with jax.numpy_dtype_promotion("standard"):
+        state = tx.init(tree)
+        tx.update(tree, state, tree)
+    seen = {_compat.OPTAX_PER_LEAF_CODES.get(c) for codes in _CodeRecorder.codes for c in codes}
+    assert want in seen, broke(
+        "OPTAX_PER_LEAF_CODES",
+        f"optax.{name} maps over the tree inside the init / update function of optax.{want} (names seen: "
+        f"{sorted(n for n in seen if n)})",
+        users,
+    )
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Internals in one place
 

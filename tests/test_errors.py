@@ -573,7 +573,132 @@ CASES = [
         ValueError,
         ("slot 1", "offset 2 overlaps", "ending at 4"),
     ),
+    # --- plan_bucket's arguments -------------------------------------------------------------------------------
+    Case(
+        "plan_bucket_sizes_none",
+        lambda w: vj.plan_bucket(None, [1], 2),
+        ValueError,
+        ("sizes must be a sequence of integers", "NoneType None", r"sizes=\["),
+    ),
+    Case(
+        "plan_bucket_blocks_int",
+        lambda w: vj.plan_bucket([4, 4], 1, 2),
+        ValueError,
+        ("blocks must be a sequence of integers", "int 1", r"blocks=\["),
+    ),
+    Case(
+        "plan_bucket_sizes_string",
+        lambda w: vj.plan_bucket("44", [1, 1], 2),
+        ValueError,
+        ("sizes must be a sequence", "str '44'"),
+    ),
+    Case(
+        "plan_bucket_size_none",
+        lambda w: vj.plan_bucket([4, None], [1, 1], 2),
+        ValueError,
+        (r"sizes\[1\] = None", "non-negative integer"),
+    ),
+    Case(
+        "plan_bucket_size_nan",
+        lambda w: vj.plan_bucket([4, float("nan")], [1, 1], 2),
+        ValueError,
+        (r"sizes\[1\] = nan", "non-negative integer"),
+    ),
+    Case(
+        "plan_bucket_devices_string",
+        lambda w: vj.plan_bucket([4], [1], "2"),
+        ValueError,
+        ("num_devices must be an integer >= 1", "str '2'", "num_devices=8"),
+    ),
+    Case(
+        "plan_bucket_devices_none",
+        lambda w: vj.plan_bucket([4], [1], None),
+        ValueError,
+        ("num_devices", "NoneType None"),
+    ),
+    Case(
+        "plan_bucket_align_none",
+        lambda w: vj.plan_bucket([4], [1], 2, align=None),
+        ValueError,
+        ("align must be an integer >= 1", "NoneType None", "align=1"),
+    ),
+    # --- vj.distributed.initialize's arguments (checked before anything reaches JAX) ----------------------------
+    Case(
+        "initialize_num_processes_string",
+        lambda w: vj.distributed.initialize(coordinator_address="127.0.0.1:12345", num_processes="2", process_id=0),
+        TypeError,
+        ("num_processes must be an int", "str '2'", "num_processes=2"),
+    ),
+    Case(
+        "initialize_process_id_float",
+        lambda w: vj.distributed.initialize(coordinator_address="127.0.0.1:12345", num_processes=2, process_id=1.0),
+        TypeError,
+        ("process_id must be an int", "float 1.0", "process_id=1"),
+    ),
+    Case(
+        "initialize_address_int",
+        lambda w: vj.distributed.initialize(coordinator_address=12345, num_processes=2, process_id=0),
+        TypeError,
+        ('coordinator_address must be a "host:port" string', "int 12345", "127.0.0.1:12345"),
+    ),
+    Case(
+        "initialize_address_without_port",
+        lambda w: vj.distributed.initialize(coordinator_address="127.0.0.1", num_processes=2, process_id=0),
+        ValueError,
+        ("coordinator_address='127.0.0.1'", "host:port", "127.0.0.1:12345"),
+    ),
+    Case(
+        "initialize_local_device_count_string",
+        lambda w: vj.distributed.initialize(local_device_count="4"),
+        TypeError,
+        ("local_device_count must be an int", "str '4'", "local_device_count=4"),
+    ),
+    Case(
+        "initialize_local_device_ids_int",
+        lambda w: vj.distributed.initialize(local_device_ids=0),
+        TypeError,
+        ("local_device_ids must be a sequence of ints", "int 0", r"local_device_ids=\[0\]"),
+    ),
+    Case(
+        "initialize_heartbeat_string",
+        lambda w: vj.distributed.initialize(heartbeat_timeout_s="30"),
+        TypeError,
+        ("heartbeat_timeout_s must be a number of seconds", "str '30'", "heartbeat_timeout_s=30"),
+    ),
+    Case(
+        "initialize_timeout_negative",
+        lambda w: vj.distributed.initialize(timeout_s=-1),
+        ValueError,
+        ("timeout_s=-1", "> 0", "timeout_s=30"),
+    ),
+    Case(
+        "initialize_cpu_collectives_unknown",
+        lambda w: vj.distributed.initialize(cpu_collectives="nccl"),
+        ValueError,
+        ("cpu_collectives='nccl'", "'gloo'", "'mpi'"),
+    ),
+    # --- donated (deleted) params ----------------------------------------------------------------------------
+    Case(
+        "unshard_donated",
+        lambda w: vj.unshard(deleted(w)),
+        ValueError,
+        ("vj.unshard", "donated", r"bucket 'a:float32' \(\d+,\) is deleted", "params, opt_state", "donate=False"),
+    ),
+    Case(
+        "zero_padding_donated",
+        lambda w: vj.zero_padding(deleted(w)),
+        ValueError,
+        ("vj.zero_padding", "donated", "is deleted", "donate=False"),
+    ),
 ]
+
+
+def deleted(w):
+    """Fresh params whose buffers are deleted, as a step that donated them leaves them."""
+    sp = vj.shard(tree(), w.plan)
+    for x in sp.buffers:
+        x.delete()
+    return sp
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

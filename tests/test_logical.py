@@ -112,11 +112,75 @@ def test_shape_based_masks_and_labels_on_sharded_params_raise():
             jax.tree.map(lambda x: x.ndim >= 2, sp)
 
 
-@pytest.mark.slow
-def test_optax_lamb_and_masked_adamw_differ_from_the_logical_run_on_buckets():
-    """What the vj.optim versions fix: optax's own, on ShardedParams, compute something else (or raise)."""
-    ref, got = run_cases({"lamb": (optax.lamb(0.1), optax.lamb(0.1))}, 3)["lamb"]
-    assert max(max_rel_diff(ref, got).values()) > 1e-3  # per-bucket trust ratios
+PER_LEAF_OPTAX = {  # optax's per-leaf norm / shape transformations -> the replacement the error names
+    "lamb": (lambda: optax.lamb(0.1), "scale_by_trust_ratio", r"vj\.optim\.lamb"),
+    "lars": (lambda: optax.lars(0.1), "scale_by_trust_ratio", r"vj\.optim\.lars"),
+    "fromage": (lambda: optax.fromage(0.1), "scale_by_trust_ratio", r"fromage has no vj\.optim version"),
+    "inject_hyperparams(lamb)": (
+        lambda: optax.inject_hyperparams(optax.lamb)(learning_rate=0.1),
+        "scale_by_trust_ratio",
+        r"vj\.optim\.lamb",
+    ),
+    "scale_by_trust_ratio": (
+        lambda: optax.chain(optax.sgd(0.1), optax.scale_by_trust_ratio()),
+        "scale_by_trust_ratio",
+        r"vj\.optim\.scale_by_trust_ratio",
+    ),
+    "scale_by_param_block_norm": (
+        lambda: optax.chain(optax.scale_by_param_block_norm(), optax.scale(-0.1)),
+        "scale_by_param_block_norm",
+        r"vj\.optim\.scale_by_param_block_norm",
+    ),
+    "scale_by_param_block_rms": (
+        lambda: optax.chain(optax.scale_by_param_block_rms(), optax.scale(-0.1)),
+        "scale_by_param_block_rms",
+        r"vj\.optim\.scale_by_param_block_rms",
+    ),
+    "clip_by_block_rms": (
+        lambda: optax.chain(optax.clip_by_block_rms(0.4), optax.sgd(0.1)),
+        "clip_by_block_rms",
+        r"vj\.optim\.clip_by_block_rms",
+    ),
+    "adafactor": (lambda: optax.adafactor(0.1), "scale_by_factored_rms", r"vj\.optim has no adafactor"),
+    "sm3": (lambda: optax.sm3(0.1), "scale_by_sm3", r"vj\.optim has no sm3"),
+    "novograd": (lambda: optax.novograd(0.1), "scale_by_novograd", r"vj\.optim has no novograd"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PER_LEAF_OPTAX))
+def test_optax_per_leaf_transforms_on_sharded_params_raise_at_the_first_step(name):
+    """optax.lamb & co. under vj.init_opt_state and a vj.fsdp step: raised at init or at the first update (was:
+    one trust ratio per bucket, silently), naming a bucket's leaves and the vj.optim replacement."""
+    params, plan, _ = setup(3)
+    make, transform, fix = PER_LEAF_OPTAX[name]
+    tx = make()
+    sp = vj.shard(params, plan)
+
+    @vj.fsdp(donate=False)
+    def step(p, o, batch):
+        u, o = tx.update(jax.tree.map(jnp.sin, p), o, p)  # element-wise gradients, computed on the shards
+        return optax.apply_updates(p, u), o
+
+    with pytest.raises(
+        PerLeafOnBucketsError, match=rf"optax\.{transform} was applied to a vj\.ShardedParams.*{fix}"
+    ) as e:
+        step(sp, vj.init_opt_state(tx, sp), jnp.ones((3, 1)))
+    assert "'embed:float32' (" in str(e.value) and "embed/b, embed/w" in str(e.value)
+
+
+def test_optax_trust_ratio_is_allowed_when_every_bucket_holds_one_leaf():
+    """One leaf per bucket: a per-bucket norm is the leaf's (the padding is zero), so optax.lamb runs and
+    matches optax on the logical tree."""
+    params = {"w": tree()["embed"]["w"], "b": tree()["head"]["scale"]}
+    plan = vj.plan(params, make_mesh(3))
+    assert all(len(b.leaves) == 1 for b in plan.buckets)
+    tx = optax.lamb(0.1)
+    grads = jax.tree.map(lambda x: jnp.sin(2 * x), params)
+    with jax.set_mesh(plan.mesh):
+        sp = vj.shard(params, plan)
+        u, _ = jax.jit(tx.update)(vj.shard(grads, plan), vj.init_opt_state(tx, sp), sp)
+    want, _ = tx.update(grads, tx.init(params), params)
+    assert_trees_close(vj.unshard(u), want)
 
 
 def test_a_logical_mask_tree_that_does_not_match_names_the_plan_leaves():

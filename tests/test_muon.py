@@ -402,3 +402,46 @@ def test_run_tables_are_small_for_the_benchmark_model():
     runs = sum(getattr(routing, name).size for name in ("send", "gather", "back_send", "back_gather"))
     assert runs < 0.05 * elements
     assert routing.index_bytes < 0.05 * 4 * elements
+
+
+def _bf16_ulps(got, ref):
+    got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+    spacing = np.spacing(np.abs(ref)) * 2.0**16  # bf16 spacing: 16 fewer mantissa bits than fp32
+    return np.max(np.abs(got - ref) / np.maximum(spacing, np.finfo(np.float32).tiny), initial=0.0)
+
+
+def _moment_dtypes(state):
+    is_rows = lambda x: isinstance(x, vj.PerDevice)
+    return sorted({str(x.value.dtype) for x in jax.tree.leaves(state, is_leaf=is_rows) if is_rows(x)})
+
+
+@pytest.mark.parametrize(("m", "mu_dtype"), [(1, None), (3, None), (8, None), (3, jnp.float32)])
+def test_parity_with_bf16_leaves(m, mu_dtype):
+    """bf16 leaves of the AdamW branch keep their moments (and compute) in bf16 as optax.contrib.muon does, or
+    the first moment in ``mu_dtype`` where it is given; fp32 leaves stay fp32. (With a ``mu_dtype`` wider than
+    the leaf, optax returns fp32 updates for the bf16 leaf and rounds once in ``apply_updates``; here updates
+    keep the bucket's dtype, a rounding more: only the moments' dtypes are compared then.)"""
+    rng = np.random.default_rng(3)
+    params = {
+        "a": {"w": jnp.asarray(rng.standard_normal((37, 11)), jnp.float32), "b": jnp.zeros((11,), jnp.bfloat16)},
+        "n": {"scale": jnp.asarray(rng.standard_normal((13,)), jnp.bfloat16), "g": jnp.ones((7,), jnp.float32)},
+    }
+    grads = grads_seq(params, n=4)
+    kw = dict(learning_rate=0.05, ns_steps=3, mu_dtype=mu_dtype, adam_weight_decay=0.01)
+    plan = vj.plan(params, make_mesh(m))
+    got, _, _, state = run_sharded(params, grads, plan, **kw)
+    want = reference(f"bf16-{mu_dtype}", params, grads, **kw)
+    for g, w in zip(got, jax.tree.map(lambda x: x, want), strict=True):
+        if mu_dtype is not None:
+            break
+        for key in ("b", "scale"):
+            parent = "a" if key == "b" else "n"
+            b, rb = g[parent].pop(key), w[parent].pop(key)
+            assert b.dtype == jnp.bfloat16
+            assert _bf16_ulps(b, rb) <= 1, (key, _bf16_ulps(b, rb))
+        assert_trees_close(g, w)
+    # optax's AdamW moments: mu in mu_dtype (else the leaf's), nu in the leaf's dtype.
+    ref_state = optax.contrib.muon(**kw).init(params)
+    adam = ref_state.inner_states["adam"].inner_state[0]
+    want_dtypes = sorted({str(x.dtype) for x in jax.tree.leaves((adam.mu, adam.nu))})
+    assert _moment_dtypes(state.adam) == want_dtypes

@@ -31,7 +31,8 @@ Sections:
 * optax: :func:`is_params_placeholder`, the Muon internals (:data:`MUON_NS_COEFFS_PRESETS`,
   :data:`MUON_DEFAULT_NS_COEFFS`, :data:`MUON_PRECONDITIONINGS`, :func:`muon_orthogonalize`,
   :func:`muon_normalize_axes`), and the modules that define optax's per-leaf mapping transformations
-  (:data:`OPTAX_MUON_MODULE`, :data:`OPTAX_MASKING_MODULE`, :data:`OPTAX_PARTITION_MODULE`).
+  (:data:`OPTAX_MUON_MODULE`, :data:`OPTAX_MASKING_MODULE`, :data:`OPTAX_PARTITION_MODULE`), and the code of
+  optax's per-leaf norm / shape transformations (:data:`OPTAX_PER_LEAF_CODES`).
 
 The callers read a jaxpr's structure directly (``jaxpr.eqns`` / ``constvars`` / ``invars`` / ``outvars``,
 ``eqn.invars`` / ``outvars`` / ``effects``): those are the fields of JAX's public ``jax.extend.core.Jaxpr`` and
@@ -67,6 +68,7 @@ __all__ = [
     "OPTAX_MASKING_MODULE",
     "OPTAX_MUON_MODULE",
     "OPTAX_PARTITION_MODULE",
+    "OPTAX_PER_LEAF_CODES",
     "PSUM_PRIMITIVES",
     "PVARY",
     "RANDOM_DRAW_PRIMITIVES",
@@ -189,7 +191,7 @@ except AttributeError:  # pragma: no cover - a JAX without jax.core.Tracer
 def is_tracer(x: Any) -> bool:
     """Whether ``x`` is a traced value (abstract inside ``jit`` / ``grad`` / ...), not a concrete one.
 
-    Verified on JAX 0.10.2 (see :data:`TRACER_TYPES`). Used by ``optim/_leaf_tables``,
+    Verified on JAX 0.10.2 (see :data:`TRACER_TYPES`). Used by ``state/_checks``, ``optim/_leaf_tables``,
     ``optim/_rows_to_logical``, ``optim/_shampoo/_transform``.
     """
     return isinstance(x, TRACER_TYPES)
@@ -860,3 +862,33 @@ mask is called in a frame of it. Used by ``state/_guards``."""
 OPTAX_PARTITION_MODULE: str = optax.partition.__module__
 """The module defining ``optax.partition`` / ``optax.multi_transform`` (``"optax.transforms._combining"`` on
 optax 0.2.8); assumes callable labels are called in a frame of it. Used by ``state/_guards``."""
+
+
+def _per_leaf_codes() -> dict[Any, str]:
+    factories = {
+        "scale_by_trust_ratio": optax.scale_by_trust_ratio,
+        "scale_by_param_block_norm": optax.scale_by_param_block_norm,
+        "scale_by_param_block_rms": optax.scale_by_param_block_rms,
+        "clip_by_block_rms": lambda: optax.clip_by_block_rms(1.0),
+        "scale_by_factored_rms": optax.scale_by_factored_rms,
+        "scale_by_sm3": optax.scale_by_sm3,
+        "scale_by_novograd": optax.scale_by_novograd,
+    }
+    empty = getattr(optax.init_empty_state, "__code__", None)
+    codes = {}
+    for name, factory in factories.items():
+        tx = factory()
+        for fn in (tx.init, tx.update):
+            code = getattr(fn, "__code__", None)
+            if code is not None and code is not empty:
+                codes[code] = name
+    return codes
+
+
+OPTAX_PER_LEAF_CODES: Mapping[Any, str] = _per_leaf_codes()
+"""The code objects of the ``init`` / ``update`` functions of optax's per-leaf norm and shape transformations,
+to their public names (``scale_by_trust_ratio``, which ``optax.lamb``, ``lars`` and ``fromage`` chain;
+``scale_by_param_block_norm`` / ``_rms``; ``clip_by_block_rms``; ``scale_by_factored_rms`` of ``adafactor``;
+``scale_by_sm3``; ``scale_by_novograd``). Assumes (verified on optax 0.2.8) each returns a transformation whose
+``init`` / ``update`` is a plain function that maps its per-leaf computation over the tree in its own frame.
+Used by ``state/_guards`` (a per-leaf transformation that reaches the bucket buffers of a ``ShardedParams``)."""

@@ -157,6 +157,17 @@ def initialize(
         array or ran a computation) before a multi-process job could be joined.
     """
     global _SETUP
+    _check_types(
+        coordinator_address=coordinator_address,
+        num_processes=num_processes,
+        process_id=process_id,
+        local_device_count=local_device_count,
+        local_device_ids=local_device_ids,
+        cpu_collectives=cpu_collectives,
+        timeout_s=timeout_s,
+        heartbeat_timeout_s=heartbeat_timeout_s,
+        shutdown_timeout_s=shutdown_timeout_s,
+    )
     explicit = (coordinator_address, num_processes, process_id)
     if any(v is not None for v in explicit) and any(v is None for v in explicit):
         raise ValueError(
@@ -219,6 +230,69 @@ def initialize(
         _SETUP.coordinator_address,
     )
     return _SETUP.num_processes > 1
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int | np.integer) and not isinstance(x, bool | np.bool_)
+
+
+def _fix(name: str, value: Any, want: str) -> str:
+    """``name=<value as the right type>`` when ``value`` converts (e.g. the string "2"), else an example."""
+    try:
+        if want == "int" and float(str(value).strip()).is_integer():
+            return f"{name}={int(float(str(value).strip()))}"
+        if want == "number":
+            return f"{name}={float(str(value).strip()):g}"
+    except ValueError:
+        pass
+    return {"int": f"{name}=2", "number": f"{name}=30", "str": f'{name}="127.0.0.1:12345"'}.get(want, name)
+
+
+def _check_types(**args: Any) -> None:
+    """TypeError / ValueError naming the argument, what was given and the fix, for each argument of
+    :func:`initialize` of the wrong type (before anything reaches JAX, which raises from C++ or a
+    ``TypeError`` deep inside)."""
+    fn = "vj.distributed.initialize"
+
+    def bad(name: str, value: Any, want: str, example: str) -> TypeError:
+        return TypeError(f"{fn}: {name} must be {want}, got {type(value).__name__} {value!r}; pass e.g. {example}.")
+
+    address = args["coordinator_address"]
+    if address is not None:
+        if not isinstance(address, str):
+            raise bad(
+                "coordinator_address", address, 'a "host:port" string', _fix("coordinator_address", address, "str")
+            )
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(
+                f"{fn}: coordinator_address={address!r} is not host:port with a port in 1..65535; pass e.g. "
+                '"127.0.0.1:12345" (every process passes the same address: process 0\'s host and a free port).'
+            )
+    for name in ("num_processes", "process_id", "local_device_count"):
+        value = args[name]
+        if value is not None and not _is_int(value):
+            raise bad(name, value, "an int (or None)", _fix(name, value, "int"))
+    ids = args["local_device_ids"]
+    if ids is not None and (
+        isinstance(ids, str | bytes) or not hasattr(ids, "__iter__") or not all(_is_int(i) for i in ids)
+    ):
+        raise bad("local_device_ids", ids, "a sequence of ints (or None)", "local_device_ids=[0] (this process's GPUs)")
+    collectives = args["cpu_collectives"]
+    if collectives is not None and collectives not in ("gloo", "mpi"):
+        raise ValueError(
+            f"{fn}: cpu_collectives={collectives!r}; pass 'gloo' (default), 'mpi', or None to leave JAX's setting."
+        )
+    for name, optional in (("timeout_s", False), ("heartbeat_timeout_s", True), ("shutdown_timeout_s", True)):
+        value = args[name]
+        if value is None and optional:
+            continue
+        if not isinstance(value, int | float | np.integer | np.floating) or isinstance(value, bool | np.bool_):
+            raise bad(
+                name, value, "a number of seconds" + (" (or None)" if optional else ""), _fix(name, value, "number")
+            )
+        if not value > 0:
+            raise ValueError(f"{fn}: {name}={value!r} must be > 0 seconds; pass e.g. {name}=30.")
 
 
 def _configure_cpu(local_device_count: int | None, cpu_collectives: str | None, *, multiprocess: bool) -> None:

@@ -40,6 +40,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from vescale_jax.layout._bucket_layout import BucketLayout
 from vescale_jax.layout._bucket_placement import Candidates, ceil_to, try_shard_size
 
@@ -50,28 +52,69 @@ LINEAR_PROBES = 256
 HINT_PROBES = 8
 
 
+def _as_int(x: Any) -> int | None:
+    """``x`` as an int when it is an integral number (``3``, ``np.int64(3)``, ``3.0``), else None (bools,
+    strings, None, NaN, infinities and fractions included)."""
+    if isinstance(x, bool | np.bool_) or not isinstance(x, int | float | np.integer | np.floating):
+        return None
+    if isinstance(x, float | np.floating) and not (np.isfinite(x) and float(x).is_integer()):
+        return None
+    return int(x)
+
+
+def _int_list(name: str, values: Any) -> list[Any]:
+    """``values`` as a list, or a ValueError naming the argument when it is not a sequence of numbers."""
+    if values is None or isinstance(values, str | bytes | dict) or not hasattr(values, "__iter__"):
+        raise ValueError(
+            f"plan_bucket: {name} must be a sequence of integers (one per tensor), got "
+            f"{type(values).__name__} {values!r}; pass e.g. {name}=[{'1024, 4096' if name == 'sizes' else '1, 64'}]."
+        )
+    if np.ndim(values) > 1:
+        raise ValueError(
+            f"plan_bucket: {name} must be one-dimensional (one integer per tensor), got shape {np.shape(values)}."
+        )
+    return list(values)
+
+
 def _validate(sizes, blocks, num_devices, align) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    if isinstance(num_devices, bool) or int(num_devices) != num_devices or num_devices < 1:
-        raise ValueError(f"plan_bucket: num_devices must be an integer >= 1, got {num_devices!r}.")
-    if isinstance(align, bool) or int(align) != align or align < 1:
-        raise ValueError(f"plan_bucket: align must be an integer >= 1, got {align!r}.")
-    sizes, blocks = list(sizes), list(blocks)
+    m = _as_int(num_devices)
+    if m is None or m < 1:
+        raise ValueError(
+            f"plan_bucket: num_devices must be an integer >= 1, got {type(num_devices).__name__} {num_devices!r}; "
+            "pass the size of the mesh axis, e.g. num_devices=8."
+        )
+    a = _as_int(align)
+    if a is None or a < 1:
+        raise ValueError(
+            f"plan_bucket: align must be an integer >= 1 (elements), got {type(align).__name__} {align!r}; "
+            "pass e.g. align=1 (default) or align=4."
+        )
+    sizes, blocks = _int_list("sizes", sizes), _int_list("blocks", blocks)
     if len(sizes) != len(blocks):
         raise ValueError(
             f"plan_bucket: {len(sizes)} sizes but {len(blocks)} blocks; give one block per tensor "
             f"(index {min(len(sizes), len(blocks))} has no partner)."
         )
     for i, (n, b) in enumerate(zip(sizes, blocks, strict=True)):
-        if isinstance(n, bool) or int(n) != n or n < 0:
-            raise ValueError(f"plan_bucket: sizes[{i}] = {n!r} must be a non-negative integer.")
-        if isinstance(b, bool) or int(b) != b or b < 1:
-            raise ValueError(f"plan_bucket: blocks[{i}] = {b!r} must be an integer >= 1.")
-    return tuple(int(n) for n in sizes), tuple(int(b) for b in blocks)
+        if _as_int(n) is None or _as_int(n) < 0:
+            raise ValueError(
+                f"plan_bucket: sizes[{i}] = {n!r} must be a non-negative integer (the tensor's element count)."
+            )
+        if _as_int(b) is None or _as_int(b) < 1:
+            raise ValueError(
+                f"plan_bucket: blocks[{i}] = {b!r} must be an integer >= 1 (1: element-wise; >= sizes[{i}]: whole)."
+            )
+    return tuple(_as_int(n) for n in sizes), tuple(_as_int(b) for b in blocks)
 
 
 def _validate_segments(segments, sizes, blocks) -> tuple:
     if segments is None:
         return ()
+    if isinstance(segments, str | bytes) or not hasattr(segments, "__iter__"):
+        raise ValueError(
+            f"plan_bucket: segments must be None or one entry per tensor (None or ((elements, block), ...)), got "
+            f"{type(segments).__name__} {segments!r}."
+        )
     segments = list(segments)
     if len(segments) != len(sizes):
         raise ValueError(f"plan_bucket: {len(segments)} segment entries for {len(sizes)} tensors; give one per tensor.")
@@ -139,7 +182,7 @@ def plan_bucket(
     """
     sizes, blocks = _validate(sizes, blocks, num_devices, align)
     segs = _validate_segments(segments, sizes, blocks)
-    return _plan_bucket_cached(sizes, blocks, int(num_devices), int(align), segs)
+    return _plan_bucket_cached(sizes, blocks, _as_int(num_devices), _as_int(align), segs)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -10,11 +10,12 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+import jax.numpy as jnp
 import numpy as np
 
 from vescale_jax.layout._plan import Plan
 
-__all__ = ["CompactTables", "build_compact"]
+__all__ = ["CompactTables", "build_compact", "chosen_dtype"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -69,3 +70,11 @@ def build_compact(plan: Plan, chosen: Sequence[bool]) -> CompactTables:
         position[k, len(rs) :] = pos
         counts.append(pos)
     return CompactTables(max(counts, default=0), tuple(counts), start, length, position, cursor)
+
+
+def chosen_dtype(plan: Plan, chosen: Sequence[bool]) -> jnp.dtype:
+    """The dtype of a compact vector over the ``chosen`` leaves: the widest of their buckets' dtypes (the widest
+    of the plan's when none is chosen); one dtype in practice, since :func:`on_leaves` splits by dtype."""
+    dtypes = [jnp.dtype(plan.buckets[s.bucket].dtype) for s, c in zip(plan.leaves, chosen, strict=True) if c]
+    dtypes = dtypes or [jnp.dtype(b.dtype) for b in plan.buckets]
+    return max(dtypes, key=lambda d: d.itemsize, default=jnp.dtype(jnp.float32))

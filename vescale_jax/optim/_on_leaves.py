@@ -5,7 +5,10 @@ leaves are usually a sliver of the parameters but sit inside the same buckets as
 AdamW on whole buckets would keep two moments for every parameter. :func:`on_leaves` instead gathers, on
 each device, the elements of the chosen leaves from its local shards into one compact vector (static range
 tables from the plan; no communication), runs the transformation there, and scatters the updates back.
-The state is ``PerDevice``: each device keeps the moments of the elements it holds.
+The state is ``PerDevice``: each device keeps the moments of the elements it holds. Chosen leaves of different
+dtypes get one compact vector per dtype, so the transformation computes and keeps its state in each leaf's own
+dtype, as Optax does on the logical tree (a bf16 bias keeps bf16 AdamW moments unless ``mu_dtype`` says
+otherwise).
 """
 
 from __future__ import annotations
@@ -19,14 +22,14 @@ import jax.numpy as jnp
 import optax
 
 from vescale_jax.layout._plan import Plan
-from vescale_jax.optim._compact_tables import CompactTables, build_compact
+from vescale_jax.optim._compact_tables import CompactTables, build_compact, chosen_dtype
 from vescale_jax.optim._leaf_tables import check_sharded, is_placeholder, local_vector, place_state, split_local
 from vescale_jax.optim._rows_to_logical import per_device_axes
 from vescale_jax.optim._state_layouts import CompactLayout
 from vescale_jax.state._sharded import PerDevice, ShardedParams
 from vescale_jax.step._wire import tie
 
-__all__ = ["CompactTables", "build_compact", "on_leaves", "split_leaves"]
+__all__ = ["CompactTables", "build_compact", "dtype_groups", "on_leaves", "split_leaves"]
 
 
 def _source_index(tables: CompactTables, k: jax.Array) -> jax.Array:
@@ -46,12 +49,12 @@ def _mapped(plan: Plan, tables: CompactTables, fn, in_compact: int, in_buckets: 
     return jax.shard_map(fn, mesh=plan.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
 
-def compact(buffers: Sequence[jax.Array], plan: Plan, tables: CompactTables) -> jax.Array:
+def compact(buffers: Sequence[jax.Array], plan: Plan, tables: CompactTables, dtype: Any = None) -> jax.Array:
     """``(m * n,)`` global array (``G * m * n`` with ``G`` TP/EP groups): each device's chosen elements of ``buffers``,
-    zero-padded."""
+    zero-padded, in ``dtype`` (default: the widest bucket dtype)."""
 
-    # The widest bucket dtype (buckets of one plan are floating; strict promotion has no bf16/f32 path).
-    dtype = max((jnp.dtype(b.dtype) for b in buffers), key=lambda d: d.itemsize, default=jnp.dtype(jnp.float32))
+    if dtype is None:  # strict promotion has no bf16/f32 path: one dtype for the whole vector
+        dtype = max((jnp.dtype(b.dtype) for b in buffers), key=lambda d: d.itemsize, default=jnp.dtype(jnp.float32))
 
     def local(*shards):
         k = jax.lax.axis_index(plan.axis)
@@ -74,6 +77,17 @@ def expand(values: jax.Array, like: Sequence[jax.Array], plan: Plan, tables: Com
     return list(_mapped(plan, tables, local, 1, 1, False)(values, *like))
 
 
+def dtype_groups(plan: Plan, chosen: Sequence[bool]) -> list[tuple[str, tuple[bool, ...]]]:
+    """The chosen leaves split by their bucket's dtype: ``[(dtype name, chosen of that dtype)]``, widest first
+    (then by name)."""
+    names = {plan.buckets[s.bucket].dtype for s, c in zip(plan.leaves, chosen, strict=True) if c}
+    order = sorted(names, key=lambda n: (-jnp.dtype(n).itemsize, n))
+    return [
+        (n, tuple(bool(c) and plan.buckets[s.bucket].dtype == n for s, c in zip(plan.leaves, chosen, strict=True)))
+        for n in order
+    ]
+
+
 def on_leaves(tx: optax.GradientTransformation, plan: Plan, chosen: Sequence[bool]) -> optax.GradientTransformation:
     """``tx`` (element-wise) applied to the chosen leaves only, over :class:`~vescale_jax.ShardedParams`.
 
@@ -83,7 +97,10 @@ def on_leaves(tx: optax.GradientTransformation, plan: Plan, chosen: Sequence[boo
       chosen: per leaf (flattening order), whether ``tx`` handles it.
 
     Returns:
-      A transformation whose updates are ``tx``'s at the chosen leaves' elements and zero elsewhere.
+      A transformation whose updates are ``tx``'s at the chosen leaves' elements and zero elsewhere. When the
+      chosen leaves have one dtype its state is ``tx``'s over one compact vector in that dtype; with several,
+      a dict ``{dtype name: tx's state}`` with one compact vector per dtype, so each leaf is transformed (and
+      keeps its state) in its own dtype, as ``tx`` on the logical tree does.
 
     ``tx.init`` sees zeros of the compact vector's shape (true of element-wise transformations, whose state
     starts from the shapes).
@@ -93,14 +110,36 @@ def on_leaves(tx: optax.GradientTransformation, plan: Plan, chosen: Sequence[boo
       elements it holds (``max`` over devices of their count), nothing for the others. Its ``PerDevice``
       leaves carry a :class:`~vescale_jax.optim._state_layouts.CompactLayout` (re-placing them under another plan).
     """
+    groups = dtype_groups(plan, chosen)
+    if len(groups) > 1:
+        return _by_dtype({name: _on_leaves(tx, plan, mask) for name, mask in groups})
+    return _on_leaves(tx, plan, chosen)
+
+
+def _by_dtype(parts: dict[str, optax.GradientTransformation]) -> optax.GradientTransformation:
+    """One :func:`_on_leaves` per dtype; updates summed (disjoint supports), state ``{dtype name: state}``."""
+
+    def init_fn(params):
+        return {name: part.init(params) for name, part in parts.items()}
+
+    def update_fn(updates, state, params=None, **extra_args):
+        out, new = None, {}
+        for name, part in parts.items():
+            u, new[name] = part.update(updates, state[name], params, **extra_args)
+            out = u.buffers if out is None else [a + b for a, b in zip(out, u.buffers, strict=True)]
+        return ShardedParams(out, updates.plan), new
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _on_leaves(tx: optax.GradientTransformation, plan: Plan, chosen: Sequence[bool]) -> optax.GradientTransformation:
+    """:func:`on_leaves` over one compact vector, in the chosen leaves' dtype (:func:`chosen_dtype`)."""
     tables = build_compact(plan, chosen)
     layout = CompactLayout(plan, tuple(bool(c) for c in chosen))
+    dtype = chosen_dtype(plan, chosen)
 
     def wrap(buffers):
-        return PerDevice(compact(buffers, plan, tables), plan, layout)
-
-    # The widest bucket dtype, as in :func:`compact`.
-    dtype = max((jnp.dtype(b.dtype) for b in plan.buckets), key=lambda d: d.itemsize, default=jnp.dtype(jnp.float32))
+        return PerDevice(compact(buffers, plan, tables, dtype), plan, layout)
 
     def init_zeros():
         rows = plan.num_devices * math.prod(plan.mesh.shape[a] for a in plan.tp_axes) * tables.size

@@ -35,7 +35,7 @@ import numpy as np
 from vescale_jax.layout import _tiles as tiles
 from vescale_jax.layout._plan import Plan
 from vescale_jax.layout._ragged import RaggedShard
-from vescale_jax.optim._compact_tables import build_compact
+from vescale_jax.optim._compact_tables import build_compact, chosen_dtype
 from vescale_jax.optim._rows_to_logical import Entry, Relayout, Tables, check_pieces, per_device_axes
 from vescale_jax.optim._shampoo._blocks import build_blocks, matrix_view
 
@@ -174,8 +174,7 @@ class CompactLayout(Relayout):
         return per_device_axes(self.plan)
 
     def default_dtype(self) -> Any:
-        dtypes = [jnp.dtype(b.dtype) for b in self.plan.buckets]
-        return max(dtypes, key=lambda d: d.itemsize, default=jnp.dtype(jnp.float32))
+        return chosen_dtype(self.plan, self.chosen)
 
     def _build(self) -> Tables:
         plan = self.plan

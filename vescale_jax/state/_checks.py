@@ -7,9 +7,23 @@ from typing import Any
 import jax
 import numpy as np
 
+from vescale_jax._compat import is_tracer
 from vescale_jax.state._containers import GatheredParams, PerDevice, ShardedParams
 
-__all__ = ["check_sharded_params", "check_state_not_logical", "plan_states"]
+__all__ = ["check_not_donated", "check_sharded_params", "check_state_not_logical", "plan_states"]
+
+
+def check_not_donated(x: ShardedParams, fn: str, *, what: str = "params") -> None:
+    """ValueError naming the bucket when a buffer of ``x`` was deleted (donated to a ``vj.fsdp`` step, or
+    deleted by hand): JAX would raise "Array has been deleted" from deep inside, naming neither."""
+    for bucket, buf in zip(x.plan.buckets, x.buffers, strict=True):
+        if isinstance(buf, jax.Array) and not is_tracer(buf) and buf.is_deleted():
+            raise ValueError(
+                f"{fn}: {what} were donated to a vj.fsdp step (or deleted): the buffer of bucket {bucket.name!r} "
+                f"{bucket.shape} is deleted. Use the params the step returned (write `params, opt_state, ... = "
+                "step(params, opt_state, batch)` and read `params` after it), or compile the step with "
+                "vj.fsdp(..., donate=False) to keep its inputs."
+            )
 
 
 def check_sharded_params(x: Any, fn: str, *, what: str = "params") -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 
 from vescale_jax.layout._plan import Plan
-from vescale_jax.state._guards import check_children
+from vescale_jax.state._guards import check_children, check_per_leaf_transform
 
 __all__ = ["GatheredParams", "PerDevice", "ShardedParams"]
 
@@ -27,6 +27,7 @@ class _Buffers:
         self.plan = plan
 
     def tree_flatten(self):
+        check_per_leaf_transform(self.plan)  # optax.lamb & co. mapping over the buckets raise before computing
         return self.buffers, self.plan
 
     @classmethod

@@ -6,6 +6,13 @@ shape-based mask or label (Optax's "no weight decay for biases", ``optax.contrib
 whose children are Python bools or strings; no JAX or Optax transformation legitimately does that with a
 parameter tree, so :func:`check_children` (called from ``ShardedParams.tree_unflatten``) raises there, naming
 the bucket and the optax code involved and pointing to the logical-tree replacement.
+
+Optax's per-leaf *norm and shape* transformations (``optax.lamb`` / ``lars`` / ``fromage`` through
+``scale_by_trust_ratio``, ``scale_by_param_block_norm`` / ``_rms``, ``clip_by_block_rms``, ``adafactor``,
+``sm3``, ``novograd``) map arrays, not bools, so :func:`check_children` also looks at the few frames that
+called it: when one of those transformations' ``init`` / ``update`` is rebuilding a ``ShardedParams`` whose
+buckets would not give it one leaf each (:func:`check_per_leaf_transform`), it raises, naming the
+transformation, a bucket with the leaves it would lump together, and the ``vj.optim`` replacement.
 """
 
 from __future__ import annotations
@@ -16,9 +23,14 @@ from typing import Any
 
 import numpy as np
 
-from vescale_jax._compat import OPTAX_MASKING_MODULE, OPTAX_MUON_MODULE, OPTAX_PARTITION_MODULE
+from vescale_jax._compat import (
+    OPTAX_MASKING_MODULE,
+    OPTAX_MUON_MODULE,
+    OPTAX_PARTITION_MODULE,
+    OPTAX_PER_LEAF_CODES,
+)
 
-__all__ = ["PerLeafOnBucketsError", "check_children"]
+__all__ = ["PerLeafOnBucketsError", "check_children", "check_per_leaf_transform"]
 
 
 class PerLeafOnBucketsError(TypeError):
@@ -42,6 +54,93 @@ _REPLACEMENTS = (
 )
 
 
+# optax per-leaf transformation -> (exact on one leaf per bucket, what it computes per leaf, the replacement).
+# A norm over a bucket holding one leaf is that leaf's norm (the padding is zero); an RMS divides by the
+# bucket's size (padding included) and a shape-based transformation sees a flat buffer: never right.
+_PER_LEAF_TRANSFORMS = {
+    "scale_by_trust_ratio": (
+        True,
+        "one trust ratio (||param|| / ||update||) per leaf; it is what optax.lamb, optax.lars and optax.fromage chain",
+        "vj.optim.lamb(...) for optax.lamb, vj.optim.lars(...) for optax.lars, vj.optim.scale_by_trust_ratio(...) "
+        "for optax.scale_by_trust_ratio, which compute it per logical leaf (optax.fromage has no vj.optim version: "
+        "build it from vj.optim.leaf_norms / vj.optim.scale_leaves)",
+    ),
+    "scale_by_param_block_norm": (
+        True,
+        "one parameter norm per leaf",
+        "vj.optim.scale_by_param_block_norm(...), which computes it per logical leaf",
+    ),
+    "scale_by_param_block_rms": (
+        False,
+        "one parameter RMS per leaf",
+        "vj.optim.scale_by_param_block_rms(...), which computes it per logical leaf",
+    ),
+    "clip_by_block_rms": (
+        False,
+        "one update RMS per leaf",
+        "vj.optim.clip_by_block_rms(...), which computes it per logical leaf",
+    ),
+    "scale_by_factored_rms": (
+        False,
+        "second moments factored over each leaf's shape (optax.adafactor)",
+        "an element-wise optimizer (optax.adamw, vj.optim.adamw_8bit) or vj.optim.muon / vj.optim.shampoo: "
+        "vj.optim has no adafactor",
+    ),
+    "scale_by_sm3": (
+        False,
+        "accumulators over each leaf's dims (optax.sm3)",
+        "an element-wise optimizer (optax.adagrad, optax.adamw): vj.optim has no sm3",
+    ),
+    "scale_by_novograd": (
+        True,
+        "one gradient norm per leaf (optax.novograd)",
+        "vj.optim.lamb(...) or an element-wise optimizer: vj.optim has no novograd (build it from "
+        "vj.optim.leaf_norms / vj.optim.scale_leaves)",
+    ),
+}
+
+
+def _per_leaf_frame(depth: int = 12) -> tuple[str, Any] | None:
+    """The nearest of optax's per-leaf transformations among the ``depth`` frames above the caller's caller."""
+    frame = sys._getframe(2)
+    while frame is not None and depth:
+        name = OPTAX_PER_LEAF_CODES.get(frame.f_code)
+        if name is not None:
+            return name, frame
+        frame, depth = frame.f_back, depth - 1
+    return None
+
+
+def check_per_leaf_transform(plan: Any) -> None:
+    """Raises :class:`PerLeafOnBucketsError` when one of optax's per-leaf norm / shape transformations is
+    rebuilding a ``ShardedParams`` of ``plan`` (its ``init`` or ``update`` mapped over the bucket buffers), unless
+    each bucket holds one leaf and the transformation is a norm (then per bucket is per leaf)."""
+    found = _per_leaf_frame()
+    if found is None:
+        return
+    name, frame = found
+    exact, what, fix = _PER_LEAF_TRANSFORMS[name]
+    buckets = getattr(plan, "buckets", ())
+    shared = [b for b in buckets if len(b.leaves) > 1]
+    if exact and not shared:
+        return
+    leaves = getattr(plan, "leaves", ())
+    if shared:
+        b = shared[0]
+        paths = [leaves[i].path for i in b.leaves[:4]] if leaves else []
+        more = f" and {len(b.leaves) - 4} more" if len(b.leaves) > 4 else ""
+        seen = f"bucket {b.name!r} {b.shape} holds {len(b.leaves)} leaves ({', '.join(paths)}{more})"
+    else:
+        b = buckets[0] if buckets else None
+        seen = f"bucket {b.name!r} is a flat buffer of shape {b.shape}" if b else "each bucket is a flat buffer"
+    raise PerLeafOnBucketsError(
+        f"optax.{name} was applied to a vj.ShardedParams: it computes {what}, but it sees the plan's flat bucket "
+        f"buffers, not the model's leaves ({seen}), so the result would be per bucket, not per leaf. Use {fix}. "
+        f"[raised in {frame.f_globals.get('__name__', '?')}:"
+        f"{frame.f_code.co_name} line {frame.f_lineno}]"
+    )
+
+
 def _optax_caller() -> tuple[str, str, str] | None:
     """The outermost-but-nearest optax frame on the stack: (module, what it is, its replacement)."""
     frame = sys._getframe(2)
@@ -63,6 +162,7 @@ def check_children(plan: Any, children: Sequence[Any]) -> None:
     """
     bad = [i for i, child in enumerate(children) if isinstance(child, bool | np.bool_ | str)]
     if not bad:
+        check_per_leaf_transform(plan)
         return
     buckets = getattr(plan, "buckets", ())
 

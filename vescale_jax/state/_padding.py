@@ -24,7 +24,8 @@ import numpy as np
 import optax
 
 from vescale_jax.layout._plan import Plan
-from vescale_jax.state._sharded import ShardedParams
+from vescale_jax.state._checks import check_not_donated
+from vescale_jax.state._sharded import ShardedParams, as_bits, from_bits
 
 __all__ = [
     "apply_updates",
@@ -133,6 +134,7 @@ def _is_global_buffer(x: Any, bucket: Any) -> bool:
 
 
 def _zero_node(sp: ShardedParams) -> ShardedParams:
+    check_not_donated(sp, "vj.zero_padding (also under vj.apply_updates, vj.tree_map, vj.global_norm)")
     plan = sp.plan
     todo = [
         b
@@ -142,9 +144,10 @@ def _zero_node(sp: ShardedParams) -> ShardedParams:
     if not todo:
         return sp
 
-    def local(*shards):
+    def local(*shards):  # the select on the bits of low-precision floats: NaN payloads stay as they are
         return tuple(
-            jnp.where(local_padding_mask(plan, b), x, jnp.zeros((), x.dtype)) for b, x in zip(todo, shards, strict=True)
+            from_bits(jnp.where(local_padding_mask(plan, b), as_bits(x, x.dtype), 0), x.dtype)
+            for b, x in zip(todo, shards, strict=True)
         )
 
     specs = _specs(plan, todo)

@@ -21,7 +21,7 @@ from vescale_jax.layout._bucket_layout import BucketLayout
 from vescale_jax.layout._checks import tree_difference
 from vescale_jax.layout._paths import path_str
 from vescale_jax.layout._plan import Bucket, Plan
-from vescale_jax.state._checks import check_sharded_params
+from vescale_jax.state._checks import check_not_donated, check_sharded_params
 from vescale_jax.state._containers import GatheredParams, PerDevice, ShardedParams
 
 __all__ = [
@@ -114,27 +114,69 @@ def unpack_layout(buffer: jax.Array, layout: BucketLayout, shapes: Sequence[tupl
     return collectives.unpack(buffer, layout, shapes, kernels_policy=collectives.DEFAULT_KERNELS)
 
 
+def bits_dtype(dtype: Any) -> np.dtype | None:
+    """The unsigned integer dtype of a floating dtype narrower than 32 bits (bf16, fp16, fp8), else None.
+
+    XLA:CPU computes data movement of such floats (concatenate, pad) through fp32 and rounds back, which
+    turns every NaN into the canonical one (bf16 ``0xff81`` -> ``0xffc0``); moved as these integers, the
+    bits stay as they are."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+        return np.dtype(f"uint{8 * dtype.itemsize}")
+    return None
+
+
+def as_bits(x: Any, dtype: Any) -> Any:
+    """``x`` (of floating ``dtype``) bitcast to :func:`bits_dtype` of ``dtype`` (unchanged when that is None)."""
+    bits = bits_dtype(dtype)
+    return x if bits is None else jax.lax.bitcast_convert_type(jnp.asarray(x, dtype), bits)
+
+
+def from_bits(x: Any, dtype: Any) -> Any:
+    """Inverse of :func:`as_bits`."""
+    return x if bits_dtype(dtype) is None else jax.lax.bitcast_convert_type(x, jnp.dtype(dtype))
+
+
 def pack(leaves: Sequence[jax.Array], plan: Plan) -> tuple[jax.Array, ...]:
     """Packs the flattened logical leaves into one global buffer per bucket (a bucket split over tensor /
-    expert axes: each group's shards packed, the groups side by side)."""
+    expert axes: each group's shards packed, the groups side by side). Bit-exact: low-precision floats
+    move as integers (:func:`bits_dtype`), so NaN payloads are kept."""
+    return tuple(from_bits(x, b.dtype) for x, b in zip(pack_bits(leaves, plan), plan.buckets, strict=True))
+
+
+def pack_bits(leaves: Sequence[jax.Array], plan: Plan) -> tuple[jax.Array, ...]:
+    """:func:`pack`, the buffers of low-precision float buckets left as their bits (:func:`bits_dtype`)."""
+    return pack_moved([as_bits(x, s.dtype) for x, s in zip(leaves, plan.leaves, strict=True)], plan)
+
+
+def pack_moved(leaves: Sequence[jax.Array], plan: Plan) -> tuple[jax.Array, ...]:
+    """:func:`pack` of leaves as they are (low-precision floats already as their bits: :func:`pack_bits`)."""
     out = []
     sizes = dict(plan.mesh.shape)
     for b in plan.buckets:
+        bits = bits_dtype(b.dtype)
+        mine = {i: leaves[i] for i in b.leaves}
         if not b.groups:
-            out.append(pack_bucket([leaves[i] for i in b.leaves], b))
+            out.append(pack_bucket([mine[i] for i in b.leaves], b, dtype=bits))
             continue
         parts = []
         for g in range(b.num_groups):
             coords = tp.group_coords(g, b.groups, sizes)
-            parts.append(
-                pack_bucket([tp.local_block(leaves[i], plan.leaves[i].tp, coords, sizes) for i in b.leaves], b)
-            )
+            blocks = [tp.local_block(mine[i], plan.leaves[i].tp, coords, sizes) for i in b.leaves]
+            parts.append(pack_bucket(blocks, b, dtype=bits))
         out.append(jnp.concatenate(parts, axis=-1))
     return tuple(out)
 
 
 def unpack(buffers: Sequence[jax.Array], plan: Plan) -> list[jax.Array]:
-    """Inverse of :func:`pack`: the flattened logical leaves from full buffers."""
+    """Inverse of :func:`pack`: the flattened logical leaves from full buffers (bit-exact, as :func:`pack`)."""
+    leaves = unpack_bits([as_bits(buf, b.dtype) for b, buf in zip(plan.buckets, buffers, strict=True)], plan)
+    return [from_bits(x, plan.buckets[spec.bucket].dtype) for x, spec in zip(leaves, plan.leaves, strict=True)]
+
+
+def unpack_bits(buffers: Sequence[jax.Array], plan: Plan) -> list[jax.Array]:
+    """:func:`unpack` on buffers as they are (static slices, reshapes, the tensor-parallel assembly): from
+    :func:`pack_bits`' buffers, the leaves as bits."""
     leaves: list[Any] = [None] * len(plan.leaves)
     sizes = dict(plan.mesh.shape)
     for b, buf in zip(plan.buckets, buffers, strict=True):
@@ -175,15 +217,19 @@ def shard(params: Any, plan: Plan) -> ShardedParams:
                 "array; shard real values, or create them straight into the shards with "
                 "vj.init_sharded(init_fn, plan, key) (abstract trees are for vj.plan)."
             )
-    return ShardedParams(_shard_fn(plan)(leaves), plan)
+    # Bitcast to bits before the jit and back after it: a low-precision float that enters or leaves a
+    # partitioned program can come out with its NaNs made canonical (XLA:CPU), an integer cannot.
+    bits = _shard_fn(plan)([as_bits(x, s.dtype) for x, s in zip(leaves, plan.leaves, strict=True)])
+    return ShardedParams([from_bits(x, b.dtype) for x, b in zip(bits, plan.buckets, strict=True)], plan)
 
 
 @plan_cache
 def _shard_fn(plan: Plan) -> Callable[[Sequence[Any]], tuple[jax.Array, ...]]:
-    """The jitted pack of :func:`shard`, one per plan (a second call on the plan does not compile again)."""
+    """The jitted pack of :func:`shard` (low-precision floats as bits, :func:`pack_moved`), one per plan (a
+    second call on the plan does not compile again)."""
 
     def shard_leaves(leaves):
-        return pack(leaves, plan)
+        return pack_moved(leaves, plan)
 
     return jax.jit(shard_leaves, out_shardings=plan.shardings())
 
@@ -191,10 +237,15 @@ def _shard_fn(plan: Plan) -> Callable[[Sequence[Any]], tuple[jax.Array, ...]]:
 def unshard(sp: ShardedParams) -> Any:
     """The logical tree back from :class:`ShardedParams`, bit-exact, replicated on the plan's mesh."""
     check_sharded_params(sp, "vj.unshard", what="its argument")
+    check_not_donated(sp, "vj.unshard")
     plan = sp.plan
     replicated = jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec())
-    buffers = [jax.device_put(x, replicated) for x in sp.buffers]  # all-gather; works on Auto and Explicit axes
-    return jax.tree_util.tree_unflatten(plan.treedef, _unshard_fn(plan)(buffers))
+    # all-gather (works on Auto and Explicit axes), as bits: bit-exact for NaN payloads, as vj.shard
+    buffers = [jax.device_put(as_bits(x, b.dtype), replicated) for x, b in zip(sp.buffers, plan.buckets, strict=True)]
+    leaves = _unshard_fn(plan)(buffers)
+    return jax.tree_util.tree_unflatten(
+        plan.treedef, [from_bits(x, plan.buckets[s.bucket].dtype) for x, s in zip(leaves, plan.leaves, strict=True)]
+    )
 
 
 @plan_cache
@@ -203,7 +254,7 @@ def _unshard_fn(plan: Plan) -> Callable[[Sequence[jax.Array]], list[jax.Array]]:
     replicated = jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec())
 
     def unshard_buffers(buffers):
-        return unpack(buffers, plan)
+        return unpack_bits(buffers, plan)
 
     return jax.jit(unshard_buffers, out_shardings=[replicated] * len(plan.leaves))
 

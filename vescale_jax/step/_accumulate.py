@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -12,7 +14,7 @@ import numpy as np
 from vescale_jax.kernels import KernelPolicy
 from vescale_jax.state._sharded import GatheredParams, ShardedParams
 from vescale_jax.step import _wire_copies as copies_wire
-from vescale_jax.step._policy import StepPolicy, enclosing_policy
+from vescale_jax.step._policy import StepPolicy, enclosing_policy, running
 from vescale_jax.step._wire import Gather
 
 __all__ = ["accumulate"]
@@ -40,7 +42,11 @@ def accumulate(
         model and its gradient on every device.
 
     Returns:
-      ``(loss, grads)`` or ``((loss, aux), grads)``, loss and grads averaged over the micro-batches.
+      ``(loss, grads)`` or ``((loss, aux), grads)``, loss and grads averaged over the micro-batches. The
+      gradients are summed in the reduce dtype (fp32 for a bf16 / fp16 bucket unless a ``vj.MixedPrecision``
+      says otherwise, :meth:`vj.MixedPrecision.grad_dtype`) or the bucket's own where that is wider, and rounded
+      to the bucket's dtype once, after the mean: a low-precision leaf gets the gradient of one batch of
+      ``k·b``, not a sum of ``k`` rounded ones.
 
     Sharding:
       ``"each"``: one reduce-scatter per bucket and micro-batch, shard-sized accumulator. ``"once"``: one
@@ -51,8 +57,11 @@ def accumulate(
     k = _micro_count(batch)
     grad_fn = jax.value_and_grad(fun, has_aux=has_aux)
     reduced = params
+    scope = contextlib.nullcontext()
     if reduce == "once":
         params = gather_copies(params)
+    elif isinstance(params, ShardedParams):
+        params, scope = _wide_shards(params)
 
     def body(carry, micro_batch):
         loss_sum, grad_sum = carry
@@ -71,12 +80,28 @@ def accumulate(
         )
     else:
         zeros = jax.tree.map(jnp.zeros_like, params)
-    (loss_sum, grad_sum), aux = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), batch)
+    with scope:
+        (loss_sum, grad_sum), aux = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), batch)
     loss = loss_sum / k
     if reduce == "once":
         grad_sum = reduce_copies(grad_sum, reduced)
-    grads = jax.tree.map(lambda g: (g / k).astype(g.dtype), grad_sum)
+    grads = jax.tree.map(lambda g, p: (g / k).astype(p.dtype), grad_sum, reduced)
     return ((loss, aux) if has_aux else loss), grads
+
+
+def _wide_shards(params: ShardedParams) -> tuple[ShardedParams, Any]:
+    """``params`` with each low-precision buffer upcast (exactly) to its reduce dtype where that is wider, and
+    the policy scope in which the wire returns those buckets' gradients in it, unrounded
+    (:attr:`vescale_jax.step._wire.Gather.wide_grads`). Unchanged, and no scope, without such a bucket."""
+    plan = params.plan
+    outer = enclosing_policy() or StepPolicy.for_plan(plan, kernels=KernelPolicy.from_env())
+    policy = dataclasses.replace(outer, wide_grads=True)
+    how = policy.wire()
+    dtypes = [how.grad_out_dtype(b.dtype) for b in plan.buckets]
+    if all(d == np.dtype(b.dtype) for d, b in zip(dtypes, plan.buckets, strict=True)):
+        return params, contextlib.nullcontext()
+    buffers = [x if x.dtype == d else x.astype(d) for x, d in zip(params.buffers, dtypes, strict=True)]
+    return ShardedParams(buffers, plan), running(policy)
 
 
 def _micro_count(batch: Any) -> int:

@@ -40,6 +40,9 @@ class StepPolicy:
         gather); ``None`` keeps each bucket's dtype.
       microbatches: the micro-batch count ``vj.accumulate`` expects (``None``: the step does not accumulate).
       kernels: the :class:`vescale_jax.kernels.KernelPolicy` for unpacking gathered buckets and packing gradients.
+      wide_grads: low-precision buckets come as exact upcasts to their reduce dtype and get their gradient back
+        in it, unrounded (set by ``vj.accumulate`` around each micro-batch; see
+        :attr:`vescale_jax.step._wire.Gather.wide_grads`).
     """
 
     data_axes: tuple[str, ...]
@@ -49,6 +52,7 @@ class StepPolicy:
     precision: MixedPrecision | None = None
     microbatches: int | None = None
     kernels: KernelPolicy = DEFAULT_KERNELS
+    wide_grads: bool = False
 
     @classmethod
     def for_plan(
@@ -61,6 +65,7 @@ class StepPolicy:
         precision: MixedPrecision | None = None,
         microbatches: int | None = None,
         kernels: KernelPolicy = DEFAULT_KERNELS,
+        wide_grads: bool = False,
     ) -> StepPolicy:
         """The policy of a step over ``plan``: ``data_axes`` checked against its mesh (default: the plan's axis)
         and the replica axes derived from them.
@@ -78,6 +83,7 @@ class StepPolicy:
             precision=precision,
             microbatches=microbatches,
             kernels=kernels,
+            wide_grads=wide_grads,
         )
 
     def refined(
@@ -105,6 +111,7 @@ class StepPolicy:
             precision=self.precision if precision is None else precision,
             microbatches=self.microbatches,
             kernels=self.kernels if kernels is None else kernels,
+            wide_grads=self.wide_grads,
         )
         return self if refined == self else refined  # unchanged: the enclosing step's own policy object
 
@@ -115,7 +122,7 @@ class StepPolicy:
         Returns:
           The wire's options.
         """
-        return Gather(self.precision, self.replica_axes, self.kernels, widen=True)
+        return Gather(self.precision, self.replica_axes, self.kernels, widen=True, wide_grads=self.wide_grads)
 
 
 _ENCLOSING: contextvars.ContextVar[StepPolicy | None] = contextvars.ContextVar("vescale_jax_step", default=None)

@@ -78,12 +78,16 @@ class Gather:
       kernels: how buffers are packed and unpacked (XLA or the Pallas kernels).
       widen: hand the model low-precision leaves upcast to their reduce dtype where it is wider
         (:meth:`widens`); ``vj.apply`` does, wrapping the model so it still sees the narrow dtype.
+      wide_grads: the local shards of low-precision buckets whose gradient reduces wider are exact upcasts to
+        that dtype (:meth:`grad_out_dtype`), and their reduced gradient is returned in it, not rounded to the
+        bucket's dtype: ``vj.accumulate`` sums micro-batch gradients unrounded and rounds once.
     """
 
     precision: MixedPrecision | None = None
     replica_axes: tuple[str, ...] = ()
     kernels: KernelPolicy = DEFAULT_KERNELS
     widen: bool = False
+    wide_grads: bool = False
 
     @property
     def policy(self) -> MixedPrecision:
@@ -105,6 +109,13 @@ class Gather:
     def leaf_dtype(self, dtype: Any) -> np.dtype:
         """The dtype :func:`gather_leaves` returns a bucket of ``dtype``'s leaves in."""
         return self.policy.grad_dtype(dtype) if self.widens(dtype) else self.policy.gather_dtype(dtype)
+
+    def grad_out_dtype(self, dtype: Any) -> np.dtype:
+        """The dtype the wire returns a bucket of ``dtype``'s reduced gradient (and takes its local shard) in: the
+        bucket's own, or with ``wide_grads`` its reduce dtype where that is wider."""
+        dtype, grad = np.dtype(dtype), self.policy.grad_dtype(dtype)
+        wider = jnp.issubdtype(dtype, jnp.floating) and grad.itemsize > dtype.itemsize
+        return grad if self.wide_grads and wider else dtype
 
     def model_dtype(self, dtype: Any) -> np.dtype | None:
         """The dtype the model sees a widened bucket's leaves in (None when the bucket is not widened)."""
@@ -192,10 +203,10 @@ def gather_leaves(local: jax.Array, bucket: Bucket, plan: Plan, how: Gather) -> 
     Sharding:
       Input varies over ``plan.axis``; the leaves are the full tensors on every device.
     """
-    out_dtype = how.leaf_dtype(local.dtype)
+    out_dtype = how.leaf_dtype(bucket.dtype)
     shapes = layer_shapes(bucket, plan)
     if not bucket.layout.total_size:  # only zero-size leaves: nothing to gather (XLA rejects an empty all-gather)
-        x = vary(local, how.replica_axes).astype(how.policy.gather_dtype(local.dtype))
+        x = vary(local, how.replica_axes).astype(how.policy.gather_dtype(bucket.dtype))
         return [jnp.reshape(x, s).astype(out_dtype) for s in shapes]
     full = gather_buffer(local, bucket, plan, how)
     leaves = unpack(full, bucket.layout, shapes, kernels_policy=how.kernels, storage=bucket.storage)
@@ -204,10 +215,11 @@ def gather_leaves(local: jax.Array, bucket: Bucket, plan: Plan, how: Gather) -> 
 
 def gather_buffer(local: jax.Array, bucket: Bucket, plan: Plan, how: Gather) -> jax.Array:
     """The full buffer of a local ``(S,)`` (stacked rows ``(L, S)``) shard in the gather dtype: cast then
-    all-gather, or the FP8 block-scaled gather (:mod:`vescale_jax.step._fp8`) when the policy asks for one."""
+    all-gather, or the FP8 block-scaled gather (:mod:`vescale_jax.step._fp8`) when the policy asks for one.
+    Dtypes follow the bucket's (the local shard may be a wide copy, :attr:`Gather.wide_grads`)."""
     x = vary(local, how.replica_axes)
-    gather_dtype = how.policy.gather_dtype(local.dtype)
-    block = how.policy.fp8_block(local.dtype)
+    gather_dtype = how.policy.gather_dtype(bucket.dtype)
+    block = how.policy.fp8_block(bucket.dtype)
     if block is not None:
         table = fp8.block_table(plan, plan.buckets.index(bucket), block)
         return fp8.wire_gather(x, table, plan.axis, gather_dtype)
@@ -218,10 +230,10 @@ def example_leaves(local: jax.Array, bucket: Bucket, plan: Plan, how: Gather) ->
     """Leaves with :func:`gather_leaves`'s shapes, dtypes and varying axes for the local ``(S,)`` shard ``local``,
     computed without a collective (they only shape a trace and are dead code once it is evaluated)."""
     full = jnp.tile(vary(local, how.replica_axes), bucket.layout.num_devices)
-    full = full.astype(how.policy.gather_dtype(local.dtype))
+    full = full.astype(how.policy.gather_dtype(bucket.dtype))
     shapes = [plan.layer_shape(plan.leaves[i]) for i in bucket.leaves]
     leaves = unpack(full, bucket.layout, shapes, kernels_policy=DEFAULT_KERNELS, storage=bucket.storage)
-    return [x.astype(how.leaf_dtype(local.dtype)) for x in leaves]
+    return [x.astype(how.leaf_dtype(bucket.dtype)) for x in leaves]
 
 
 def scatter_leaves(
@@ -237,10 +249,10 @@ def scatter_leaves(
       like_axes: the mesh axes the local shard varies over (:func:`varying_axes` of it).
 
     Returns:
-      The local gradient shard, in the bucket's dtype; padding exactly zero.
+      The local gradient shard, in the bucket's dtype (:meth:`Gather.grad_out_dtype`); padding exactly zero.
     """
-    master = np.dtype(bucket.dtype)
-    grad_dtype = how.policy.grad_dtype(master)
+    master = how.grad_out_dtype(bucket.dtype)
+    grad_dtype = how.policy.grad_dtype(bucket.dtype)
     if not bucket.layout.total_size:  # nothing to reduce
         return varying_like(jnp.zeros((0,), master), like_axes)
     packed = pack(cts, bucket.layout, dtype=grad_dtype, kernels_policy=how.kernels, storage=bucket.storage)
@@ -344,7 +356,7 @@ def gather_stacked(rows: jax.Array, bucket: Bucket, plan: Plan, how: Gather) -> 
             storage=bucket.storage,
         )
         out = jax.lax.psum_scatter(packed, plan.axis, scatter_dimension=1, tiled=True)
-        return (replica_sum(out, like).astype(master),)
+        return (replica_sum(out, like).astype(how.grad_out_dtype(master)),)
 
     run.defvjp(fwd, bwd)
     return list(run(rows))

@@ -383,6 +383,10 @@ def muon(
     ``muon_weight_dimension_numbers``: see :func:`resolve_dimension_numbers` (default: per-layer 2-D leaves).
     ``weight_decay_mask``: a (prefix) tree of bools over the logical tree, or a callable of it.
     ``ns_unroll``: unroll the Newton–Schulz loop (more temp memory; see :func:`newton_schulz`).
+    The AdamW branch computes and keeps its moments in each leaf's dtype, as ``optax.contrib.muon`` does (bf16
+    for a bf16 leaf; the first moment in ``mu_dtype`` when given). With a ``mu_dtype`` wider than a leaf, optax
+    returns that leaf's updates in ``mu_dtype`` and rounds once in ``apply_updates``; here updates keep the
+    bucket's dtype (one rounding more).
 
     Returns:
       An ``optax.GradientTransformation``; its ``update`` takes and returns :class:`~vescale_jax.ShardedParams`.
