@@ -161,8 +161,9 @@ def micro_data(step, k=4, b=24):
     return x, y
 
 
+@pytest.mark.parametrize("reduce", ["each", "once"])
 @pytest.mark.parametrize("m", [1, 3, 8])
-def test_bf16_leaf_accumulated_over_micro_batches_matches_unsharded(m):
+def test_bf16_leaf_accumulated_over_micro_batches_matches_unsharded(m, reduce):
     """5 Adam steps of 4 micro-batches through vj.accumulate against one jax.grad over the global batch: the
     micro-batch gradients of a bf16 leaf are summed in fp32 and rounded once (bf16 leaves within 1 ulp, the fp32
     leaf within 1e-5)."""
@@ -173,7 +174,7 @@ def test_bf16_leaf_accumulated_over_micro_batches_matches_unsharded(m):
     @vj.fsdp(plan=plan, microbatches=4)
     def step(p, o, batch):
         f = lambda p, mb: jnp.mean((vj.apply(model, p, mb["x"]) - mb["y"]) ** 2)
-        _, g = vj.accumulate(f, p, batch, reduce="each")
+        _, g = vj.accumulate(f, p, batch, reduce=reduce)
         u, o = tx.update(g, o, p)
         return optax.apply_updates(p, u), o
 

@@ -300,6 +300,8 @@ def _apply_gathered(fn, params, args, kwargs, state, data_axes, in_specs, out_sp
         fn, args, kwargs, state, plan, policy.data_axes, in_specs, out_specs, typed=policy.kernels.check_vma
     )
     how = policy.wire()
+    # widened buckets' copies are fp32 upcasts (gather_copies): the model sees their leaves in the bucket's dtype
+    fn = widened(fn, [how.model_dtype(plan.buckets[plan.leaves[i].bucket].dtype) for i in range(len(plan.leaves))])
 
     def local(copies, *local_args):
         return fn(jax.tree_util.tree_unflatten(plan.treedef, unpack_copies(copies, plan, how)), *local_args)

@@ -27,16 +27,20 @@ __all__ = ["gather_copies", "reduce_copies", "unpack_copies"]
 
 
 def gather_copies(buffers: Sequence[jax.Array], plan: Plan, how: Gather) -> tuple[jax.Array, ...]:
-    """Every bucket's full ``(m*S,)`` (stacked ``(L, m*S)``) buffer on each device, in the gather dtype.
+    """Every bucket's full ``(m*S,)`` (stacked ``(L, m*S)``) buffer on each device, in the gather dtype; a
+    bucket the wire widens (:meth:`Gather.widens`: bf16 parameters whose gradient reduces in fp32) upcast,
+    exactly, to its reduce dtype, so the gradients of the copy (each device's partial sums, accumulated over
+    micro-batches) stay in it until :func:`reduce_copies` and are rounded once.
 
     Call inside ``shard_map``; the result's transpose is not needed (gradients come back through
     :func:`reduce_copies`)."""
     out = []
     for bucket, b in zip(plan.buckets, buffers, strict=True):
         if b.shape[-1]:
-            out.append(gather_buffer(b, bucket, plan, how))
+            copy = gather_buffer(b, bucket, plan, how)
         else:
-            out.append(vary(b, how.replica_axes).astype(how.policy.gather_dtype(b.dtype)))
+            copy = vary(b, how.replica_axes).astype(how.policy.gather_dtype(b.dtype))
+        out.append(copy.astype(how.policy.grad_dtype(bucket.dtype)) if how.widens(bucket.dtype) else copy)
     return tuple(out)
 
 
