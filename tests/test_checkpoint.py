@@ -22,7 +22,7 @@ import orbax.checkpoint as ocp
 import pytest
 from conftest import make_mesh
 from flax import nnx
-from helpers import ROOT, GPTConfig, abstract_model, assert_trees_equal, init_params
+from helpers import ROOT, GPTConfig, abstract_model, assert_trees_equal, child_pythonpath, init_params
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -120,8 +120,10 @@ def test_to_logical_is_one_all_to_all_per_leaf_and_never_gathers(m):
     own = sum(b.nbytes for b in plan.buckets) // m  # what one device owns of the buckets
     for compiled in (out, back):
         ops = census(compiled)
-        assert ops.count("all-gather") == 0 and ops.instructions("all-to-all") == nonempty, ops
-        assert ops.count("all-to-all") == stacked_launches, ops  # stacked leaves: one per layer, in a loop
+        # One all-to-all per leaf and layer (stacked leaves one layer at a time), a static sequence: no
+        # collective inside a loop (XLA:CPU's rendezvous intermittently aborts on one there).
+        assert ops.count("all-gather") == 0 and ops.instructions("all-to-all") == stacked_launches > nonempty, ops
+        assert ops.count("all-to-all") == stacked_launches and not any(op.in_loop for op in ops.ops), ops
         # Transient: the all-to-all buffers, never the whole tree (the model here is tiny: allow index tables).
         mem = memory(compiled)
         assert mem.temp <= 4 * own + 64 * 1024, mem
@@ -307,6 +309,51 @@ def test_plain_orbax_restores_vj_params_into_linen(tmp_path):
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), variables)
     restored = ocp.StandardCheckpointer().restore(tmp_path / "1" / "params", target)
     np.testing.assert_array_equal(np.asarray(MLP().apply(restored, x)), np.asarray(MLP().apply(variables, x)))
+
+
+PLAIN_RECIPE = textwrap.dedent("""
+    import json, os, sys
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={sys.argv[2]}"
+    import jax, jax.numpy as jnp, numpy as np, orbax.checkpoint as ocp
+    leaf = lambda spec: jax.ShapeDtypeStruct(tuple(spec[0]), jnp.dtype(spec[1]))
+    abstract = jax.tree.map(leaf, json.loads(sys.argv[3]), is_leaf=lambda x: isinstance(x, list))
+    # docs/checkpoint.md's recipe: every leaf of the target given the sharding to restore into.
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), abstract)
+    state = ocp.StandardCheckpointer().restore(sys.argv[1], abstract)
+    words = lambda x: np.asarray(x).view(np.uint16 if np.asarray(x).dtype.itemsize == 2 else np.uint32)
+    flat = jax.tree_util.tree_flatten_with_path(state)[0]
+    np.savez(sys.argv[4], devices=jax.device_count(),
+             **{"|".join(k.key for k in p): words(x) for p, x in flat})
+""")
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_plain_orbax_recipe_restores_an_8_device_checkpoint_on_m_devices(tmp_path, m):
+    rng = np.random.default_rng(7)
+    tree = {
+        "embed": rng.standard_normal((50, 12), np.float32),
+        "head": rng.standard_normal((12, 7), np.float32).astype(jnp.bfloat16),
+        "blocks": {"w": rng.standard_normal((2, 6, 10), np.float32)},
+    }
+    plan = vj.plan(tree, make_mesh(8), stacked=("blocks",))
+    with vj.checkpoint.Manager(tmp_path / "ckpt") as mngr:
+        mngr.save(250, params=host_shard(tree, plan))
+    specs = jax.tree.map(lambda x: [list(x.shape), np.dtype(x.dtype).name], tree)
+    out = tmp_path / "restored.npz"
+    run = subprocess.run(
+        [sys.executable, "-c", PLAIN_RECIPE, str(tmp_path / "ckpt" / "250" / "params"), str(m), json.dumps(specs), out],
+        env=child_pythonpath(),
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = np.load(out)
+    assert int(got["devices"]) == m
+    for path, want in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        key = "|".join(k.key for k in path)
+        bits = np.asarray(want).view(np.uint16 if np.asarray(want).dtype.itemsize == 2 else np.uint32)
+        np.testing.assert_array_equal(got[key], bits, err_msg=key)  # bitwise
 
 
 def test_warm_start_from_a_plain_unsharded_flax_checkpoint(tmp_path):
