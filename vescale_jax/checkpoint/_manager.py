@@ -30,9 +30,11 @@ import os
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+import jax
 import orbax.checkpoint as ocp
 
 from vescale_jax.checkpoint import _integrity as _integrity
+from vescale_jax.checkpoint import _read_errors as _read_errors
 from vescale_jax.checkpoint import _storable as _stored
 from vescale_jax.checkpoint._storable import abstract_logical, logical_tree
 from vescale_jax.layout._plan import Plan
@@ -95,9 +97,20 @@ def restore_params(path: str | os.PathLike, params: ShardedParams | Plan) -> Sha
     plan = _target_plan(params)
     ckptr = ocp.StandardCheckpointer()
     target = _stored.storable(abstract_logical(plan))
-    stored = _integrity.stored_shapes(ckptr.metadata(os.fspath(path)).item_metadata)
+    path = os.fspath(path)
+    trees = {os.path.basename(os.path.normpath(path)): target}
+    try:
+        stored = _integrity.stored_shapes(ckptr.metadata(path).item_metadata)
+    except Exception as e:  # TensorStore's errors are plain Exceptions
+        raise _read_errors.read_error(e, where=path, trees=trees) from e
+    if not stored and jax.tree.leaves(target):
+        raise _read_errors.missing_item(path, "params")
     _integrity.check_against(stored, target, item="params")
-    return _stored.pack(ckptr.restore(os.fspath(path), target), plan)
+    try:
+        tree = ckptr.restore(path, target)
+    except Exception as e:
+        raise _read_errors.read_error(e, where=path, trees=trees) from e
+    return _stored.pack(tree, plan)
 
 
 # ---------------------------------------------------------------------------------------------------- manager
@@ -227,7 +240,15 @@ class Manager:
 
     # -- restore
     def _description(self, step: int) -> dict[str, Any]:
-        out = self._mngr.restore(step, args=ocp.args.Composite(**{_VJ: ocp.args.JsonRestore()}))[_VJ]
+        try:
+            out = self._mngr.restore(step, args=ocp.args.Composite(**{_VJ: ocp.args.JsonRestore()}))[_VJ]
+        except Exception as e:  # a missing item is a KeyError, an unreadable file a TensorStore error
+            file = os.path.join(self.directory, str(step), _VJ)
+            raise ValueError(
+                f"vj.checkpoint: step {step} in {self.directory} has no readable description {file} ({e}); it "
+                "holds the plan and checksums the restore needs. Restore another step (Manager.all_steps()), or "
+                "re-copy the checkpoint directory from where it was written."
+            ) from e
         if not isinstance(out, dict) or out.get("format") != FORMAT:
             raise ValueError(
                 f"vj.checkpoint: step {step} in {self.directory} was not written by "
@@ -276,14 +297,26 @@ class Manager:
         """
         step = self._step(step)
         desc = self._description(step)
-        metadata = self._mngr.item_metadata(step)
+        where = os.path.join(self.directory, str(step))
+        try:
+            metadata = self._mngr.item_metadata(step)
+        except Exception as e:  # TensorStore's errors are plain Exceptions
+            raise _read_errors.read_error(e, where=f"step {step} at {where}", trees={}) from e
+
+        def stored_shapes(item: str, target: Any) -> dict[str, Any]:
+            shapes = _integrity.stored_shapes(metadata[item]) if item in metadata.keys() else {}
+            if not shapes and jax.tree.leaves(target):
+                raise _read_errors.missing_item(os.path.join(where, item), item)
+            return shapes
+
         args: dict[str, Any] = {_META: ocp.args.JsonRestore()}
+        trees: dict[str, Any] = {}  # the restore targets, to name a leaf whose file cannot be read
         plan = None
         if params is not None:
             plan = _target_plan(params)
             target = _stored.storable(abstract_logical(plan))
-            _integrity.check_against(_integrity.stored_shapes(metadata[_PARAMS]), target, item="params")
-            args[_PARAMS] = ocp.args.StandardRestore(target)
+            _integrity.check_against(stored_shapes(_PARAMS, target), target, item="params")
+            args[_PARAMS], trees[_PARAMS] = ocp.args.StandardRestore(target), target
         rebuild = None
         if opt_state is not None:
             if not desc.get("has_opt_state"):
@@ -294,18 +327,12 @@ class Manager:
             saved = {d["path"]: d for d in desc["opt_state"]}
             default = plan or _stored.first_plan(opt_state)
             target_opt, rebuild = _stored.opt_state_target(opt_state, saved, default)
-            _integrity.check_against(_integrity.stored_shapes(metadata[_OPT]), target_opt, item="opt_state")
-            args[_OPT] = ocp.args.StandardRestore(target_opt)
-        where = os.path.join(self.directory, str(step))
+            _integrity.check_against(stored_shapes(_OPT, target_opt), target_opt, item="opt_state")
+            args[_OPT], trees[_OPT] = ocp.args.StandardRestore(target_opt), target_opt
         try:
             out = self._mngr.restore(step, args=ocp.args.Composite(**args))
         except Exception as e:  # TensorStore's errors are plain Exceptions
-            first = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
-            raise ValueError(
-                f"vj.checkpoint: reading step {step} from {where} failed, a file is missing, truncated "
-                f"or corrupt ({first}); restore another step (Manager.all_steps()) or re-copy the "
-                "checkpoint."
-            ) from e
+            raise _read_errors.read_error(e, where=f"step {step} at {where}", trees=trees) from e
         sums = desc["checksums"]
         sp = _stored.pack(out[_PARAMS], plan, sums[_PARAMS], where=where) if plan is not None else None
         state = _stored.rebuild_state(opt_state, out[_OPT], rebuild, sums[_OPT], where) if rebuild is not None else None

@@ -17,8 +17,10 @@ pair, whatever the leaf size.
 
 Transient memory per device: each leaf's all-to-all send and receive buffers, ``m * W`` elements each, where
 ``W`` is the largest piece one device sends another (``W <= size / g``), so at most twice one leaf (one layer
-of it: stacked leaves are converted layer by layer in a loop) and about ``2 * size / m`` for a leaf spread over
-all devices. The outputs (the logical leaves, or the packed buckets) are one more copy of the device's share.
+of it: stacked leaves are converted layer by layer, one collective per layer in a static sequence, none inside a
+loop) and about ``2 * size / m`` for a leaf spread over all devices. The outputs (the logical leaves, or the
+packed buckets) are one more copy of the device's share. (XLA keeps the unrolled layers' index tables live, so
+the compiled temp is larger than this; see docs/checkpoint.md.)
 
 A leaf stored tile-major (``vj.tiles``, see :mod:`vescale_jax.layout._tiles`) takes a simpler, costlier path: its
 ragged ranges are all-gathered (the leaf's storage order is not a row-major range, so the closed-form ranks
@@ -254,6 +256,19 @@ def _tiled_in(
 
 
 # --------------------------------------------------------------------------------------------- conversions
+def _after(x: Any, done: Any) -> tuple[Any, Any]:
+    """``(x, done)``, ``x`` available only once ``done`` is (``lax.optimization_barrier``).
+
+    The conversions run their collectives one after another, each one layer of one leaf, none inside a loop:
+    the next collective's input waits for the previous one's result, so XLA neither overlaps their buffers (the
+    transient memory stays one layer's) nor reorders them. Callers go on with the returned ``done`` (a buffer
+    they then update in place), so the barrier adds no copy. A collective inside a ``while`` loop (``lax.map``
+    over layers) intermittently aborts XLA:CPU's in-process rendezvous on simulated devices; a static sequence
+    of launches does not.
+    """
+    return jax.lax.optimization_barrier((x, done))
+
+
 def _bucket_storages(plan: Plan, b: int) -> list[LeafStorage]:
     bucket = plan.buckets[b]
     return [leaf_storage(plan.layer_shape(plan.leaves[i]), plan) for i in bucket.leaves]
@@ -358,18 +373,21 @@ def _to_logical_fn(plan: Plan):
         k = jax.lax.axis_index(axes)
         outs: list[Any] = [None] * len(plan.leaves)
         sums: list[Any] = [None] * len(plan.leaves)
+        last: Any = ()  # the previous leaf's result: every collective waits for the one before (_after)
         for buf, (bucket, storages, routes) in zip(bufs, tables, strict=True):
             stacked = bucket.layers is not None
             buf2 = buf if stacked else buf[None]
             for j, (i, st, rt) in enumerate(zip(bucket.leaves, storages, routes, strict=True)):
                 gran = bucket.storage[j] if bucket.storage else None
                 out_fn = _leaf_out if gran is None else functools.partial(_tiled_out, st=st, gran=gran)
-                if not rt.n:
-                    blk = jnp.zeros((buf2.shape[0], 0), buf.dtype)
-                elif stacked:  # one layer at a time: the all-to-all buffers hold one layer's piece
-                    blk = jax.lax.map(lambda row, rt=rt, f=out_fn: f(row[None], rt, k=k, axes=axes)[0], buf2)
-                else:
-                    blk = out_fn(buf2, rt, k=k, axes=axes)
+                blk = jnp.zeros((buf2.shape[0], rt.block_size), buf.dtype)
+                # One layer at a time, unrolled: the collective buffers hold one layer's piece.
+                for layer in range(buf2.shape[0] if rt.n else 0):
+                    # k too: the layer's index tables are computed after the barrier, not hoisted and kept.
+                    (src, kk), (blk, _) = _after((buf2, k), (blk, last))
+                    piece = out_fn(src[layer : layer + 1], rt, k=kk, axes=axes)
+                    blk = jax.lax.dynamic_update_slice_in_dim(blk, piece, layer, axis=0)
+                last = blk
                 blk = jnp.reshape(blk, (buf2.shape[0], *_local_shape(st)))
                 sums[i] = _block_sums(blk, plan, i, st, rt, k, axes)
                 outs[i] = blk if stacked else blk[0]
@@ -389,6 +407,7 @@ def _from_logical_fn(plan: Plan, dtypes: tuple[str, ...] | None = None):
         k = jax.lax.axis_index(axes)
         sums: list[Any] = [None] * len(plan.leaves)
         bufs = []
+        last: Any = ()  # the previous bucket's result: every collective waits for the one before (_after)
         for b, (bucket, storages, routes) in enumerate(tables):
             stacked = bucket.layers is not None
             S = bucket.layout.shard_size
@@ -405,16 +424,20 @@ def _from_logical_fn(plan: Plan, dtypes: tuple[str, ...] | None = None):
                     gran = grans[j] if grans else None
                     if not rt.n:
                         continue
+                    row, out = _after(row, out)  # the previous leaf's unpack first
                     if gran is None:
                         out = _leaf_in(row, out, rt, k, axes)
                     else:
                         out = _tiled_in(row, out, rt, storages[j], gran, k, axes)
                 return out[:, :S]
 
-            if stacked:  # one layer at a time, every leaf of it: the buffer is written once
-                bufs.append(jax.lax.map(lambda layer, fill=fill: fill([r[None] for r in layer])[0], rows))
-            else:
-                bufs.append(fill(rows)[0])
+            # One layer at a time, every leaf of it, unrolled: each layer's row of the buffer is written once.
+            buf = jnp.zeros((lead, S), dtype)
+            for layer in range(lead):
+                src, (buf, _) = _after(rows, (buf, last))
+                buf = jax.lax.dynamic_update_slice_in_dim(buf, fill([r[layer : layer + 1] for r in src]), layer, 0)
+            last = buf
+            bufs.append(buf if stacked else buf[0])
         return bufs, jnp.stack(sums) if sums else jnp.zeros((0, 2), jnp.uint32)
 
     in_specs = _leaf_specs(plan, tables)

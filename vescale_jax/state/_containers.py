@@ -32,7 +32,7 @@ class _Buffers:
 
     @classmethod
     def tree_unflatten(cls, plan, buffers):
-        check_children(plan, buffers)  # a per-leaf mask/label mapped over the bucket buffers raises here
+        check_children(plan, buffers, kind=cls.__name__)  # a per-leaf mask/label (or Orbax) over the buckets raises
         return cls(buffers, plan)
 
 

@@ -13,6 +13,9 @@ Optax's per-leaf *norm and shape* transformations (``optax.lamb`` / ``lars`` / `
 called it: when one of those transformations' ``init`` / ``update`` is rebuilding a ``ShardedParams`` whose
 buckets would not give it one leaf each (:func:`check_per_leaf_transform`), it raises, naming the
 transformation, a bucket with the leaves it would lump together, and the ``vj.optim`` replacement.
+
+Orbax does the same when handed a ``ShardedParams`` (it maps a name function over the tree before saving or
+restoring): then the error says so and points at ``vj.checkpoint`` instead, which stores the logical tree.
 """
 
 from __future__ import annotations
@@ -141,24 +144,41 @@ def check_per_leaf_transform(plan: Any) -> None:
     )
 
 
-def _optax_caller() -> tuple[str, str, str] | None:
-    """The outermost-but-nearest optax frame on the stack: (module, what it is, its replacement)."""
+_ORBAX = "orbax."  # any module of the orbax package (orbax.checkpoint names every leaf before saving)
+
+_CHECKPOINT_FIX = (
+    "Save with vj.checkpoint.Manager(directory).save(step, params=params, opt_state=opt_state) (restores into "
+    "any plan or device count, optimizer state included) or vj.checkpoint.save_params(path, params) (one plain "
+    "Orbax directory of the logical tree), and restore with Manager.restore(params=plan, opt_state=template) or "
+    "vj.checkpoint.restore_params(path, plan). To give Orbax the logical tree yourself, pass "
+    "vj.checkpoint.logical_tree(params) (each leaf evenly sharded, nothing gathered) or vj.unshard(params) "
+    "(docs/checkpoint.md has the plain-Orbax recipe)."
+)
+
+
+def _caller() -> tuple[str, str, str] | None:
+    """The nearest optax or orbax frame on the stack: (where, what it is, its replacement); ``what`` is
+    ``"orbax"`` for Orbax."""
     frame = sys._getframe(2)
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
+        where = f"{module}:{frame.f_code.co_name} line {frame.f_lineno}"
+        if module.startswith(_ORBAX):
+            return where, "orbax", _CHECKPOINT_FIX
         for prefix, what, fix in _REPLACEMENTS:
             if module.startswith(prefix):
-                return f"{module}:{frame.f_code.co_name} line {frame.f_lineno}", what, fix
+                return where, what, fix
         frame = frame.f_back
     return None
 
 
-def check_children(plan: Any, children: Sequence[Any]) -> None:
+def check_children(plan: Any, children: Sequence[Any], *, kind: str = "ShardedParams") -> None:
     """Raises :class:`PerLeafOnBucketsError` if a ``ShardedParams`` is being built from bools or strings.
 
     Args:
       plan: the ``ShardedParams``' plan (its aux data).
       children: the children handed to ``tree_unflatten``.
+      kind: the container's class name, for the message.
     """
     bad = [i for i, child in enumerate(children) if isinstance(child, bool | np.bool_ | str)]
     if not bad:
@@ -173,7 +193,13 @@ def check_children(plan: Any, children: Sequence[Any]) -> None:
     name = buckets[bad[0]].name if bad[0] < len(buckets) else f"#{bad[0]}"
     shape = buckets[bad[0]].shape if bad[0] < len(buckets) else "?"
     got = "; ".join(describe(i) for i in bad[:4]) + ("; ..." if len(bad) > 4 else "")
-    caller = _optax_caller()
+    caller = _caller()
+    if caller is not None and caller[1] == "orbax":
+        raise PerLeafOnBucketsError(
+            f"orbax.checkpoint was given a vj.{kind} (directly or inside a state tree): it would store the plan's "
+            f"flat bucket buffers (e.g. {name!r}, shape {shape}), not the model's leaves, and could only restore "
+            f"into the identical plan and device count. {caller[2]} [raised in {caller[0]}]"
+        )
     if caller is not None and caller[1] == "optax.contrib.muon":
         raise PerLeafOnBucketsError(
             f"optax.contrib.muon was applied to a vj.ShardedParams: it labels leaves by ndim ('muon' for 2-D), but "
