@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -93,4 +94,21 @@ def test_killed_peer_ends_the_job():
 def test_killed_coordinator_is_reported():
     rc, out, seconds = _kill_after_ready(victim=0)
     assert rc != 0, (seconds, out[-2000:])
-    assert "leader task was preempted/died" in out or "died" in out, out[-2000:]
+    assert "vj.distributed: process 1 of 2 is ending because the coordinator (process 0, 127.0.0.1:" in out, out[-3000:]
+    assert "is gone: it died, was preempted or restarted" in out, out[-3000:]
+
+
+def test_lost_coordinator_is_told_from_a_living_one():
+    """The survivor's line is written only when nothing answers at the coordinator's address."""
+    from vescale_jax.distributed import _lost
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+        assert _lost.coordinator_reachable(address)
+    assert not _lost.coordinator_reachable(address)
+    assert not _lost.coordinator_reachable("no-port")
+    line = _lost.lost_coordinator_message(address=address, process_id=2, num_processes=4)
+    assert line.startswith(f"vj.distributed: process 2 of 4 is ending because the coordinator (process 0, {address})")
+    assert not _lost.report_lost_coordinator(address, process_id=0, num_processes=4)  # the coordinator itself

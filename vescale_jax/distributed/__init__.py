@@ -34,6 +34,7 @@ import jax
 import numpy as np
 
 from vescale_jax._compat import backends_are_initialized, cluster_types, distributed_job
+from vescale_jax.distributed._lost import report_lost_coordinator
 from vescale_jax.distributed._rendezvous import rendezvous
 
 __all__ = [
@@ -145,7 +146,9 @@ def initialize(
         coordinator address), within ``timeout_s``.
       heartbeat_timeout_s: seconds without a heartbeat after which a peer is declared dead and every process
         of the job aborts, JAX reporting that another task died (default 30, JAX's own is 100; ``None`` keeps
-        JAX's). A killed process or coordinator thus ends the job within about this time.
+        JAX's). A killed process or coordinator thus ends the job within about this time. When the coordinator
+        (process 0) is gone, each survivor also writes one line saying so (``vj.distributed: process 1 of 2 is
+        ending because the coordinator (process 0, host:port) is gone ...``) before JAX's abort ends it.
       shutdown_timeout_s: seconds a finishing process waits at exit for its peers (JAX's default: 300).
 
     Returns:
@@ -223,6 +226,10 @@ def initialize(
     )
     jax.distributed.initialize(**kwargs)
     _SETUP = dataclasses.replace(_job(), local_device_count=local_device_count)
+    if _SETUP.coordinator_address and _SETUP.num_processes > 1:
+        report_lost_coordinator(
+            _SETUP.coordinator_address, process_id=_SETUP.process_id, num_processes=_SETUP.num_processes
+        )
     logger.info(
         "vj.distributed.initialize: process %d of %d (coordinator %s)",
         _SETUP.process_id,
