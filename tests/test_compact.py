@@ -64,4 +64,7 @@ def test_on_leaves_adamw_matches_optax_on_those_leaves():
     moments = [
         x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, vj.PerDevice)) if isinstance(x, vj.PerDevice)
     ]
-    assert len(moments) == 2 and all(x.value.shape == (3 * build_compact(plan, chosen).size,) for x in moments)
+    # one compact vector per dtype among the chosen leaves (each moment in its leaf's dtype), for mu and for nu
+    dtypes = {np.dtype(s.dtype) for s, keep in zip(plan.leaves, chosen, strict=True) if keep}
+    assert len(moments) == 2 * len(dtypes), [x.value.shape for x in moments]
+    assert sum(x.value.shape[0] for x in moments) == 2 * 3 * build_compact(plan, chosen).size

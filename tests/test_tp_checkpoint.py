@@ -212,11 +212,11 @@ def test_per_device_state_of_tp_leaves_raises(tmp_path):
     with pytest.raises(NotImplementedError, match=r"CompactLayout.*'down/kernel'.*tensor / expert.*compact=False"):
         vj.optim.logical_view(state)
     with vj.checkpoint.Manager(tmp_path) as mngr:
-        with pytest.raises(NotImplementedError, match=r"'inner_state/mu'.*opt_state=None"):
+        with pytest.raises(NotImplementedError, match=r"'inner_state/(\w+/)?mu'.*opt_state=None"):
             mngr.save(1, params=sp, opt_state=state)
     flat = jax.tree_util.tree_flatten_with_path(state, is_leaf=_stored.is_node)[0]
     saved = {n: {"path": n, "kind": "per_device_logical"} for n in (_integrity.raw_path(p) for p, _ in flat)}
-    with pytest.raises(NotImplementedError, match=r"'inner_state/mu'"):
+    with pytest.raises(NotImplementedError, match=r"'inner_state/(\w+/)?mu'"):
         _stored.opt_state_target(state, saved, plan)
 
 

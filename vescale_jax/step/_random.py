@@ -132,10 +132,12 @@ def split_draws(
             return fn(t, *a)
 
         with _active(None):
-            closed = jax.make_jaxpr(flat_fn)(*in_flat)
+            closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*in_flat)
         local = list(_draw_shapes(closed.jaxpr))
         if not any(s and (not check_vma or not (v & set(axes))) for s, v in local):
-            return fn(tree, *args)  # no draw to split: the model as it is
+            # no draw to split: the model as it is, from its trace (the model's Python runs once)
+            outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *in_flat)
+            return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
         arg_leaves = in_flat[n_tree:]
         batch = next((int(np.shape(x)[0]) for x in arg_leaves if np.ndim(x)), None)
         table = _batch_dims(flat_fn, in_flat, n_tree, [s for s, _ in local], size, global_args)
