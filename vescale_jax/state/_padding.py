@@ -144,20 +144,26 @@ def _zero_node(sp: ShardedParams) -> ShardedParams:
     if not todo:
         return sp
 
+    zeroed = _zeroing(plan, tuple(todo))(*[sp.buffers[b] for b in todo])
+    buffers = list(sp.buffers)
+    for b, x in zip(todo, zeroed, strict=True):
+        buffers[b] = x
+    return ShardedParams(buffers, plan)
+
+
+@functools.lru_cache(maxsize=64)
+def _zeroing(plan: Plan, todo: tuple[int, ...]) -> Callable[..., Any]:
+    """The jitted zeroing of buckets ``todo`` (one compiled program per plan and set of buckets; called eagerly,
+    an un-jitted ``shard_map`` would dispatch its mask's operations one by one)."""
+
     def local(*shards):  # the select on the bits of low-precision floats: NaN payloads stay as they are
         return tuple(
             from_bits(jnp.where(local_padding_mask(plan, b), as_bits(x, x.dtype), 0), x.dtype)
             for b, x in zip(todo, shards, strict=True)
         )
 
-    specs = _specs(plan, todo)
-    zeroed = jax.shard_map(local, mesh=plan.mesh, in_specs=specs, out_specs=specs, check_vma=False)(
-        *[sp.buffers[b] for b in todo]
-    )
-    buffers = list(sp.buffers)
-    for b, x in zip(todo, zeroed, strict=True):
-        buffers[b] = x
-    return ShardedParams(buffers, plan)
+    specs = _specs(plan, list(todo))
+    return jax.jit(jax.shard_map(local, mesh=plan.mesh, in_specs=specs, out_specs=specs, check_vma=False))
 
 
 def _is_sharded(x: Any) -> bool:
