@@ -13,7 +13,7 @@ import optax
 import pytest
 from conftest import make_mesh
 from flax import nnx
-from helpers import assert_trees_close
+from helpers import assert_trees_close, load_script
 
 import vescale_jax as vj
 
@@ -428,3 +428,11 @@ def test_batch_norm_index_groups_are_refused():
         vj.flax.nnx_apply(
             graphdef, vj.shard(params, plan), vj.place_batch(np.ones((4, 5), np.float32), plan), state=state
         )
+
+
+def test_dropout_batchnorm_example_matches_its_unsharded_run():
+    """examples/train_dropout_batchnorm.py: dropout from nnx.Rngs state, BatchNorm and a vj.batch_mean term under
+    vj.fsdp on every device of the test process, against the same model trained on one device."""
+    example = load_script("examples/train_dropout_batchnorm.py")
+    params_diff, stats_diff = example.main(["--steps", "4", "--batch", "48", "--width", "32"])
+    assert params_diff <= 1e-5 and stats_diff <= 1e-5, (params_diff, stats_diff)
