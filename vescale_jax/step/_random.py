@@ -54,7 +54,7 @@ from vescale_jax._compat import (
     threefry2x32,
     threefry_partitionable,
 )
-from vescale_jax.step._jaxpr import read
+from vescale_jax.step._jaxpr import evaluate, read
 from vescale_jax.step._wire import varying_axes, varying_like
 
 __all__ = ["split_draws", "split_layer_draws", "tolerant"]
@@ -136,7 +136,10 @@ def split_draws(
         local = list(_draw_shapes(closed.jaxpr))
         if not any(s and (not check_vma or not (v & set(axes))) for s, v in local):
             # no draw to split: the model as it is, from its trace (the model's Python runs once)
-            outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *in_flat)
+            env = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
+            env.update(zip(closed.jaxpr.invars, in_flat, strict=True))
+            evaluate(closed.jaxpr.eqns, env)
+            outs = [read(env, v) for v in closed.jaxpr.outvars]
             return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
         arg_leaves = in_flat[n_tree:]
         batch = next((int(np.shape(x)[0]) for x in arg_leaves if np.ndim(x)), None)
