@@ -162,15 +162,22 @@ def primitive_name(eqn: Any) -> str:
 def bind_equation(eqn: Any, invals: Sequence[Any]) -> list[Any]:
     """Binds one jaxpr equation on ``invals``, as JAX's own ``eval_jaxpr`` does; always a list of outputs.
 
-    Verified on JAX 0.10.2. Assumes ``eqn.ctx.manager`` (the equation's context: name stack, remat policy,
+    Verified on JAX 0.10.2. Assumes ``jax._src.source_info_util.user_context(traceback, name_stack=...)`` with
+    ``eqn.source_info.traceback`` / ``.name_stack`` (as ``jax.core.eval_jaxpr`` re-binds), ``eqn.ctx.manager``
+    (the equation's context: name stack, remat policy,
     ...), ``eqn.primitive.bind``, ``eqn.primitive.get_bind_params(eqn.params)`` (turns stored parameters, e.g.
     a custom_vjp's jaxprs, back into bind arguments) and ``eqn.primitive.multiple_results``, so that re-binding
     every equation of a traced function reproduces it, nested ``jit`` / ``scan`` / ``while`` / ``cond`` /
     ``checkpoint`` / ``custom_jvp`` / ``custom_vjp`` / ``shard_map`` equations included. Used by ``step/_jaxpr``
     (and through it ``step/_point_of_use``, ``step/_layer_split``, ``step/_fp32_grads``, ``step/_wire_segment``).
     """
-    with eqn.ctx.manager:
-        outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+    from jax._src import source_info_util
+
+    # the equation keeps its user source line (JAX's eval_jaxpr does the same), so errors that name the line
+    # of an equation re-bound by vescale_jax still point at the model's code
+    with source_info_util.user_context(eqn.source_info.traceback, name_stack=eqn.source_info.name_stack):
+        with eqn.ctx.manager:
+            outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
     return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
