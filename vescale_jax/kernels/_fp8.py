@@ -188,7 +188,7 @@ def _dequantize_body(cls, row, in_refs, out_refs):
     ln = _fused.lanes(cls, row, codes_ref, out_ref)
     code = _fused.load(codes_ref, ln.src, ln.valid).astype(jnp.float32)
     slots = jnp.where(ln.block_valid, row[2] + ln.blocks, scales_ref.shape[0])
-    scale = _fused.load(scales_ref, slots, ln.block_valid, 0.0)
+    scale = _fused.load(scales_ref, slots, ln.block_valid)
     _fused.store(out_ref, ln.dst, code * ln.per_block(scale), ln.valid)
 
 

@@ -87,11 +87,11 @@ def lanes(cls: UnitClass, row: Sequence[jax.Array], src_ref: Any, dst_ref: Any) 
     return Lanes(cls, row[0], row[1], row[4], src_ref.shape[0], dst_ref.shape[0])
 
 
-def load(ref: Any, idx: jax.Array, mask: jax.Array, other: Any = 0) -> jax.Array:
-    """A masked gather load (Triton pointer block; the interpreter's gather)."""
+def load(ref: Any, idx: jax.Array, mask: jax.Array) -> jax.Array:
+    """A masked gather load (Triton pointer block; the interpreter's gather); masked lanes read zero."""
     from jax.experimental.pallas import triton as pltriton
 
-    return pltriton.load(ref.at[idx], mask=mask, other=other)
+    return pltriton.load(ref.at[idx], mask=mask, other=jnp.zeros((), ref.dtype))
 
 
 def store(ref: Any, idx: jax.Array, val: jax.Array, mask: jax.Array) -> None:
