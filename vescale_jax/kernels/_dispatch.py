@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from vescale_jax.kernels import _ragged
+from vescale_jax.kernels import _ragged, _tiles
 from vescale_jax.kernels._policy import KernelPolicy
 from vescale_jax.layout import _tiles as tiles
 from vescale_jax.layout._bucket_layout import BucketLayout
@@ -33,6 +33,11 @@ def _how(policy: KernelPolicy, layout: BucketLayout, src: Any, dst: Any) -> tupl
     return "pallas", {"interpret": False, "backend": impl}
 
 
+def _tiled(policy: KernelPolicy) -> dict[str, Any]:
+    """The tile kernels' options: interpreted, or Triton (Mosaic GPU has no per-lane scatter)."""
+    return {"interpret": True} if policy.interprets() else {"interpret": False, "backend": "triton"}
+
+
 def unpack(
     full: jax.Array,
     layout: BucketLayout,
@@ -47,6 +52,8 @@ def unpack(
     (a bucket's ``storage``) names the slots stored tile-major: they are sliced flat, then relaid out."""
     shapes = [tuple(s) for s in shapes]
     lead = full.shape[:-1]
+    if any(storage) and _how(kernels_policy, layout, full.dtype, full.dtype)[0] == "pallas":
+        return _tiles.unpack_tiled_mapped(full, layout, shapes, storage=storage, **_tiled(kernels_policy))
     if any(storage):
         flat = unpack(full, layout, [(*lead, n) for n in layout.sizes], kernels_policy=kernels_policy)
         return [
@@ -85,6 +92,9 @@ def pack(
       lead: leading dims mapped over (the layers of a stacked bucket).
       storage: a bucket's ``storage``: the slots laid out tile-major before packing.
     """
+    if any(storage) and leaves and _how(kernels_policy, layout, leaves[0].dtype, dtype)[0] == "pallas":
+        kw = _tiled(kernels_policy)
+        return _tiles.pack_tiled_mapped(leaves, layout, storage=storage, dtype=dtype, lead=lead, **kw)
     if any(storage):
         leaves = [
             x if g is None else tiles.to_storage(x, x.shape[len(lead) :], g, jnp)

@@ -29,7 +29,14 @@ from vescale_jax.kernels._reference import _check_layout, _leaf_dtype, pack_refe
 from vescale_jax.layout import _tiles
 from vescale_jax.layout._bucket_layout import BucketLayout
 
-__all__ = ["pack_tiled", "pack_tiled_reference", "unpack_tiled", "unpack_tiled_reference"]
+__all__ = [
+    "pack_tiled",
+    "pack_tiled_mapped",
+    "pack_tiled_reference",
+    "unpack_tiled",
+    "unpack_tiled_mapped",
+    "unpack_tiled_reference",
+]
 
 
 def _storage(storage: Sequence[Any], n: int) -> tuple[Any, ...]:
@@ -176,3 +183,26 @@ def pack_tiled(
         zero_init=(0,) if sum(layout.sizes) < layout.total_size else (),
     )
     return buf
+
+
+def unpack_tiled_mapped(
+    full: jax.Array, layout: BucketLayout, shapes: Sequence[Sequence[int]], **kwargs: Any
+) -> list[jax.Array]:
+    """:func:`unpack_tiled` mapped over the leading dims of a ``(*lead, total_size)`` buffer (the layers of a
+    stacked bucket); ``shapes`` include the leading dims."""
+    lead = tuple(full.shape[:-1])
+    per = [tuple(s)[len(lead) :] for s in shapes]
+    fn = lambda f: unpack_tiled(f, layout, per, **kwargs)
+    for _ in lead:
+        fn = jax.vmap(fn)
+    return list(fn(full))
+
+
+def pack_tiled_mapped(
+    leaves: Sequence[jax.Array], layout: BucketLayout, *, lead: tuple[int, ...] = (), **kwargs: Any
+) -> jax.Array:
+    """:func:`pack_tiled` mapped over ``lead`` leading dims of every leaf: a ``(*lead, total_size)`` buffer."""
+    fn = lambda *xs: pack_tiled(xs, layout, **kwargs)
+    for _ in lead:
+        fn = jax.vmap(fn)
+    return fn(*leaves)

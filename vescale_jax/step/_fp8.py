@@ -26,19 +26,30 @@ cotangent of the dequantized leaves is reduce-scattered in the reduce dtype (a s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from vescale_jax.layout._blocks import BlockCut, BucketBlocks, block_index, local_slots
+from vescale_jax.kernels import _fp8 as kfp8
+from vescale_jax.kernels._policy import KernelPolicy
+from vescale_jax.layout._blocks import BlockCut, BucketBlocks, block_index
+from vescale_jax.layout._bucket_layout import BucketLayout
 from vescale_jax.layout._plan import Plan
 
-__all__ = ["block_table", "dequantize_full", "num_blocks", "quantize_local", "wire_bytes", "wire_gather"]
+__all__ = [
+    "block_table",
+    "dequantize_full",
+    "fused",
+    "num_blocks",
+    "quantize_local",
+    "wire_bytes",
+    "wire_gather",
+    "wire_gather_leaves",
+]
 
-_QMAX = 448.0
-_FP8 = jnp.float8_e4m3fn
+FP8 = kfp8.FP8
 
 
 def _refuse(spec: Any, shape: tuple[int, ...], block: tuple[int, int], d: int, why: str) -> ValueError:
@@ -94,48 +105,40 @@ def block_table(plan: Plan, bucket_index: int, block: tuple[int, int]) -> Bucket
 
 def num_blocks(table: BucketBlocks) -> int:
     """``NB``: scale slots per device on the wire: the most blocks any device holds, plus one for padding."""
-    return table.nb + 1
+    return kfp8.num_blocks(table)
 
 
-def _ids(table: BucketBlocks, k: Any, size: int) -> jax.Array:
-    """``(S,)`` int32: the block (slot) of each local element of device ``k`` (``NB - 1`` at padding)."""
-    return local_slots(table, k, size, xp=jnp)
+quantize_local = kfp8.quantize_reference
+"""Device ``k``'s local ``(S,)`` shard -> (``(S,)`` fp8 codes, ``(NB,)`` fp32 scales): the XLA path, and the
+reference of the fused kernel :func:`vescale_jax.kernels._fp8.quantize`."""
+
+dequantize_full = kfp8.dequantize_reference
+"""``(m, S)`` gathered codes and ``(m, NB)`` scales -> the ``(m*S,)`` buffer in ``dtype`` (the XLA path)."""
 
 
-def quantize_local(x: jax.Array, table: BucketBlocks, k: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Device ``k``'s local ``(S,)`` shard -> (``(S,)`` fp8 codes, ``(NB,)`` fp32 scales)."""
-    nb = num_blocks(table)
-    xf = x.astype(jnp.float32)
-    ids = _ids(table, k, x.shape[-1])
-    exact = jnp.asarray(table.exact_slots)[k][ids]
-    amax = jax.ops.segment_max(jnp.abs(xf), ids, num_segments=nb)
-    amax = jnp.where(amax > 0, amax, jnp.float32(0))  # empty segments: -inf
-    value = jax.ops.segment_sum(jnp.where(exact, xf, 0), ids, num_segments=nb)
-    is_exact = jax.ops.segment_max(exact.astype(jnp.int32), ids, num_segments=nb) > 0
-    scales = jnp.where(is_exact, value, amax * np.float32(1.0 / _QMAX))
-    s = scales[ids]
-    y = jnp.where(exact, jnp.float32(1), xf / jnp.where(s != 0, s, jnp.float32(1)))
-    y = jnp.where(exact | (s != 0), y, jnp.float32(0))
-    return y.astype(_FP8), scales
+def fused(kernels_policy: KernelPolicy | None, layout: BucketLayout) -> dict[str, Any] | None:
+    """The options of the fused FP8 kernels under ``kernels_policy`` (None: the XLA path).
+
+    The Pallas policy (``KernelPolicy(mode="pallas")``) runs them interpreted on CPU and with Triton on GPU
+    (Mosaic GPU has no per-lane gathers, so a ``backend="mosaic_gpu"`` policy takes Triton here)."""
+    if kernels_policy is None:
+        return None
+    impl = kernels_policy.implementation(layout, jnp.float32, FP8)
+    if impl == "xla":
+        return None
+    return {"interpret": True} if impl == "interpret" else {"interpret": False, "backend": "triton"}
 
 
-def dequantize_full(codes: jax.Array, scales: jax.Array, table: BucketBlocks, dtype: Any) -> jax.Array:
-    """``(m, S)`` gathered codes and ``(m, NB)`` scales -> the ``(m*S,)`` buffer in ``dtype``."""
-    m, s = codes.shape
-    ids = jax.vmap(lambda k: _ids(table, k, s))(jnp.arange(m))
-    out = codes.astype(jnp.float32) * jnp.take_along_axis(scales, ids, axis=1)
-    return jnp.reshape(out, (m * s,)).astype(dtype)
-
-
-def wire_gather(x: jax.Array, table: BucketBlocks, axis: Any, dtype: Any) -> jax.Array:
-    """FP8 block-scaled all-gather of a local ``(S,)`` (or stacked ``(L, S)``) shard over ``axis``, dequantized
-    to ``dtype``: ``(m*S,)`` (or ``(L, m*S)``). Inside ``shard_map``; not differentiable by itself (the callers'
-    custom VJPs reduce-scatter the cotangent)."""
+def _wire(x: jax.Array, table: BucketBlocks, axis: Any, opts: dict[str, Any] | None) -> jax.Array:
+    """The local ``(S,)`` (or ``(L, S)``) shard's wire, all-gathered: ``(m, S + 4*NB)`` (or ``(L, m, ...)``) bytes."""
     k = jax.lax.axis_index(axis)
     m = table.starts.shape[0]
 
     def one(row):
-        codes, scales = quantize_local(row, table, k)
+        if opts is None:
+            codes, scales = quantize_local(row, table, k)
+        else:
+            codes, scales = kfp8.quantize(row, table, k, **opts)
         return jnp.concatenate(
             [
                 jax.lax.bitcast_convert_type(codes, jnp.uint8),
@@ -143,18 +146,80 @@ def wire_gather(x: jax.Array, table: BucketBlocks, axis: Any, dtype: Any) -> jax
             ]
         )
 
-    def back(full):
-        full = jnp.reshape(full, (m, -1))
-        s = x.shape[-1]
-        codes = jax.lax.bitcast_convert_type(full[:, :s], _FP8)
-        scales = jax.lax.bitcast_convert_type(jnp.reshape(full[:, s:], (m, -1, 4)), jnp.float32)
-        return dequantize_full(codes, scales, table, dtype)
-
     if x.ndim == 1:
-        return back(jax.lax.all_gather(one(x), axis, tiled=True))
+        return jnp.reshape(jax.lax.all_gather(one(x), axis, tiled=True), (m, -1))
     wire = jax.vmap(one)(x)
-    full = jax.lax.all_gather(wire, axis, axis=1, tiled=True)
-    return jax.vmap(back)(full)
+    return jnp.reshape(jax.lax.all_gather(wire, axis, axis=1, tiled=True), (x.shape[0], m, -1))
+
+
+def _split(full: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+    """``(m, S + 4*NB)`` bytes -> ``(m, S)`` codes and ``(m, NB)`` scales."""
+    m = full.shape[0]
+    codes = jax.lax.bitcast_convert_type(full[:, :size], FP8)
+    scales = jax.lax.bitcast_convert_type(jnp.reshape(full[:, size:], (m, -1, 4)), jnp.float32)
+    return codes, scales
+
+
+def wire_gather(
+    x: jax.Array,
+    table: BucketBlocks,
+    axis: Any,
+    dtype: Any,
+    *,
+    kernels_policy: KernelPolicy | None = None,
+    layout: BucketLayout | None = None,
+) -> jax.Array:
+    """FP8 block-scaled all-gather of a local ``(S,)`` (or stacked ``(L, S)``) shard over ``axis``, dequantized
+    to ``dtype``: ``(m*S,)`` (or ``(L, m*S)``). Inside ``shard_map``; not differentiable by itself (the callers'
+    custom VJPs reduce-scatter the cotangent). Under a Pallas ``kernels_policy`` the quantizer is the fused
+    kernel (:func:`vescale_jax.kernels._fp8.quantize`; pass the bucket's ``layout`` with it); the dequantization
+    into a whole buffer stays XLA's."""
+    full = _wire(x, table, axis, None if layout is None else fused(kernels_policy, layout))
+    back = lambda f: dequantize_full(*_split(f, x.shape[-1]), table, dtype)
+    return back(full) if x.ndim == 1 else jax.vmap(back)(full)
+
+
+def wire_gather_leaves(
+    x: jax.Array,
+    table: BucketBlocks,
+    axis: Any,
+    dtype: Any,
+    *,
+    layout: BucketLayout,
+    shapes: Sequence[tuple[int, ...]],
+    storage: Sequence[Any],
+    kernels_policy: KernelPolicy,
+) -> list[jax.Array] | None:
+    """The FP8 gather straight into the leaves with the fused kernels: quantize in one kernel, all-gather
+    the bytes, dequantize + unpack (+ tile relayout) in one kernel. None when the policy takes the XLA path
+    (then :func:`wire_gather` and an unpack).
+
+    Args:
+      x: the local ``(S,)`` shard (or a stacked bucket's ``(L, S)`` rows).
+      table: the bucket's block index.
+      axis: the plan's mesh axis.
+      dtype: the leaves' (gather) dtype.
+      layout: the bucket layout.
+      shapes: each slot's per-layer logical shape.
+      storage: the bucket's ``storage``.
+      kernels_policy: the step's kernel policy.
+
+    Returns:
+      The leaves in slot order (with a leading ``L`` for stacked rows), or None.
+
+    Sharding:
+      Inside ``shard_map``: ``x`` varies over ``axis``; the leaves are the full tensors on every device.
+    """
+    opts = fused(kernels_policy, layout)
+    if opts is None:
+        return None
+    full = _wire(x, table, axis, opts)
+
+    def back(f):
+        codes, scales = _split(f, x.shape[-1])
+        return kfp8.dequantize_unpack(codes, scales, table, layout, shapes, dtype=dtype, storage=storage, **opts)
+
+    return list(back(full) if x.ndim == 1 else jax.vmap(back)(full))
 
 
 def wire_bytes(table: BucketBlocks, shard_size: int) -> int:

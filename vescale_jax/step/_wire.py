@@ -208,9 +208,33 @@ def gather_leaves(local: jax.Array, bucket: Bucket, plan: Plan, how: Gather) -> 
     if not bucket.layout.total_size:  # only zero-size leaves: nothing to gather (XLA rejects an empty all-gather)
         x = vary(local, how.replica_axes).astype(how.policy.gather_dtype(bucket.dtype))
         return [jnp.reshape(x, s).astype(out_dtype) for s in shapes]
-    full = gather_buffer(local, bucket, plan, how)
-    leaves = unpack(full, bucket.layout, shapes, kernels_policy=how.kernels, storage=bucket.storage)
+    leaves = _fp8_leaves(local, bucket, plan, how, shapes)
+    if leaves is None:
+        full = gather_buffer(local, bucket, plan, how)
+        leaves = unpack(full, bucket.layout, shapes, kernels_policy=how.kernels, storage=bucket.storage)
     return [leaf.astype(out_dtype) for leaf in leaves]
+
+
+def _fp8_leaves(
+    local: jax.Array, bucket: Bucket, plan: Plan, how: Gather, shapes: Sequence[tuple[int, ...]]
+) -> list[jax.Array] | None:
+    """The FP8 gather straight into the leaves by the fused kernels (quantize; dequantize + unpack + tile
+    relayout) when the policy gathers in FP8 and selects Pallas; None otherwise (the caller gathers a buffer)."""
+    block = how.policy.fp8_block(bucket.dtype)
+    if block is None or fp8.fused(how.kernels, bucket.layout) is None:
+        return None
+    table = fp8.block_table(plan, plan.buckets.index(bucket), block)
+    per_layer = [s[local.ndim - 1 :] for s in shapes]
+    return fp8.wire_gather_leaves(
+        vary(local, how.replica_axes),
+        table,
+        plan.axis,
+        how.policy.gather_dtype(bucket.dtype),
+        layout=bucket.layout,
+        shapes=per_layer,
+        storage=bucket.storage,
+        kernels_policy=how.kernels,
+    )
 
 
 def gather_buffer(local: jax.Array, bucket: Bucket, plan: Plan, how: Gather) -> jax.Array:
@@ -222,7 +246,7 @@ def gather_buffer(local: jax.Array, bucket: Bucket, plan: Plan, how: Gather) -> 
     block = how.policy.fp8_block(bucket.dtype)
     if block is not None:
         table = fp8.block_table(plan, plan.buckets.index(bucket), block)
-        return fp8.wire_gather(x, table, plan.axis, gather_dtype)
+        return fp8.wire_gather(x, table, plan.axis, gather_dtype, kernels_policy=how.kernels, layout=bucket.layout)
     return jax.lax.all_gather(x.astype(gather_dtype), plan.axis, axis=x.ndim - 1, tiled=True)
 
 
@@ -337,11 +361,11 @@ def gather_stacked(rows: jax.Array, bucket: Bucket, plan: Plan, how: Gather) -> 
 
     @jax.custom_vjp
     def run(r):
-        full = gather_buffer(r, bucket, plan, how)
-        return [
-            leaf.astype(how.leaf_dtype(master))
-            for leaf in unpack(full, bucket.layout, shapes, kernels_policy=how.kernels, storage=bucket.storage)
-        ]
+        leaves = _fp8_leaves(r, bucket, plan, how, shapes)
+        if leaves is None:
+            full = gather_buffer(r, bucket, plan, how)
+            leaves = unpack(full, bucket.layout, shapes, kernels_policy=how.kernels, storage=bucket.storage)
+        return [leaf.astype(how.leaf_dtype(master)) for leaf in leaves]
 
     def fwd(r):
         return run(r), None
