@@ -23,6 +23,7 @@ storage and strided (by the leaf's width) in the logical leaf: the relayout is t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -261,6 +262,7 @@ def _fp8_units(table: BucketBlocks, size: int, chunk: int, per_device: bool) -> 
     return b.build(per_device)
 
 
+@functools.lru_cache(maxsize=256)
 def quantize_units(table: BucketBlocks, size: int, *, chunk: int) -> Units:
     """The FP8 quantizer's units of every device (a ``(m, U, 5)`` table; device ``k`` runs row ``k``).
 
@@ -280,6 +282,7 @@ def quantize_units(table: BucketBlocks, size: int, *, chunk: int) -> Units:
     return _fp8_units(table, size, chunk, per_device=True)
 
 
+@functools.lru_cache(maxsize=256)
 def dequantize_units(table: BucketBlocks, size: int, *, chunk: int) -> Units:
     """The FP8 dequantizer's units over the gathered ``(m * S,)`` codes and ``(m * NB,)`` scales.
 

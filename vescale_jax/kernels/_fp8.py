@@ -44,6 +44,7 @@ __all__ = [
     "num_blocks",
     "quantize",
     "quantize_reference",
+    "supported",
 ]
 
 QMAX = 448.0
@@ -118,6 +119,17 @@ def dequantize_unpack_reference(
 
 # ----------------------------------------------------------------------------------------------------------
 # Kernels
+
+
+def supported(table: BucketBlocks, size: int) -> bool:
+    """Whether the fused kernels take this bucket: every device's blocks lie in whole bands. Not so for a
+    tile-major leaf on one device whose storage tiles are not multiples of the block (a block spans tiles);
+    the XLA path takes those."""
+    try:
+        _bands.quantize_units(table, size, chunk=_fused.DEFAULT_UNIT["triton"])
+    except NotImplementedError:
+        return False
+    return True
 
 
 def _quantize_body(cls, row, in_refs, out_refs):

@@ -116,12 +116,13 @@ dequantize_full = kfp8.dequantize_reference
 """``(m, S)`` gathered codes and ``(m, NB)`` scales -> the ``(m*S,)`` buffer in ``dtype`` (the XLA path)."""
 
 
-def fused(kernels_policy: KernelPolicy | None, layout: BucketLayout) -> dict[str, Any] | None:
+def fused(kernels_policy: KernelPolicy | None, layout: BucketLayout, table: BucketBlocks) -> dict[str, Any] | None:
     """The options of the fused FP8 kernels under ``kernels_policy`` (None: the XLA path).
 
     The Pallas policy (``KernelPolicy(mode="pallas")``) runs them interpreted on CPU and with Triton on GPU
-    (Mosaic GPU has no per-lane gathers, so a ``backend="mosaic_gpu"`` policy takes Triton here)."""
-    if kernels_policy is None:
+    (Mosaic GPU has no per-lane gathers, so a ``backend="mosaic_gpu"`` policy takes Triton here); a bucket the
+    kernels cannot take (:func:`vescale_jax.kernels._fp8.supported`) stays on the XLA path."""
+    if kernels_policy is None or not kfp8.supported(table, layout.shard_size):
         return None
     impl = kernels_policy.implementation(layout, jnp.float32, FP8)
     if impl == "xla":
@@ -174,7 +175,7 @@ def wire_gather(
     custom VJPs reduce-scatter the cotangent). Under a Pallas ``kernels_policy`` the quantizer is the fused
     kernel (:func:`vescale_jax.kernels._fp8.quantize`; pass the bucket's ``layout`` with it); the dequantization
     into a whole buffer stays XLA's."""
-    full = _wire(x, table, axis, None if layout is None else fused(kernels_policy, layout))
+    full = _wire(x, table, axis, None if layout is None else fused(kernels_policy, layout, table))
     back = lambda f: dequantize_full(*_split(f, x.shape[-1]), table, dtype)
     return back(full) if x.ndim == 1 else jax.vmap(back)(full)
 
@@ -210,7 +211,7 @@ def wire_gather_leaves(
     Sharding:
       Inside ``shard_map``: ``x`` varies over ``axis``; the leaves are the full tensors on every device.
     """
-    opts = fused(kernels_policy, layout)
+    opts = fused(kernels_policy, layout, table)
     if opts is None:
         return None
     full = _wire(x, table, axis, opts)

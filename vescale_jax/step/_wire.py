@@ -221,7 +221,7 @@ def _fp8_leaves(
     """The FP8 gather straight into the leaves by the fused kernels (quantize; dequantize + unpack + tile
     relayout) when the policy gathers in FP8 and selects Pallas; None otherwise (the caller gathers a buffer)."""
     block = how.policy.fp8_block(bucket.dtype)
-    if block is None or fp8.fused(how.kernels, bucket.layout) is None:
+    if block is None or how.kernels.mode != "pallas":
         return None
     table = fp8.block_table(plan, plan.buckets.index(bucket), block)
     per_layer = [s[local.ndim - 1 :] for s in shapes]
