@@ -1,10 +1,20 @@
 """Pallas kernels, each beside its plain-jnp ``*_reference`` and with an ``interpret=`` flag.
 
 ``pack`` / ``unpack`` move a bucket's tensors into and out of its flat buffer in one launch, with the hot-path
-casts (and a scale on pack) fused; ``choose_backend`` tells a caller whether to use them or the XLA reference, and
-:class:`KernelPolicy` is the policy the gather path takes (``vj.fsdp(kernels=...)``).
+casts (and a scale on pack) fused; ``pack_tiled`` / ``unpack_tiled`` do it with the tile-major relayout of
+``vj.tiles`` slots inside the kernel; ``quantize`` / ``dequantize_unpack`` are the FP8 block-scaled gather's
+two ends (codes and scales from the local shard; leaves from the gathered codes and scales).
+``choose_backend`` tells a caller whether to use them or the XLA reference, and :class:`KernelPolicy` is the
+policy the gather path takes (``vj.fsdp(kernels=...)``).
 """
 
+from vescale_jax.kernels._fp8 import (
+    dequantize_reference,
+    dequantize_unpack,
+    dequantize_unpack_reference,
+    quantize,
+    quantize_reference,
+)
 from vescale_jax.kernels._policy import KernelPolicy
 from vescale_jax.kernels._ragged import (
     DEFAULT_CHUNK,
@@ -17,6 +27,7 @@ from vescale_jax.kernels._ragged import (
     unpack_reference,
 )
 from vescale_jax.kernels._schedule import Schedule, Segment, pack_schedule, unpack_schedule
+from vescale_jax.kernels._tiles import pack_tiled, pack_tiled_reference, unpack_tiled, unpack_tiled_reference
 
 __all__ = [
     "DEFAULT_CHUNK",
@@ -25,11 +36,20 @@ __all__ = [
     "Schedule",
     "Segment",
     "choose_backend",
+    "dequantize_reference",
+    "dequantize_unpack",
+    "dequantize_unpack_reference",
     "gpu_backends_available",
     "pack",
     "pack_reference",
     "pack_schedule",
+    "pack_tiled",
+    "pack_tiled_reference",
+    "quantize",
+    "quantize_reference",
     "unpack",
     "unpack_reference",
     "unpack_schedule",
+    "unpack_tiled",
+    "unpack_tiled_reference",
 ]
