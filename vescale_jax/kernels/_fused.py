@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from vescale_jax.kernels._bands import FLAT, UnitClass, Units
+from vescale_jax.kernels._ragged import _with_manual_axes
 
 __all__ = ["Lanes", "lanes", "launch", "load", "resolve", "store"]
 
@@ -150,7 +151,7 @@ def launch(
     first = 1 + n_in
     call = pl.pallas_call(
         kernel,
-        out_shape=list(out_shapes),
+        out_shape=_with_manual_axes(list(out_shapes), [table, *ins]),
         grid=(units.num_units,),
         input_output_aliases={first + r: o for r, o in enumerate(zero_init)},
         **kwargs,
