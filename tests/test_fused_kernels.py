@@ -311,3 +311,42 @@ def test_mosaic_gpu_refuses_naming_triton():
             interpret=False,
             backend="mosaic_gpu",
         )
+
+
+def test_fp8_gather_path_lowers_for_triton_inside_shard_map(monkeypatch):
+    """The wire's FP8 gather and its transpose (flat and stacked buckets, shard_map with check_vma) lower for
+    CUDA with the fused kernels: quantize, dequantize + unpack forward, pack_tiled backward."""
+    pytest.importorskip("jax.experimental.pallas.triton")
+    from vescale_jax.step import _wire
+
+    rng = np.random.default_rng(0)
+    params = {
+        "a": {"w": jnp.asarray(rng.normal(size=(70, 45)), F32), "b": jnp.zeros(45)},
+        "layers": {"w": jnp.asarray(rng.normal(size=(4, 40, 24)), F32), "s": jnp.zeros((4, 24))},
+    }
+    plan = vj.plan(params, make_mesh(3), granularity=GRAN["tiles"], stacked=("layers",))
+    buffers = vj.shard(params, plan).buffers
+    policy = vj.kernels.KernelPolicy(mode="pallas", interpret=False)
+    # What the policy answers when the step is lowered for a GPU (here: exported for CUDA from the CPU).
+    monkeypatch.setattr(vj.kernels.KernelPolicy, "implementation", lambda self, *a, **k: "triton")
+    calls = _count_calls(monkeypatch)
+
+    def f(*bufs):
+        total = jnp.zeros((), F32)
+        for b, buf in zip(plan.buckets, bufs, strict=True):
+
+            def loss(x, b=b):
+                if b.layers is None:
+                    leaves = _wire.gather_bucket(x, b, plan, precision=FP8, kernels_policy=policy)
+                else:
+                    leaves = _wire.gather_stacked(x, b, plan, _wire.Gather(FP8, (), policy))
+                return sum(jnp.sum(leaf.astype(F32) ** 2) for leaf in leaves)
+
+            total = total + jnp.sum(jax.grad(loss)(buf))
+        return jax.lax.psum(total, "fsdp")
+
+    specs = tuple(plan.partition_spec(b) for b in plan.buckets)
+    mapped = jax.shard_map(f, mesh=plan.mesh, in_specs=specs, out_specs=jax.sharding.PartitionSpec(), check_vma=True)
+    text = _export(mapped, *buffers).mlir_module()
+    assert calls == {"quantize": 2, "dequantize_unpack": 2, "pack_tiled": 2}, calls
+    assert text.count(TRITON) >= 6
