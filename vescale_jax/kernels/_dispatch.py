@@ -33,6 +33,11 @@ def _how(policy: KernelPolicy, layout: BucketLayout, src: Any, dst: Any) -> tupl
     return "pallas", {"interpret": False, "backend": impl}
 
 
+def _tiled_kernels(policy: KernelPolicy, layout: BucketLayout, src: Any, dst: Any, storage: Sequence[Any]) -> bool:
+    """Whether tile-major slots go through the kernels with the relayout fused (``mode="pallas"`` only)."""
+    return any(storage) and policy.mode == "pallas" and _how(policy, layout, src, dst)[0] == "pallas"
+
+
 def _tiled(policy: KernelPolicy) -> dict[str, Any]:
     """The tile kernels' options: interpreted, or Triton (Mosaic GPU has no per-lane scatter)."""
     return {"interpret": True} if policy.interprets() else {"interpret": False, "backend": "triton"}
@@ -52,7 +57,7 @@ def unpack(
     (a bucket's ``storage``) names the slots stored tile-major: they are sliced flat, then relaid out."""
     shapes = [tuple(s) for s in shapes]
     lead = full.shape[:-1]
-    if any(storage) and _how(kernels_policy, layout, full.dtype, full.dtype)[0] == "pallas":
+    if _tiled_kernels(kernels_policy, layout, full.dtype, full.dtype, storage):
         return _tiles.unpack_tiled_mapped(full, layout, shapes, storage=storage, **_tiled(kernels_policy))
     if any(storage):
         flat = unpack(full, layout, [(*lead, n) for n in layout.sizes], kernels_policy=kernels_policy)
@@ -92,7 +97,7 @@ def pack(
       lead: leading dims mapped over (the layers of a stacked bucket).
       storage: a bucket's ``storage``: the slots laid out tile-major before packing.
     """
-    if any(storage) and leaves and _how(kernels_policy, layout, leaves[0].dtype, dtype)[0] == "pallas":
+    if leaves and _tiled_kernels(kernels_policy, layout, leaves[0].dtype, dtype, storage):
         kw = _tiled(kernels_policy)
         return _tiles.pack_tiled_mapped(leaves, layout, storage=storage, dtype=dtype, lead=lead, **kw)
     if any(storage):

@@ -122,7 +122,7 @@ def fused(kernels_policy: KernelPolicy | None, layout: BucketLayout, table: Buck
     The Pallas policy (``KernelPolicy(mode="pallas")``) runs them interpreted on CPU and with Triton on GPU
     (Mosaic GPU has no per-lane gathers, so a ``backend="mosaic_gpu"`` policy takes Triton here); a bucket the
     kernels cannot take (:func:`vescale_jax.kernels._fp8.supported`) stays on the XLA path."""
-    if kernels_policy is None or not kfp8.supported(table, layout.shard_size):
+    if kernels_policy is None or kernels_policy.mode != "pallas" or not kfp8.supported(table, layout.shard_size):
         return None
     impl = kernels_policy.implementation(layout, jnp.float32, FP8)
     if impl == "xla":
