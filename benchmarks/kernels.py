@@ -290,14 +290,15 @@ def main(argv=None) -> int:
 
     if gpu or args.dry_run:
         run_timed(args, rows, flush, records)
-        faster = MeasuredTable(records=tuple(records)).cases()
-        print(f"{len(records)} records; Pallas measured faster than XLA (auto would pick it) in {len(faster)}:")
-        for r in faster:
-            print(f"  {r.backend} {r.direction} {r.src}->{r.dst} {r.size_class}: {r.speedup:.2f}x")
     else:
         run_cpu(rows, flush)
     flush()
     print("\n".join(head + rows))
+    if gpu or args.dry_run:
+        faster = MeasuredTable(records=tuple(records)).cases()
+        print(f"{len(records)} records; Pallas measured faster than XLA (auto would pick it) in {len(faster)}:")
+        for r in faster:
+            print(f"  {r.backend} {r.direction} {r.src}->{r.dst} {r.size_class}: {r.speedup:.2f}x")
     bad = [r for r in rows if "MISMATCH" in r]
     return 1 if bad else 0
 
