@@ -7,7 +7,8 @@ devices (``rows(1)`` blocks, 16-byte alignment), and its gathered buffer is ``m�
 stated model (``MODEL`` below, written into the report):
 
 - wire: bf16 (2 bytes / element) for the all-gather and the reduce-scatter; with reshard-after-forward every
-  bucket is gathered twice (forward, and again in backward) and reduce-scattered once;
+  bucket is gathered twice (forward, and again in backward) but the embedding (its gradient needs no values:
+  gathered once, as the compiled census of ``benchmarks/fsdp_step.py`` shows), and reduce-scattered once;
 - a collective over a buffer of ``X`` bytes on ``m`` GPUs: one node (``m ≤ 8``): ring, each GPU sends
   ``(m−1)/m·X`` over NVLink at ``B_nv`` = 450 GB/s (900 GB/s per GPU is the bidirectional figure; a ring
   sends one way); ``n = m/8`` nodes: hierarchical / one ring per NIC, each node must move ``(n−1)/n·X``
@@ -37,6 +38,7 @@ from model_configs import LLAMA3_8B, LLAMA3_70B, buckets
 import vescale_jax as vj
 
 MODELS = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}
+HBM_GB = 141.0  # H200 memory per GPU
 MAXTEXT = (
     "MaxText's published figure for Llama-3.1-70B on 256 H200 (bf16, sequence 8192): about 51 % MFU, about "
     "1,056 tokens/s per GPU (as quoted in the project's issue 26; NVIDIA's DGXC MaxText Llama-3-70B recipe "
@@ -112,6 +114,7 @@ class BucketCost:
     params: int
     padding: float
     ag_s: float  # one all-gather
+    gathers: int  # all-gathers per step
     rs_s: float  # one reduce-scatter
     fwd_s: float
     bwd_s: float
@@ -143,6 +146,7 @@ def bucket_costs(model: str, m: int, hw: Hardware, wl: Workload) -> list[BucketC
                 params=n,
                 padding=layout.padding_fraction,
                 ag_s=collective_s(x, m, hw),
+                gathers=1 if name == "embed" else wl.gathers,
                 rs_s=collective_s(x, m, hw),
                 fwd_s=c / 3,
                 bwd_s=2 * c / 3,
@@ -165,6 +169,7 @@ class Estimate:
     step_overlap_s: float
     state_gb_per_gpu: float
     tokens_per_gpu: int
+    seq: int
     model_flops_per_gpu: float
     peak_tflops: float
 
@@ -191,15 +196,15 @@ def estimate(model: str, m: int, *, hw: Hardware = Hardware(), wl: Workload = Wo
     """
     bs = bucket_costs(model, m, hw, wl)
     compute = sum(b.fwd_s + b.bwd_s for b in bs)
-    ag = wl.gathers * sum(b.ag_s for b in bs)
+    ag = sum(b.gathers * b.ag_s for b in bs)
     rs = sum(b.rs_s for b in bs)
     # prefetch overlap: forward in bucket order, backward in reverse
     fwd = bs[0].ag_s + sum(max(b.fwd_s, bs[i + 1].ag_s if i + 1 < len(bs) else 0.0) for i, b in enumerate(bs))
     rev = bs[::-1]
-    first_bwd_gather = rev[0].ag_s if wl.gathers > 1 else 0.0
-    bwd = first_bwd_gather + rev[-1].rs_s
+    bwd_ag = lambda b: b.ag_s if b.gathers > 1 else 0.0  # re-gathered in backward
+    bwd = bwd_ag(rev[0]) + rev[-1].rs_s
     for j, b in enumerate(rev):
-        nxt_ag = rev[j + 1].ag_s if (j + 1 < len(rev) and wl.gathers > 1) else 0.0
+        nxt_ag = bwd_ag(rev[j + 1]) if j + 1 < len(rev) else 0.0
         prev_rs = rev[j - 1].rs_s if j > 0 else 0.0
         bwd += max(b.bwd_s, nxt_ag + prev_rs)
     params = sum(b.params for b in bs)
@@ -217,6 +222,7 @@ def estimate(model: str, m: int, *, hw: Hardware = Hardware(), wl: Workload = Wo
         step_overlap_s=fwd + bwd,
         state_gb_per_gpu=12 * elements / m / 1e9,
         tokens_per_gpu=wl.tokens_per_gpu,
+        seq=wl.seq,
         model_flops_per_gpu=flops,
         peak_tflops=hw.peak_tflops,
     )
@@ -233,14 +239,18 @@ def report(rows: list[Estimate], hw: Hardware, wl: Workload) -> str:
         "",
         "## The model",
         "",
-        f"- Tokens per GPU per step: {wl.tokens_per_gpu} (sequence length T = {wl.seq}); one FSDP axis over all GPUs.",
+        "- Tokens per GPU per step: the table's column, whole sequences of length T (the T column: 8192 as"
+        " Llama-3 was trained, shorter when a GPU has fewer tokens); one FSDP axis over all GPUs. The smaller"
+        " token count shows where the collectives stop hiding behind compute.",
         f"- Compute: per transformer-layer bucket `6·N_b·tokens + 12·d·T·tokens` FLOPs (attention: PaLM's"
         f" non-causal count), the head `6·N_head·tokens`, embedding and norms 0 (lookups); run at an assumed"
         f" utilisation u = {wl.utilisation:.2f} of {hw.peak_tflops:.0f} TFLOP/s (H200 bf16 dense); one third"
         " forward, two thirds backward.",
         f"- Wire: bf16 ({wl.wire_bytes} bytes per element) for both collectives; every bucket all-gathered"
-        f" {wl.gathers}× per step (reshard after forward: again in backward) and reduce-scattered once."
-        " A float32 reduce-scatter would double the reduce-scatter column.",
+        f" {wl.gathers}× per step (reshard after forward: again in backward) except the embedding (gathered"
+        " once: its gradient needs no values; the compiled census of `benchmarks/fsdp_step.py` on 8 CPU devices"
+        " counts the same, all-gather wire bytes within 0.1 % of this ideal, `benchmarks/results/fsdp_step.md`),"
+        " and reduce-scattered once. A float32 reduce-scatter would double the reduce-scatter column.",
         f"- A collective over a buffer of X bytes on m GPUs: one node (m ≤ {hw.gpus_per_node}), ring:"
         f" `(m−1)/m·X / B_nv`, B_nv = {hw.nvlink_gbs:.0f} GB/s per direction (NVLink's 900 GB/s per GPU is"
         f" the bidirectional figure); n = m/{hw.gpus_per_node} nodes:"
@@ -251,22 +261,33 @@ def report(rows: list[Estimate], hw: Hardware, wl: Workload) -> str:
         "- No overlap: step = compute + all-gathers + reduce-scatters. Prefetch overlap: forward"
         " `ag_0 + Σ_i max(fwd_i, ag_{i+1})`, backward `ag_last + Σ_j max(bwd_j, ag_{j−1} + rs_{j+1}) + rs_first`"
         " over buckets in forward order (embedding, 1 per layer, final norm, head).",
+        "- The bytes come from the plan, not from a compiled multi-GPU program; the compiled census of a"
+        " small model on 8 CPU devices (above) is what ties the plan's bytes to what XLA emits.",
         "- State: 12 bytes per parameter per GPU ÷ m (fp32 master + two fp32 Adam moments); activations,"
         " gradients and gathered buffers are not modelled (memory is not estimated beyond this).",
         "- MFU = model FLOPs ÷ step time ÷ peak, the same FLOPs as the compute row.",
         "",
         "## Figures (estimate)",
         "",
-        "| model | GPUs | params | padding | state GB/GPU | compute s | all-gather s | reduce-scatter s "
-        "| step s, no overlap | step s, overlap | MFU no overlap | MFU overlap | tokens/s/GPU overlap |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | GPUs | tokens/GPU | T | params | padding | state GB/GPU | compute s | all-gather s "
+        "| reduce-scatter s | step s, no overlap | step s, overlap | MFU no overlap | MFU overlap "
+        "| tokens/s/GPU overlap |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for e in rows:
         lines.append(
-            f"| {e.model} | {e.gpus} | {e.params / 1e9:.2f} B | {100 * e.padding:.3f} % | {e.state_gb_per_gpu:.1f} "
+            f"| {e.model} | {e.gpus} | {e.tokens_per_gpu} | {e.seq} | {e.params / 1e9:.2f} B | {100 * e.padding:.3f} % "
+            f"| {e.state_gb_per_gpu:.1f} "
             f"| {e.compute_s:.3f} | {e.all_gather_s:.3f} | {e.reduce_scatter_s:.3f} | {e.step_no_overlap_s:.3f} "
             f"| {e.step_overlap_s:.3f} | {100 * e.mfu(e.step_no_overlap_s):.1f} % "
             f"| {100 * e.mfu(e.step_overlap_s):.1f} % | {e.tokens_per_s(e.step_overlap_s):,.0f} |"
+        )
+    tight = {(e.model, e.gpus): e.state_gb_per_gpu for e in rows if e.state_gb_per_gpu > 0.6 * HBM_GB}
+    lines += [""]
+    for (model, m), gb in tight.items():
+        lines.append(
+            f"{model} on {m} GPUs: the state alone takes {100 * gb / HBM_GB:.0f} % of the {HBM_GB:.0f} GB of an"
+            " H200; gradients, gathered layers and activations must fit in the rest (memory is not modelled here)."
         )
     lines += [
         "",
@@ -284,12 +305,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default="llama3-8b,llama3-70b")
     p.add_argument("--gpus", default="8,64")
     p.add_argument("--utilisation", type=float, default=Workload.utilisation)
-    p.add_argument("--tokens-per-gpu", type=int, default=Workload.tokens_per_gpu)
+    p.add_argument("--tokens-per-gpu", default="8192,2048", help="one row each (T = min(--seq, tokens))")
     p.add_argument("--seq", type=int, default=Workload.seq)
     args = p.parse_args(argv)
     hw = Hardware()
-    wl = Workload(seq=args.seq, tokens_per_gpu=args.tokens_per_gpu, utilisation=args.utilisation)
-    rows = [estimate(model, int(m), hw=hw, wl=wl) for model in args.models.split(",") for m in args.gpus.split(",")]
+    wls = [
+        Workload(seq=min(args.seq, int(t)), tokens_per_gpu=int(t), utilisation=args.utilisation)
+        for t in args.tokens_per_gpu.split(",")
+    ]
+    wl = wls[0]
+    rows = [
+        estimate(model, int(m), hw=hw, wl=w)
+        for w in wls
+        for model in args.models.split(",")
+        for m in args.gpus.split(",")
+    ]
     text = report(rows, hw, wl)
     print(text)
     if args.out:

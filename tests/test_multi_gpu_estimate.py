@@ -29,11 +29,14 @@ def test_estimate_is_self_consistent(m):
     assert e.params == 8_030_261_248  # Llama-3-8B
     assert 0 <= e.padding < 0.01
     bs = est.bucket_costs("llama3-8b", m, est.Hardware(), wl)
-    # gather time = gathers × Σ buckets (m-1)/m·(m·S·2 bytes) / bandwidth (one node)
+    # gather time = Σ buckets gathers × (m-1)/m·(m·S·2 bytes) / bandwidth (one node)
+    # (the embedding is gathered once: its gradient needs no values)
+    assert [b.gathers for b in bs] == [1] + [2] * (len(bs) - 1)
     if m == 8:
-        want = 2 * sum(7 / 8 * b.elements * 2 / 450e9 for b in bs)
+        want = sum(b.gathers * 7 / 8 * b.elements * 2 / 450e9 for b in bs)
         assert e.all_gather_s == pytest.approx(want)
-    assert e.all_gather_s == pytest.approx(2 * e.reduce_scatter_s)
+    embed = bs[0].ag_s
+    assert e.all_gather_s == pytest.approx(2 * e.reduce_scatter_s - embed)
     assert e.step_no_overlap_s == pytest.approx(e.compute_s + e.all_gather_s + e.reduce_scatter_s)
     assert e.compute_s <= e.step_overlap_s <= e.step_no_overlap_s
     # compute: (6N + 12·L·d·T)·tokens at u·peak, embedding excluded
@@ -46,7 +49,7 @@ def test_estimate_is_self_consistent(m):
 
 def test_overlap_hides_less_when_compute_shrinks():
     big = est.estimate("llama3-8b", 64)
-    small = est.estimate("llama3-8b", 64, wl=est.Workload(tokens_per_gpu=256))
+    small = est.estimate("llama3-8b", 64, wl=est.Workload(seq=256, tokens_per_gpu=256))
     exposed = lambda e: e.step_overlap_s - e.compute_s
     assert exposed(small) >= exposed(big)
     assert small.all_gather_s == pytest.approx(big.all_gather_s)  # bytes do not depend on tokens
@@ -54,8 +57,8 @@ def test_overlap_hides_less_when_compute_shrinks():
 
 def test_script_writes_a_page_labelled_as_an_estimate(tmp_path, capsys):
     out = tmp_path / "estimate.md"
-    assert est.main(["--models", "llama3-8b", "--gpus", "8", "--out", str(out)]) == 0
+    assert est.main(["--models", "llama3-8b", "--gpus", "8", "--tokens-per-gpu", "8192", "--out", str(out)]) == 0
     text = out.read_text()
     assert "estimate, not a measurement" in text
     assert "MaxText's published figure" in text
-    assert "| llama3-8b | 8 |" in text
+    assert "| llama3-8b | 8 | 8192 | 8192 |" in text
