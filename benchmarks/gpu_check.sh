@@ -29,6 +29,8 @@ DRY=0
 START=$(date +%s)
 BUDGET_S=${BUDGET_S:-470}
 PARTS=${PARTS:-env,tests,bench,steps,mosaic}
+# pytest without the project's addopts (they need pytest-xdist, which the GPU image may lack): serial, not slow
+PYTEST=(python -m pytest -q -p no:cacheprovider -o addopts= -m "not slow" -rs)
 LHS_FLAGS=${LHS_FLAGS:---xla_gpu_enable_latency_hiding_scheduler=true}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 CAP_SCALE=1
@@ -80,11 +82,10 @@ if want tests; then
   KTESTS=(tests/test_kernels.py)
   for f in tests/test_cuda_lowering.py tests/test_fused_kernels.py; do [[ -f $f ]] && KTESTS+=("$f"); done
   if (( DRY )); then  # the same command on CPU, narrowed to the policy tests (the kernels interpret on CPU)
-    say "   would run on GPU: JAX_PLATFORMS=cuda pytest ${KTESTS[*]} -n 0"
-    part tests 75 python -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_kernel_choice.py tests/test_kernels.py -k "policy or choice or size_class or table"
+    say "   would run on GPU: JAX_PLATFORMS=cuda ${PYTEST[*]} ${KTESTS[*]}"
+    part tests 75 "${PYTEST[@]}" tests/test_kernel_choice.py tests/test_kernels.py -k "policy or choice or size_class or table"
   else
-    part tests 75 env VESCALE_JAX_KERNEL_BACKEND=triton python -m pytest -q -p no:cacheprovider -n 0 -rs \
-      --durations=5 "${KTESTS[@]}"
+    part tests 75 env VESCALE_JAX_KERNEL_BACKEND=triton "${PYTEST[@]}" --durations=5 "${KTESTS[@]}"
   fi
 fi
 
@@ -121,8 +122,7 @@ if want steps; then
 fi
 
 if want mosaic && (( ! DRY )); then
-  part tests_mosaic_gpu 90 env VESCALE_JAX_KERNEL_BACKEND=mosaic_gpu python -m pytest -q -p no:cacheprovider -n 0 \
-    -rs tests/test_kernels.py
+  part tests_mosaic_gpu 90 env VESCALE_JAX_KERNEL_BACKEND=mosaic_gpu "${PYTEST[@]}" tests/test_kernels.py
 fi
 
 say "total $(( $(date +%s) - START ))s; results in $OUT"

@@ -32,7 +32,7 @@ def test_dry_run_env_and_tests_parts(tmp_path):
     summary = dry_run(tmp_path, "env,tests")
     assert "== env" in summary and "== tests" in summary and "== bench" not in summary
     assert summary.count("rc=0") == 2, summary
-    assert "would run on GPU: JAX_PLATFORMS=cuda pytest tests/test_kernels.py" in summary
+    assert "would run on GPU: JAX_PLATFORMS=cuda python -m pytest" in summary
 
 
 @pytest.mark.slow
