@@ -86,6 +86,8 @@ def test_auto_uses_the_backend_that_would_run():
 
 def test_conflicting_records_for_one_case_mean_xla():
     table = MeasuredTable(records=(rec(), rec(pallas_ms=1.1)))
+    assert table.cases() == ()
+    assert SYNTHETIC.cases() == (rec(),)
     assert not table.faster(
         backend="triton", direction="unpack", src_dtype="float32", dst_dtype="float32", nbytes=1 << 30, device_kind=H200
     )
