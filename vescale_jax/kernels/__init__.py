@@ -2,9 +2,11 @@
 
 ``pack`` / ``unpack`` move a bucket's tensors into and out of its flat buffer in one launch, with the hot-path
 casts (and a scale on pack) fused; ``choose_backend`` tells a caller whether to use them or the XLA reference, and
-:class:`KernelPolicy` is the policy the gather path takes (``vj.fsdp(kernels=...)``).
+:class:`KernelPolicy` is the policy the gather path takes (``vj.fsdp(kernels=...)``); its ``auto`` mode reads the
+GPU results recorded in :class:`MeasuredTable`.
 """
 
+from vescale_jax.kernels._measured import MeasuredTable, Record, shipped_table, size_class
 from vescale_jax.kernels._policy import KernelPolicy
 from vescale_jax.kernels._ragged import (
     DEFAULT_CHUNK,
@@ -22,6 +24,8 @@ __all__ = [
     "DEFAULT_CHUNK",
     "Backend",
     "KernelPolicy",
+    "MeasuredTable",
+    "Record",
     "Schedule",
     "Segment",
     "choose_backend",
@@ -29,6 +33,8 @@ __all__ = [
     "pack",
     "pack_reference",
     "pack_schedule",
+    "shipped_table",
+    "size_class",
     "unpack",
     "unpack_reference",
     "unpack_schedule",

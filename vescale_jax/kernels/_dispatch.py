@@ -24,8 +24,8 @@ DEFAULT_KERNELS = KernelPolicy()
 """XLA's slices and concatenate (the policy's defaults; immutable, so one shared instance)."""
 
 
-def _how(policy: KernelPolicy, layout: BucketLayout, src: Any, dst: Any) -> tuple[str, dict[str, Any]]:
-    impl = policy.implementation(layout, src, dst)
+def _how(policy: KernelPolicy, layout: BucketLayout, src: Any, dst: Any, direction: str) -> tuple[str, dict[str, Any]]:
+    impl = policy.implementation(layout, src, dst, direction=direction)
     if impl == "xla":
         return "xla", {}
     if impl == "interpret":
@@ -59,7 +59,7 @@ def unpack(
         for _ in lead:
             fn = jax.vmap(fn)
         return list(fn(full))
-    how, kw = _how(kernels_policy, layout, full.dtype, full.dtype)
+    how, kw = _how(kernels_policy, layout, full.dtype, full.dtype, "unpack")
     if how == "xla":
         return _ragged.unpack_reference(full, layout, shapes)
     return _ragged.unpack(full, layout, shapes, **kw)
@@ -93,7 +93,7 @@ def pack(
     if lead:
         fn = lambda *xs: pack(xs, layout, dtype=dtype, kernels_policy=kernels_policy, lead=lead[1:])
         return jax.vmap(fn)(*leaves)
-    how, kw = _how(kernels_policy, layout, leaves[0].dtype if leaves else dtype, dtype)
+    how, kw = _how(kernels_policy, layout, leaves[0].dtype if leaves else dtype, dtype, "pack")
     if how == "xla":
         return _ragged.pack_reference(list(leaves), layout, dtype=dtype)
     return _ragged.pack(list(leaves), layout, dtype=dtype, **kw)
