@@ -41,7 +41,7 @@ MODELS = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}
 HBM_GB = 141.0  # H200 memory per GPU
 MAXTEXT = (
     "MaxText's published figure for Llama-3.1-70B on 256 H200 (bf16, sequence 8192): about 51 % MFU, about "
-    "1,056 tokens/s per GPU (as quoted in the project's issue 26; NVIDIA's DGXC MaxText Llama-3-70B recipe "
+    "1,056 tokens/s per GPU (MaxText's performance table for H200; NVIDIA's DGXC MaxText Llama-3-70B recipe "
     "shows a similar example log line, 1,052 tokens/s/device and 506.6 TFLOP/s/device on 128 GPUs of its cluster: "
     "https://catalog.ngc.nvidia.com/orgs/nvidia/teams/dgxc-benchmarking/resources/maxtext-llama3-70b-dgxc-benchmarking-g)"
 )
