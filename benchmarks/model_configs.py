@@ -1,4 +1,4 @@
-"""Parameter shapes of three public LLMs, bucketed per transformer layer.
+"""Parameter shapes of four public LLMs, bucketed per transformer layer.
 
 Shapes are derived from the numbers in each model's public Hugging Face ``config.json`` and follow
 the PyTorch/HF checkpoint orientation: a Linear weight is ``(out_features, in_features)``. Parameters
@@ -19,6 +19,18 @@ from collections.abc import Callable
 Shape = tuple[int, ...]
 Param = tuple[str, Shape]
 Bucket = tuple[str, list[Param]]
+
+# meta-llama/Meta-Llama-3-8B config.json
+LLAMA3_8B = {
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,  # hidden_size // num_attention_heads (not an explicit config key)
+    "vocab_size": 128256,
+    "tie_word_embeddings": False,
+}
 
 # meta-llama/Meta-Llama-3-70B config.json
 LLAMA3_70B = {
@@ -89,8 +101,15 @@ def _edge_buckets(vocab: int, hidden: int, layers: list[Bucket]) -> list[Bucket]
     ]
 
 
+def llama3_8b() -> list[Bucket]:
+    return _llama3(LLAMA3_8B)
+
+
 def llama3_70b() -> list[Bucket]:
-    c = LLAMA3_70B
+    return _llama3(LLAMA3_70B)
+
+
+def _llama3(c: dict) -> list[Bucket]:
     h, hd = c["hidden_size"], c["head_dim"]
     q_dim, kv_dim = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
     layers: list[Bucket] = []
@@ -179,6 +198,7 @@ def gpt_oss_120b() -> list[Bucket]:
 
 
 MODELS: dict[str, Callable[[], list[Bucket]]] = {
+    "llama3-8b": llama3_8b,
     "llama3-70b": llama3_70b,
     "deepseek-v3": deepseek_v3,
     "gpt-oss-120b": gpt_oss_120b,

@@ -5,7 +5,8 @@ casts (and a scale on pack) fused; ``pack_tiled`` / ``unpack_tiled`` do it with 
 ``vj.tiles`` slots inside the kernel; ``quantize`` / ``dequantize_unpack`` are the FP8 block-scaled gather's
 two ends (codes and scales from the local shard; leaves from the gathered codes and scales).
 ``choose_backend`` tells a caller whether to use them or the XLA reference, and :class:`KernelPolicy` is the
-policy the gather path takes (``vj.fsdp(kernels=...)``).
+policy the gather path takes (``vj.fsdp(kernels=...)``); its ``auto`` mode reads the GPU results recorded in
+:class:`MeasuredTable`.
 """
 
 from vescale_jax.kernels._fp8 import (
@@ -15,6 +16,7 @@ from vescale_jax.kernels._fp8 import (
     quantize,
     quantize_reference,
 )
+from vescale_jax.kernels._measured import MeasuredTable, Record, shipped_table, size_class
 from vescale_jax.kernels._policy import KernelPolicy
 from vescale_jax.kernels._ragged import (
     DEFAULT_CHUNK,
@@ -33,6 +35,8 @@ __all__ = [
     "DEFAULT_CHUNK",
     "Backend",
     "KernelPolicy",
+    "MeasuredTable",
+    "Record",
     "Schedule",
     "Segment",
     "choose_backend",
@@ -47,6 +51,8 @@ __all__ = [
     "pack_tiled_reference",
     "quantize",
     "quantize_reference",
+    "shipped_table",
+    "size_class",
     "unpack",
     "unpack_reference",
     "unpack_schedule",

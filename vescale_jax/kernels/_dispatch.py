@@ -24,8 +24,8 @@ DEFAULT_KERNELS = KernelPolicy()
 """XLA's slices and concatenate (the policy's defaults; immutable, so one shared instance)."""
 
 
-def _how(policy: KernelPolicy, layout: BucketLayout, src: Any, dst: Any) -> tuple[str, dict[str, Any]]:
-    impl = policy.implementation(layout, src, dst)
+def _how(policy: KernelPolicy, layout: BucketLayout, src: Any, dst: Any, direction: str) -> tuple[str, dict[str, Any]]:
+    impl = policy.implementation(layout, src, dst, direction=direction)
     if impl == "xla":
         return "xla", {}
     if impl == "interpret":
@@ -33,9 +33,11 @@ def _how(policy: KernelPolicy, layout: BucketLayout, src: Any, dst: Any) -> tupl
     return "pallas", {"interpret": False, "backend": impl}
 
 
-def _tiled_kernels(policy: KernelPolicy, layout: BucketLayout, src: Any, dst: Any, storage: Sequence[Any]) -> bool:
+def _tiled_kernels(
+    policy: KernelPolicy, layout: BucketLayout, src: Any, dst: Any, storage: Sequence[Any], direction: str
+) -> bool:
     """Whether tile-major slots go through the kernels with the relayout fused (``mode="pallas"`` only)."""
-    return any(storage) and policy.mode == "pallas" and _how(policy, layout, src, dst)[0] == "pallas"
+    return any(storage) and policy.mode == "pallas" and _how(policy, layout, src, dst, direction)[0] == "pallas"
 
 
 def _tiled(policy: KernelPolicy) -> dict[str, Any]:
@@ -57,7 +59,7 @@ def unpack(
     (a bucket's ``storage``) names the slots stored tile-major: they are sliced flat, then relaid out."""
     shapes = [tuple(s) for s in shapes]
     lead = full.shape[:-1]
-    if _tiled_kernels(kernels_policy, layout, full.dtype, full.dtype, storage):
+    if _tiled_kernels(kernels_policy, layout, full.dtype, full.dtype, storage, "unpack"):
         return _tiles.unpack_tiled_mapped(full, layout, shapes, storage=storage, **_tiled(kernels_policy))
     if any(storage):
         flat = unpack(full, layout, [(*lead, n) for n in layout.sizes], kernels_policy=kernels_policy)
@@ -71,7 +73,7 @@ def unpack(
         for _ in lead:
             fn = jax.vmap(fn)
         return list(fn(full))
-    how, kw = _how(kernels_policy, layout, full.dtype, full.dtype)
+    how, kw = _how(kernels_policy, layout, full.dtype, full.dtype, "unpack")
     if how == "xla":
         return _ragged.unpack_reference(full, layout, shapes)
     return _ragged.unpack(full, layout, shapes, **kw)
@@ -97,7 +99,7 @@ def pack(
       lead: leading dims mapped over (the layers of a stacked bucket).
       storage: a bucket's ``storage``: the slots laid out tile-major before packing.
     """
-    if leaves and _tiled_kernels(kernels_policy, layout, leaves[0].dtype, dtype, storage):
+    if leaves and _tiled_kernels(kernels_policy, layout, leaves[0].dtype, dtype, storage, "pack"):
         kw = _tiled(kernels_policy)
         return _tiles.pack_tiled_mapped(leaves, layout, storage=storage, dtype=dtype, lead=lead, **kw)
     if any(storage):
@@ -108,7 +110,7 @@ def pack(
     if lead:
         fn = lambda *xs: pack(xs, layout, dtype=dtype, kernels_policy=kernels_policy, lead=lead[1:])
         return jax.vmap(fn)(*leaves)
-    how, kw = _how(kernels_policy, layout, leaves[0].dtype if leaves else dtype, dtype)
+    how, kw = _how(kernels_policy, layout, leaves[0].dtype if leaves else dtype, dtype, "pack")
     if how == "xla":
         return _ragged.pack_reference(list(leaves), layout, dtype=dtype)
     return _ragged.pack(list(leaves), layout, dtype=dtype, **kw)

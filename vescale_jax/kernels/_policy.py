@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import jax
 
+from vescale_jax.kernels._measured import MeasuredTable, auto_implementation
 from vescale_jax.kernels._ragged import BACKENDS, choose_backend
 from vescale_jax.layout._bucket_layout import BucketLayout
 
@@ -29,13 +30,16 @@ class KernelPolicy:
     """How bucket buffers are packed and unpacked around the all-gather and the reduce-scatter.
 
     Attributes:
-      mode: ``"auto"`` (default): the implementation measured faster on this platform; XLA's static slices
-        and concatenate everywhere until a GPU measurement shows the Pallas kernels ahead. ``"xla"``: XLA's
+      mode: ``"auto"`` (default): a Pallas kernel on GPU only where ``measured`` records it faster than XLA
+        for the device kind, direction, dtypes and size class; XLA's static slices and concatenate elsewhere
+        (everywhere while the table is empty, as shipped). ``"xla"``: XLA's
         static slices (unpack) and one concatenate (pack). ``"pallas"``: the Pallas unpack and pack kernels,
         one launch per bucket each way (interpreted on CPU).
       backend: the GPU lowering of the Pallas kernels, ``"triton"`` (default) or ``"mosaic_gpu"``
         (plain copies with 16-byte aligned offsets and sizes; other buckets use ``"triton"``).
       interpret: run the Pallas kernels in the interpreter; None (default) interprets on CPU only.
+      measured: the recorded GPU results ``mode="auto"`` consults
+        (:class:`vescale_jax.kernels.MeasuredTable`); None (default): the table shipped with the package.
 
     The interpreter's loops do not track varying mesh axes, so a policy that interprets turns
     ``shard_map``'s ``check_vma`` off (:attr:`check_vma`); HSDP's replica sums stay explicit either way.
@@ -44,6 +48,7 @@ class KernelPolicy:
     mode: str = "auto"
     backend: str = "triton"
     interpret: bool | None = None
+    measured: MeasuredTable | None = None
 
     def __post_init__(self):
         if self.mode not in _MODES:
@@ -56,7 +61,9 @@ class KernelPolicy:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> KernelPolicy:
         """The policy named by ``VESCALE_JAX_KERNELS`` (``auto`` | ``xla`` | ``pallas``) and
-        ``VESCALE_JAX_KERNEL_BACKEND`` (``triton`` | ``mosaic_gpu``); the library reads them nowhere else.
+        ``VESCALE_JAX_KERNEL_BACKEND`` (``triton`` | ``mosaic_gpu``) and ``VESCALE_JAX_KERNEL_TABLE`` (a JSON
+        table of measured results for ``auto``, replacing the shipped one); the library reads them nowhere
+        else.
 
         Args:
           environ: the environment to read (default ``os.environ``).
@@ -71,7 +78,9 @@ class KernelPolicy:
             raise ValueError(f"VESCALE_JAX_KERNELS={mode!r}; use one of {_MODES} (or unset it).")
         if backend not in BACKENDS:
             raise ValueError(f"VESCALE_JAX_KERNEL_BACKEND={backend!r}; use one of {BACKENDS} (or unset it).")
-        return cls(mode=mode, backend=backend)
+        table = environ.get("VESCALE_JAX_KERNEL_TABLE")
+        measured = MeasuredTable.from_json(table) if table else None
+        return cls(mode=mode, backend=backend, measured=measured)
 
     def interprets(self, platform: str | None = None) -> bool:
         """Whether the Pallas kernels run in the interpreter under this policy on ``platform``."""
@@ -87,13 +96,31 @@ class KernelPolicy:
         return not self.interprets()
 
     def implementation(
-        self, layout: BucketLayout, src_dtype: Any, dst_dtype: Any, *, platform: str | None = None
+        self,
+        layout: BucketLayout,
+        src_dtype: Any,
+        dst_dtype: Any,
+        *,
+        platform: str | None = None,
+        direction: str | None = None,
     ) -> Implementation:
         """What packs or unpacks this bucket: ``"xla"``, ``"interpret"``, ``"triton"`` or ``"mosaic_gpu"``.
 
-        ``"xla"`` under ``mode="auto"`` / ``"xla"``, for an empty bucket, and wherever the compiled kernel
-        cannot take the bucket (:func:`vescale_jax.kernels.choose_backend` answering ``"xla"``).
+        ``"xla"`` under ``mode="xla"``, for an empty bucket, wherever the compiled kernel cannot take the
+        bucket (:func:`vescale_jax.kernels.choose_backend` answering ``"xla"``) and, under ``mode="auto"``,
+        wherever ``measured`` holds no record of the kernel beating XLA for this ``direction`` (``"pack"`` |
+        ``"unpack"``; None: unknown, so XLA).
         """
+        if self.mode == "auto" and layout.total_size:
+            return auto_implementation(
+                self.measured,
+                layout,
+                src_dtype,
+                dst_dtype,
+                direction=direction,
+                platform=platform,
+                backend=self.backend,
+            )
         if self.mode != "pallas" or not layout.total_size:
             return "xla"
         if self.interprets(platform):
