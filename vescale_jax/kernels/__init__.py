@@ -13,6 +13,7 @@ from vescale_jax.kernels._ragged import (
     gpu_backends_available,
     pack,
     pack_reference,
+    refusal,
     unpack,
     unpack_reference,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "pack",
     "pack_reference",
     "pack_schedule",
+    "refusal",
     "unpack",
     "unpack_reference",
     "unpack_schedule",

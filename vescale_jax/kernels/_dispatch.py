@@ -24,13 +24,27 @@ DEFAULT_KERNELS = KernelPolicy()
 """XLA's slices and concatenate (the policy's defaults; immutable, so one shared instance)."""
 
 
-def _how(policy: KernelPolicy, layout: BucketLayout, src: Any, dst: Any) -> tuple[str, dict[str, Any]]:
-    impl = policy.implementation(layout, src, dst)
+def _how(impl: str) -> tuple[str, tuple[tuple[str, Any], ...]]:
     if impl == "xla":
-        return "xla", {}
+        return "xla", ()
     if impl == "interpret":
-        return "pallas", {"interpret": True}
-    return "pallas", {"interpret": False, "backend": impl}
+        return "pallas", (("interpret", True),)
+    return "pallas", (("interpret", False), ("backend", impl))
+
+
+def _by_platform(policy: KernelPolicy, layout: BucketLayout, src: Any, dst: Any, run, *args: Any) -> Any:
+    """``run(how, kw, *args)`` with the implementation of the platform the step is lowered for.
+
+    One implementation for every platform the policy lowers for (:meth:`KernelPolicy.lowering_platforms`):
+    called directly. Several (the interpreter on CPU, the compiled kernel for CUDA): a
+    ``jax.lax.platform_dependent``, of which lowering keeps the target platform's branch only.
+    """
+    hows = {p: _how(policy.implementation(layout, src, dst, platform=p)) for p in policy.lowering_platforms()}
+    if len(set(hows.values())) == 1:
+        how, kw = next(iter(hows.values()))
+        return run(how, dict(kw), *args)
+    branches = {p: (lambda *a, h=h: run(h[0], dict(h[1]), *a)) for p, h in hows.items()}
+    return jax.lax.platform_dependent(*args, **branches)
 
 
 def unpack(
@@ -59,10 +73,13 @@ def unpack(
         for _ in lead:
             fn = jax.vmap(fn)
         return list(fn(full))
-    how, kw = _how(kernels_policy, layout, full.dtype, full.dtype)
-    if how == "xla":
-        return _ragged.unpack_reference(full, layout, shapes)
-    return _ragged.unpack(full, layout, shapes, **kw)
+
+    def run(how, kw, f):
+        if how == "xla":
+            return _ragged.unpack_reference(f, layout, shapes)
+        return _ragged.unpack(f, layout, shapes, **kw)
+
+    return list(_by_platform(kernels_policy, layout, full.dtype, full.dtype, run, full))
 
 
 def pack(
@@ -93,10 +110,13 @@ def pack(
     if lead:
         fn = lambda *xs: pack(xs, layout, dtype=dtype, kernels_policy=kernels_policy, lead=lead[1:])
         return jax.vmap(fn)(*leaves)
-    how, kw = _how(kernels_policy, layout, leaves[0].dtype if leaves else dtype, dtype)
-    if how == "xla":
-        return _ragged.pack_reference(list(leaves), layout, dtype=dtype)
-    return _ragged.pack(list(leaves), layout, dtype=dtype, **kw)
+
+    def run(how, kw, xs):
+        if how == "xla":
+            return _ragged.pack_reference(list(xs), layout, dtype=dtype)
+        return _ragged.pack(list(xs), layout, dtype=dtype, **kw)
+
+    return _by_platform(kernels_policy, layout, leaves[0].dtype if leaves else dtype, dtype, run, list(leaves))
 
 
 def unpack_differentiable(
