@@ -25,7 +25,10 @@ What cannot lower, and is refused with a ``ValueError`` naming the bucket (``Ker
   its TMA copies move bytes unchanged;
 - ``mosaic_gpu`` on a bucket whose leaves or padding gaps are under 128 bytes or not 16-byte aligned (each TMA
   transfer moves a multiple of a warpgroup's 128 bytes): plan with ``align_bytes=128``;
-- any compiled kernel lowered for ``cpu`` (Pallas compiles for GPU only).
+- any compiled kernel lowered for ``cpu`` (Pallas compiles for GPU only);
+- a multi-platform export (``platforms=["cuda", "cpu"]``) of a step with compiled kernels: Pallas lowers its
+  compiled call for every platform of the module, and its CPU rule raises ("Only interpret mode is supported
+  on CPU backend"), even inside the ``cuda`` branch of ``platform_dependent``; export one platform at a time.
 
 ``KernelPolicy(mode="pallas")`` (``interpret=None``) is not refused: on CPU devices it lowers the interpreter for
 ``cpu`` and the compiled kernels for ``cuda``, falling back per bucket (``mosaic_gpu`` -> ``triton``).
@@ -190,6 +193,42 @@ def test_mosaic_refuses_what_it_cannot_copy():
     assert lenient.implementation(layout, np.float32, np.float32, platform="cuda") == "triton"
     with pytest.raises(ValueError, match="chunk=16"):
         vj.kernels.pack([jnp.zeros(64)], vj.plan_bucket([64], [1], 1), interpret=False, backend="mosaic_gpu", chunk=16)
+
+
+@pytest.mark.parametrize("microbatches", [None, 2], ids=["step", "accumulate"])
+def test_step_runs_under_an_outer_jit_and_from_an_export(microbatches):
+    """The step nests in jax.jit and exports from abstract arguments; both run (interpreted kernels on CPU)
+    and give the step's own results, and the outer jit donates nothing."""
+    mesh = mesh_1d()
+    logical = {"w": jnp.arange(64 * 32, dtype=jnp.float32).reshape(64, 32) / 2048, "b": jnp.ones((32,))}
+    params = vj.shard(logical, vj.plan(logical, mesh))
+    tx = optax.sgd(0.1)
+    opt_state = vj.init_opt_state(tx, params)
+    x = jnp.linspace(-1.0, 1.0, 16 * 64, dtype=jnp.float32).reshape(16, 64)
+
+    def loss(p, x):
+        return jnp.mean(vj.apply(lambda t, x: jnp.sum((x @ t["w"] + t["b"]) ** 2, axis=-1), p, x))
+
+    @vj.fsdp(kernels=KernelPolicy(mode="pallas"), microbatches=microbatches)
+    def step(params, opt_state, x):
+        if microbatches:
+            value, grads = vj.accumulate(loss, params, x)
+        else:
+            value, grads = jax.value_and_grad(loss)(params, x)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    outer = jax.jit(lambda p, o, b: step(p, o, b))
+    nested = outer(params, opt_state, x)
+    specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), (params, opt_state))
+    exported = jax.export.export(outer, platforms=["cpu"])(*specs, jax.ShapeDtypeStruct(x.shape, x.dtype))
+    called = exported.call(params, opt_state, x)
+    assert not any(b.is_deleted() for b in params.buffers)
+    direct = step(params, opt_state, x)
+    for got in (nested, called):
+        np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(direct[2]))
+        for g, w in zip(got[0].buffers, direct[0].buffers, strict=True):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 # --------------------------------------------------------------------------------------------------------------
