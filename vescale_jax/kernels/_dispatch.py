@@ -32,14 +32,16 @@ def _how(impl: str) -> tuple[str, tuple[tuple[str, Any], ...]]:
     return "pallas", (("interpret", False), ("backend", impl))
 
 
-def _by_platform(policy: KernelPolicy, layout: BucketLayout, src: Any, dst: Any, run, *args: Any) -> Any:
+def _by_platform(policy: KernelPolicy, layout: BucketLayout, src: Any, dst: Any, name: str, run, *args: Any) -> Any:
     """``run(how, kw, *args)`` with the implementation of the platform the step is lowered for.
 
     One implementation for every platform the policy lowers for (:meth:`KernelPolicy.lowering_platforms`):
     called directly. Several (the interpreter on CPU, the compiled kernel for CUDA): a
     ``jax.lax.platform_dependent``, of which lowering keeps the target platform's branch only.
     """
-    hows = {p: _how(policy.implementation(layout, src, dst, platform=p)) for p in policy.lowering_platforms()}
+    hows = {
+        p: _how(policy.implementation(layout, src, dst, platform=p, name=name)) for p in policy.lowering_platforms()
+    }
     if len(set(hows.values())) == 1:
         how, kw = next(iter(hows.values()))
         return run(how, dict(kw), *args)
@@ -54,6 +56,7 @@ def unpack(
     *,
     kernels_policy: KernelPolicy,
     storage: Sequence[Any] = (),
+    name: str = "",
 ) -> list[jax.Array]:
     """Slot ``i`` of a full ``(..., total_size)`` buffer: ``full[..., o:o+n].reshape(shapes[i])``.
 
@@ -62,14 +65,14 @@ def unpack(
     shapes = [tuple(s) for s in shapes]
     lead = full.shape[:-1]
     if any(storage):
-        flat = unpack(full, layout, [(*lead, n) for n in layout.sizes], kernels_policy=kernels_policy)
+        flat = unpack(full, layout, [(*lead, n) for n in layout.sizes], kernels_policy=kernels_policy, name=name)
         return [
             jnp.reshape(x, s) if g is None else tiles.from_storage(x, s[len(lead) :], g, jnp)
             for x, s, g in zip(flat, shapes, storage, strict=True)
         ]
     if lead:
         per = [s[len(lead) :] for s in shapes]
-        fn = lambda f: unpack(f, layout, per, kernels_policy=kernels_policy)
+        fn = lambda f: unpack(f, layout, per, kernels_policy=kernels_policy, name=name)
         for _ in lead:
             fn = jax.vmap(fn)
         return list(fn(full))
@@ -79,7 +82,7 @@ def unpack(
             return _ragged.unpack_reference(f, layout, shapes)
         return _ragged.unpack(f, layout, shapes, **kw)
 
-    return list(_by_platform(kernels_policy, layout, full.dtype, full.dtype, run, full))
+    return list(_by_platform(kernels_policy, layout, full.dtype, full.dtype, name, run, full))
 
 
 def pack(
@@ -90,6 +93,7 @@ def pack(
     kernels_policy: KernelPolicy,
     lead: tuple[int, ...] = (),
     storage: Sequence[Any] = (),
+    name: str = "",
 ) -> jax.Array:
     """The ``(*lead, total_size)`` buffer of ``leaves`` (cast to ``dtype``), padding zero.
 
@@ -101,6 +105,7 @@ def pack(
       kernels_policy: XLA's concatenate or the Pallas pack kernel.
       lead: leading dims mapped over (the layers of a stacked bucket).
       storage: a bucket's ``storage``: the slots laid out tile-major before packing.
+      name: the bucket's name, for the errors of a policy that refuses it.
     """
     if any(storage):
         leaves = [
@@ -108,7 +113,7 @@ def pack(
             for x, g in zip(leaves, storage, strict=True)
         ]
     if lead:
-        fn = lambda *xs: pack(xs, layout, dtype=dtype, kernels_policy=kernels_policy, lead=lead[1:])
+        fn = lambda *xs: pack(xs, layout, dtype=dtype, kernels_policy=kernels_policy, lead=lead[1:], name=name)
         return jax.vmap(fn)(*leaves)
 
     def run(how, kw, xs):
@@ -116,7 +121,7 @@ def pack(
             return _ragged.pack_reference(list(xs), layout, dtype=dtype)
         return _ragged.pack(list(xs), layout, dtype=dtype, **kw)
 
-    return _by_platform(kernels_policy, layout, leaves[0].dtype if leaves else dtype, dtype, run, list(leaves))
+    return _by_platform(kernels_policy, layout, leaves[0].dtype if leaves else dtype, dtype, name, run, list(leaves))
 
 
 def unpack_differentiable(
@@ -126,6 +131,7 @@ def unpack_differentiable(
     *,
     kernels_policy: KernelPolicy,
     storage: Sequence[Any] = (),
+    name: str = "",
 ) -> list[jax.Array]:
     """:func:`unpack` whose transpose is :func:`pack` (one concatenate or one kernel), padding zero."""
     shapes = tuple(tuple(s) for s in shapes)
@@ -133,13 +139,15 @@ def unpack_differentiable(
 
     @jax.custom_vjp
     def run(f):
-        return unpack(f, layout, shapes, kernels_policy=kernels_policy, storage=storage)
+        return unpack(f, layout, shapes, kernels_policy=kernels_policy, storage=storage, name=name)
 
     def fwd(f):
         return run(f), None
 
     def bwd(_, cts):
-        return (pack(cts, layout, dtype=full.dtype, kernels_policy=kernels_policy, lead=lead, storage=storage),)
+        return (
+            pack(cts, layout, dtype=full.dtype, kernels_policy=kernels_policy, lead=lead, storage=storage, name=name),
+        )
 
     run.defvjp(fwd, bwd)
     return list(run(full))

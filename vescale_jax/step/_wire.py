@@ -209,7 +209,7 @@ def gather_leaves(local: jax.Array, bucket: Bucket, plan: Plan, how: Gather) -> 
         x = vary(local, how.replica_axes).astype(how.policy.gather_dtype(bucket.dtype))
         return [jnp.reshape(x, s).astype(out_dtype) for s in shapes]
     full = gather_buffer(local, bucket, plan, how)
-    leaves = unpack(full, bucket.layout, shapes, kernels_policy=how.kernels, storage=bucket.storage)
+    leaves = unpack(full, bucket.layout, shapes, kernels_policy=how.kernels, storage=bucket.storage, name=bucket.name)
     return [leaf.astype(out_dtype) for leaf in leaves]
 
 
@@ -255,7 +255,9 @@ def scatter_leaves(
     grad_dtype = how.policy.grad_dtype(bucket.dtype)
     if not bucket.layout.total_size:  # nothing to reduce
         return varying_like(jnp.zeros((0,), master), like_axes)
-    packed = pack(cts, bucket.layout, dtype=grad_dtype, kernels_policy=how.kernels, storage=bucket.storage)
+    packed = pack(
+        cts, bucket.layout, dtype=grad_dtype, kernels_policy=how.kernels, storage=bucket.storage, name=bucket.name
+    )
     out = jax.lax.psum_scatter(packed, plan.axis, tiled=True)
     return replica_sum(out, like_axes).astype(master)
 
@@ -340,7 +342,9 @@ def gather_stacked(rows: jax.Array, bucket: Bucket, plan: Plan, how: Gather) -> 
         full = gather_buffer(r, bucket, plan, how)
         return [
             leaf.astype(how.leaf_dtype(master))
-            for leaf in unpack(full, bucket.layout, shapes, kernels_policy=how.kernels, storage=bucket.storage)
+            for leaf in unpack(
+                full, bucket.layout, shapes, kernels_policy=how.kernels, storage=bucket.storage, name=bucket.name
+            )
         ]
 
     def fwd(r):
@@ -354,6 +358,7 @@ def gather_stacked(rows: jax.Array, bucket: Bucket, plan: Plan, how: Gather) -> 
             kernels_policy=how.kernels,
             lead=shapes[0][:1],
             storage=bucket.storage,
+            name=bucket.name,
         )
         out = jax.lax.psum_scatter(packed, plan.axis, scatter_dimension=1, tiled=True)
         return (replica_sum(out, like).astype(how.grad_out_dtype(master)),)
