@@ -36,7 +36,9 @@ class KernelPolicy:
         static slices (unpack) and one concatenate (pack). ``"pallas"``: the Pallas unpack and pack kernels,
         one launch per bucket each way.
       backend: the GPU lowering of the Pallas kernels, ``"triton"`` (default) or ``"mosaic_gpu"`` (plain
-        copies whose offsets and sizes are multiples of 16 bytes: no cast, no scale).
+        copies, no cast or scale, every leaf and padding gap 16-byte aligned and at least 128 bytes, a
+        warpgroup's TMA transfer: plan with ``align_bytes=128``; :func:`vescale_jax.kernels.refusal` says why
+        a bucket is refused).
       interpret: ``None`` (default): the kernels follow the platform the step is *lowered* for, not the
         devices': on CPU devices each pack / unpack is a ``jax.lax.platform_dependent`` whose ``cpu`` branch
         runs the kernel in the Pallas interpreter and whose ``cuda`` branch is the compiled kernel (lowering
@@ -49,7 +51,9 @@ class KernelPolicy:
         take raises a ``ValueError`` naming the bucket when the step is traced, and lowering for a platform
         without compiled Pallas kernels (``cpu``) raises (:meth:`check_platform` when the step knows the
         platform: a call on CPU devices, ``step.lower(..., lowering_platforms=("cpu",))``; JAX's own
-        ``ValueError`` under an outer ``jax.export`` for ``cpu``).
+        ``ValueError`` under an outer ``jax.export`` for ``cpu``). Either way one export for several platforms
+        (``platforms=["cuda", "cpu"]``) cannot hold compiled kernels: Pallas lowers each compiled call for
+        every platform of the module and its CPU rule raises.
 
     The interpreter's loops do not track varying mesh axes, so a policy that may interpret on the devices'
     platform turns ``shard_map``'s ``check_vma`` off (:attr:`check_vma`); HSDP's replica sums stay explicit
