@@ -145,6 +145,29 @@ def reference_text(plan, tx, **options) -> str:
 ADAMW = optax.adamw(1e-3)
 
 
+def tiny_step(kernels, microbatches=None):
+    """A one-layer model's step (two buckets), its params, state and batch: quick to trace."""
+    logical = {"w": jnp.arange(64 * 32, dtype=jnp.float32).reshape(64, 32) / 2048, "b": jnp.ones((32,))}
+    params = vj.shard(logical, vj.plan(logical, mesh_1d()))
+    tx = optax.sgd(0.1)
+    opt_state = vj.init_opt_state(tx, params)
+    x = jnp.linspace(-1.0, 1.0, 16 * 64, dtype=jnp.float32).reshape(16, 64)
+
+    def loss(p, x):
+        return jnp.mean(vj.apply(lambda t, x: jnp.sum((x @ t["w"] + t["b"]) ** 2, axis=-1), p, x))
+
+    @vj.fsdp(kernels=kernels, microbatches=microbatches)
+    def step(params, opt_state, x):
+        if microbatches:
+            value, grads = vj.accumulate(loss, params, x)
+        else:
+            value, grads = jax.value_and_grad(loss)(params, x)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    return step, (params, opt_state, x)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Quick cases (fast tier)
 
@@ -163,22 +186,21 @@ def test_triton_step_composes_under_jit_and_exports_for_cuda():
 
 def test_kernels_follow_the_lowering_platform():
     """``KernelPolicy(mode="pallas")`` on CPU devices: compiled Triton for CUDA, the interpreter for CPU."""
-    plan = gpt_plan()
-    step, args = gpt_step(plan, ADAMW, kernels=KernelPolicy(mode="pallas"))
+    step, args = tiny_step(KernelPolicy(mode="pallas"))
     cuda = step.lower(*args, lowering_platforms=("cuda",)).as_text()
     cpu = step.lower(*args).as_text()
     assert TRITON_CALL in cuda
     assert TRITON_CALL not in cpu and "custom_call" not in cpu
-    assert census(cuda) == census(cpu)
+    assert census(cuda) == census(cpu) and census(cpu)
 
 
 def test_explicit_compiled_kernels_are_refused_for_cpu():
-    plan = gpt_plan()
-    step, args = gpt_step(plan, ADAMW, kernels=TRITON)
+    step, args = tiny_step(TRITON)
     with pytest.raises(ValueError, match=r"lower for GPU only.*'cpu'"):
         step(*args)
     with pytest.raises(ValueError, match="lowering_platforms"):
         step.lower(*args, lowering_platforms=("cpu",))
+    assert TRITON_CALL in step.lower(*args, lowering_platforms=("cuda",)).as_text()
 
 
 def test_mosaic_refuses_what_it_cannot_copy():
@@ -199,25 +221,7 @@ def test_mosaic_refuses_what_it_cannot_copy():
 def test_step_runs_under_an_outer_jit_and_from_an_export(microbatches):
     """The step nests in jax.jit and exports from abstract arguments; both run (interpreted kernels on CPU)
     and give the step's own results, and the outer jit donates nothing."""
-    mesh = mesh_1d()
-    logical = {"w": jnp.arange(64 * 32, dtype=jnp.float32).reshape(64, 32) / 2048, "b": jnp.ones((32,))}
-    params = vj.shard(logical, vj.plan(logical, mesh))
-    tx = optax.sgd(0.1)
-    opt_state = vj.init_opt_state(tx, params)
-    x = jnp.linspace(-1.0, 1.0, 16 * 64, dtype=jnp.float32).reshape(16, 64)
-
-    def loss(p, x):
-        return jnp.mean(vj.apply(lambda t, x: jnp.sum((x @ t["w"] + t["b"]) ** 2, axis=-1), p, x))
-
-    @vj.fsdp(kernels=KernelPolicy(mode="pallas"), microbatches=microbatches)
-    def step(params, opt_state, x):
-        if microbatches:
-            value, grads = vj.accumulate(loss, params, x)
-        else:
-            value, grads = jax.value_and_grad(loss)(params, x)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value
-
+    step, (params, opt_state, x) = tiny_step(KernelPolicy(mode="pallas"), microbatches)
     outer = jax.jit(lambda p, o, b: step(p, o, b))
     nested = outer(params, opt_state, x)
     specs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), (params, opt_state))
