@@ -252,8 +252,12 @@ def test_choose_backend():
     assert K.choose_backend(layout, F32, F32, platform="cpu") == "xla"
     assert K.choose_backend(layout, F32, BF16, platform="gpu") == "triton"
     assert K.choose_backend(layout, F32, BF16, platform="gpu", backend="mosaic_gpu") == "triton"  # casts: not there
-    aligned = vj.plan_bucket([8, 16], [1, 1], 2, align=4)
+    aligned = vj.plan_bucket([64, 128], [1, 1], 2, align=32)
     assert K.choose_backend(aligned, F32, F32, platform="gpu", backend="mosaic_gpu") == "mosaic_gpu"
+    short = vj.plan_bucket([8, 16], [1, 1], 2, align=4)  # 32-byte leaves: under a warpgroup's 128 bytes
+    assert K.choose_backend(short, F32, F32, platform="gpu", backend="mosaic_gpu") == "triton"
+    assert "warpgroup" in _K.refusal(short, F32, F32, backend="mosaic_gpu")
+    assert _K.refusal(aligned, F32, F32, backend="mosaic_gpu") == ""
     empty = vj.plan_bucket([0], [1], 2)
     assert K.choose_backend(empty, F32, F32, platform="gpu") == "xla"
     with pytest.raises(ValueError, match="backend="):
@@ -275,7 +279,7 @@ def test_kernel_policy_reads_the_environment_only_in_from_env(monkeypatch):
 def test_kernel_policy_xla_answer_means_xla():
     """A bucket the compiled kernel cannot take (choose_backend answers "xla") is unpacked by XLA, not by the
     policy's preferred lowering."""
-    layout = vj.plan_bucket([8, 16], [1, 1], 2)
+    layout = vj.plan_bucket([64, 128], [1, 1], 2, align=32)
     empty = vj.plan_bucket([0], [1], 2)
     pallas = _K.KernelPolicy(mode="pallas", backend="mosaic_gpu")
     assert pallas.implementation(empty, F32, F32, platform="gpu") == "xla"
@@ -292,12 +296,13 @@ def test_kernel_policy_xla_answer_means_xla():
 def test_gpu_kernels_trace_on_cpu(backend):
     """The compiled kernels' Python code runs (tracing only: they lower on GPU alone)."""
     pytest.importorskip(f"jax.experimental.pallas.{backend}")
-    layout, leaves = _bucket([(8, 4), (16,), (64,)], align=4)
-    kw = dict(interpret=False, backend=backend, chunk=16)
+    shapes = [(8, 4), (32,), (64,)]
+    layout, leaves = _bucket(shapes, align=32)
+    kw = dict(interpret=False, backend=backend, chunk=32)
     dt = F32 if backend == "mosaic_gpu" else BF16
     jax.jit(lambda xs: K.pack(xs, layout, dtype=dt, **kw)).trace(leaves)
     buf = K.pack_reference(leaves, layout)
-    jax.jit(lambda b: K.unpack(b, layout, [(8, 4), (16,), (64,)], dtype=dt, **kw)).trace(buf)
+    jax.jit(lambda b: K.unpack(b, layout, shapes, dtype=dt, **kw)).trace(buf)
 
 
 # --------------------------------------------------------------------------------------------------------------

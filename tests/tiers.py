@@ -154,6 +154,12 @@ FAST: dict[str, tuple[str, ...]] = {
         "test_pack_errors",
         "test_unpack_errors",
     ),
+    # Lowering for CUDA on CPU: the kernels follow the platform; explicit requests refused where they cannot run.
+    "test_cuda_lowering.py": (
+        "test_kernels_follow_the_lowering_platform",
+        "test_explicit_compiled_kernels_are_refused_for_cpu",
+        "test_mosaic_refuses_what_it_cannot_copy",
+    ),
     # Tensor parallelism.
     "test_tp.py": (
         "test_megatron_mlp_gradients_for_each_kernel_policy[xla]",

@@ -25,6 +25,7 @@ from vescale_jax.kernels._ragged import (
     gpu_backends_available,
     pack,
     pack_reference,
+    refusal,
     unpack,
     unpack_reference,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "pack_tiled_reference",
     "quantize",
     "quantize_reference",
+    "refusal",
     "shipped_table",
     "size_class",
     "unpack",

@@ -24,20 +24,44 @@ DEFAULT_KERNELS = KernelPolicy()
 """XLA's slices and concatenate (the policy's defaults; immutable, so one shared instance)."""
 
 
-def _how(policy: KernelPolicy, layout: BucketLayout, src: Any, dst: Any, direction: str) -> tuple[str, dict[str, Any]]:
-    impl = policy.implementation(layout, src, dst, direction=direction)
+def _how(impl: str) -> tuple[str, tuple[tuple[str, Any], ...]]:
     if impl == "xla":
-        return "xla", {}
+        return "xla", ()
     if impl == "interpret":
-        return "pallas", {"interpret": True}
-    return "pallas", {"interpret": False, "backend": impl}
+        return "pallas", (("interpret", True),)
+    return "pallas", (("interpret", False), ("backend", impl))
+
+
+def _by_platform(
+    policy: KernelPolicy, layout: BucketLayout, src: Any, dst: Any, name: str, run, *args: Any, direction: str
+) -> Any:
+    """``run(how, kw, *args)`` with the implementation of the platform the step is lowered for.
+
+    One implementation for every platform the policy lowers for (:meth:`KernelPolicy.lowering_platforms`):
+    called directly. Several (the interpreter on CPU, the compiled kernel for CUDA): a
+    ``jax.lax.platform_dependent``, of which lowering keeps the target platform's branch only.
+    """
+    hows = {
+        p: _how(policy.implementation(layout, src, dst, platform=p, direction=direction, name=name))
+        for p in policy.lowering_platforms()
+    }
+    if len(set(hows.values())) == 1:
+        how, kw = next(iter(hows.values()))
+        return run(how, dict(kw), *args)
+    branches = {p: (lambda *a, h=h: run(h[0], dict(h[1]), *a)) for p, h in hows.items()}
+    return jax.lax.platform_dependent(*args, **branches)
 
 
 def _tiled_kernels(
     policy: KernelPolicy, layout: BucketLayout, src: Any, dst: Any, storage: Sequence[Any], direction: str
 ) -> bool:
     """Whether tile-major slots go through the kernels with the relayout fused (``mode="pallas"`` only)."""
-    return any(storage) and policy.mode == "pallas" and _how(policy, layout, src, dst, direction)[0] == "pallas"
+    if not any(storage) or policy.mode != "pallas":
+        return False
+    impls = [
+        policy.implementation(layout, src, dst, platform=p, direction=direction) for p in policy.lowering_platforms()
+    ]
+    return any(_how(i)[0] == "pallas" for i in impls)
 
 
 def _tiled(policy: KernelPolicy) -> dict[str, Any]:
@@ -52,6 +76,7 @@ def unpack(
     *,
     kernels_policy: KernelPolicy,
     storage: Sequence[Any] = (),
+    name: str = "",
 ) -> list[jax.Array]:
     """Slot ``i`` of a full ``(..., total_size)`` buffer: ``full[..., o:o+n].reshape(shapes[i])``.
 
@@ -62,21 +87,24 @@ def unpack(
     if _tiled_kernels(kernels_policy, layout, full.dtype, full.dtype, storage, "unpack"):
         return _tiles.unpack_tiled_mapped(full, layout, shapes, storage=storage, **_tiled(kernels_policy))
     if any(storage):
-        flat = unpack(full, layout, [(*lead, n) for n in layout.sizes], kernels_policy=kernels_policy)
+        flat = unpack(full, layout, [(*lead, n) for n in layout.sizes], kernels_policy=kernels_policy, name=name)
         return [
             jnp.reshape(x, s) if g is None else tiles.from_storage(x, s[len(lead) :], g, jnp)
             for x, s, g in zip(flat, shapes, storage, strict=True)
         ]
     if lead:
         per = [s[len(lead) :] for s in shapes]
-        fn = lambda f: unpack(f, layout, per, kernels_policy=kernels_policy)
+        fn = lambda f: unpack(f, layout, per, kernels_policy=kernels_policy, name=name)
         for _ in lead:
             fn = jax.vmap(fn)
         return list(fn(full))
-    how, kw = _how(kernels_policy, layout, full.dtype, full.dtype, "unpack")
-    if how == "xla":
-        return _ragged.unpack_reference(full, layout, shapes)
-    return _ragged.unpack(full, layout, shapes, **kw)
+
+    def run(how, kw, f):
+        if how == "xla":
+            return _ragged.unpack_reference(f, layout, shapes)
+        return _ragged.unpack(f, layout, shapes, **kw)
+
+    return list(_by_platform(kernels_policy, layout, full.dtype, full.dtype, name, run, full, direction="unpack"))
 
 
 def pack(
@@ -87,6 +115,7 @@ def pack(
     kernels_policy: KernelPolicy,
     lead: tuple[int, ...] = (),
     storage: Sequence[Any] = (),
+    name: str = "",
 ) -> jax.Array:
     """The ``(*lead, total_size)`` buffer of ``leaves`` (cast to ``dtype``), padding zero.
 
@@ -98,6 +127,7 @@ def pack(
       kernels_policy: XLA's concatenate or the Pallas pack kernel.
       lead: leading dims mapped over (the layers of a stacked bucket).
       storage: a bucket's ``storage``: the slots laid out tile-major before packing.
+      name: the bucket's name, for the errors of a policy that refuses it.
     """
     if leaves and _tiled_kernels(kernels_policy, layout, leaves[0].dtype, dtype, storage, "pack"):
         kw = _tiled(kernels_policy)
@@ -108,12 +138,16 @@ def pack(
             for x, g in zip(leaves, storage, strict=True)
         ]
     if lead:
-        fn = lambda *xs: pack(xs, layout, dtype=dtype, kernels_policy=kernels_policy, lead=lead[1:])
+        fn = lambda *xs: pack(xs, layout, dtype=dtype, kernels_policy=kernels_policy, lead=lead[1:], name=name)
         return jax.vmap(fn)(*leaves)
-    how, kw = _how(kernels_policy, layout, leaves[0].dtype if leaves else dtype, dtype, "pack")
-    if how == "xla":
-        return _ragged.pack_reference(list(leaves), layout, dtype=dtype)
-    return _ragged.pack(list(leaves), layout, dtype=dtype, **kw)
+
+    def run(how, kw, xs):
+        if how == "xla":
+            return _ragged.pack_reference(list(xs), layout, dtype=dtype)
+        return _ragged.pack(list(xs), layout, dtype=dtype, **kw)
+
+    src = leaves[0].dtype if leaves else dtype
+    return _by_platform(kernels_policy, layout, src, dtype, name, run, list(leaves), direction="pack")
 
 
 def unpack_differentiable(
@@ -123,6 +157,7 @@ def unpack_differentiable(
     *,
     kernels_policy: KernelPolicy,
     storage: Sequence[Any] = (),
+    name: str = "",
 ) -> list[jax.Array]:
     """:func:`unpack` whose transpose is :func:`pack` (one concatenate or one kernel), padding zero."""
     shapes = tuple(tuple(s) for s in shapes)
@@ -130,13 +165,15 @@ def unpack_differentiable(
 
     @jax.custom_vjp
     def run(f):
-        return unpack(f, layout, shapes, kernels_policy=kernels_policy, storage=storage)
+        return unpack(f, layout, shapes, kernels_policy=kernels_policy, storage=storage, name=name)
 
     def fwd(f):
         return run(f), None
 
     def bwd(_, cts):
-        return (pack(cts, layout, dtype=full.dtype, kernels_policy=kernels_policy, lead=lead, storage=storage),)
+        return (
+            pack(cts, layout, dtype=full.dtype, kernels_policy=kernels_policy, lead=lead, storage=storage, name=name),
+        )
 
     run.defvjp(fwd, bwd)
     return list(run(full))

@@ -14,15 +14,17 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import jax
+import numpy as np
 
 from vescale_jax.kernels._measured import MeasuredTable, auto_implementation
-from vescale_jax.kernels._ragged import BACKENDS, choose_backend
+from vescale_jax.kernels._ragged import BACKENDS, choose_backend, refusal
 from vescale_jax.layout._bucket_layout import BucketLayout
 
 __all__ = ["Implementation", "KernelPolicy"]
 
 Implementation = Literal["xla", "interpret", "triton", "mosaic_gpu"]
 _MODES = ("auto", "xla", "pallas")
+_GPU = ("gpu", "cuda")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,15 +36,32 @@ class KernelPolicy:
         for the device kind, direction, dtypes and size class; XLA's static slices and concatenate elsewhere
         (everywhere while the table is empty, as shipped). ``"xla"``: XLA's
         static slices (unpack) and one concatenate (pack). ``"pallas"``: the Pallas unpack and pack kernels,
-        one launch per bucket each way (interpreted on CPU).
-      backend: the GPU lowering of the Pallas kernels, ``"triton"`` (default) or ``"mosaic_gpu"``
-        (plain copies with 16-byte aligned offsets and sizes; other buckets use ``"triton"``).
-      interpret: run the Pallas kernels in the interpreter; None (default) interprets on CPU only.
+        one launch per bucket each way.
+      backend: the GPU lowering of the Pallas kernels, ``"triton"`` (default) or ``"mosaic_gpu"`` (plain
+        copies, no cast or scale, every leaf and padding gap 16-byte aligned and at least 128 bytes, a
+        warpgroup's TMA transfer: plan with ``align_bytes=128``; :func:`vescale_jax.kernels.refusal` says why
+        a bucket is refused).
+      interpret: ``None`` (default): the kernels follow the platform the step is *lowered* for, not the
+        devices': on CPU devices each pack / unpack is a ``jax.lax.platform_dependent`` whose ``cpu`` branch
+        runs the kernel in the Pallas interpreter and whose ``cuda`` branch is the compiled kernel (lowering
+        keeps only the target's branch), so ``jax.export(..., platforms=["cuda"])`` of a step traced on a CPU
+        machine holds the compiled kernels; on GPU devices the compiled kernels. A bucket the preferred
+        ``backend`` cannot take falls back per bucket (``mosaic_gpu`` -> ``triton`` -> XLA, as
+        :func:`vescale_jax.kernels.choose_backend` answers). ``True``: the interpreter on every platform.
+        ``False``: an *explicit* request for the compiled ``backend``, honoured or refused, never replaced:
+        every non-empty bucket runs the compiled ``backend`` kernel whatever the devices, a bucket it cannot
+        take raises a ``ValueError`` naming the bucket when the step is traced, and lowering for a platform
+        without compiled Pallas kernels (``cpu``) raises (:meth:`check_platform` when the step knows the
+        platform: a call on CPU devices, ``step.lower(..., lowering_platforms=("cpu",))``; JAX's own
+        ``ValueError`` under an outer ``jax.export`` for ``cpu``). Either way one export for several platforms
+        (``platforms=["cuda", "cpu"]``) cannot hold compiled kernels: Pallas lowers each compiled call for
+        every platform of the module and its CPU rule raises.
       measured: the recorded GPU results ``mode="auto"`` consults
         (:class:`vescale_jax.kernels.MeasuredTable`); None (default): the table shipped with the package.
 
-    The interpreter's loops do not track varying mesh axes, so a policy that interprets turns
-    ``shard_map``'s ``check_vma`` off (:attr:`check_vma`); HSDP's replica sums stay explicit either way.
+    The interpreter's loops do not track varying mesh axes, so a policy that may interpret on the devices'
+    platform turns ``shard_map``'s ``check_vma`` off (:attr:`check_vma`); HSDP's replica sums stay explicit
+    either way.
     """
 
     mode: str = "auto"
@@ -92,8 +111,44 @@ class KernelPolicy:
 
     @property
     def check_vma(self) -> bool:
-        """Whether ``shard_map`` checks varying mesh axes (off when the kernels run interpreted)."""
+        """Whether ``shard_map`` checks varying mesh axes (off when the kernels may run interpreted)."""
         return not self.interprets()
+
+    @property
+    def explicit(self) -> bool:
+        """Whether the policy asks for the compiled kernels explicitly (``mode="pallas"``, ``interpret=False``):
+        refused, never replaced, where they cannot run."""
+        return self.mode == "pallas" and self.interpret is False
+
+    def lowering_platforms(self) -> tuple[str, ...]:
+        """The platforms that get their own pack / unpack branch (a ``jax.lax.platform_dependent``), or one
+        platform whose implementation is used whatever the step is lowered for.
+
+        ``("cpu", "cuda")`` for ``mode="pallas"``, ``interpret=None`` on CPU devices (interpreted on CPU,
+        compiled for CUDA); ``("cuda",)`` for an explicit request (compiled everywhere); else the devices'.
+        """
+        if self.mode == "pallas" and self.interpret is None and jax.default_backend() == "cpu":
+            return ("cpu", "cuda")
+        if self.explicit:
+            return ("cuda",)
+        return (jax.default_backend(),)
+
+    def check_platform(self, platform: str, what: str = "vj.fsdp") -> None:
+        """Raises ``ValueError`` when this policy asks explicitly for compiled kernels and ``platform`` (one the
+        step is lowered for) has none: the Pallas kernels compile for GPUs only.
+
+        Args:
+          platform: a lowering platform (``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``) or ``"gpu"``.
+          what: the caller, for the message.
+        """
+        if self.explicit and platform not in _GPU:
+            raise ValueError(
+                f"{what}: KernelPolicy(mode='pallas', interpret=False, backend={self.backend!r}) asks for the "
+                f"compiled Pallas kernels, which lower for GPU only, but the step is lowered for {platform!r}. "
+                "Lower it for CUDA (step.lower(..., lowering_platforms=('cuda',)) or jax.export(..., "
+                "platforms=['cuda'])), or use KernelPolicy(mode='pallas') (interpreted on CPU, compiled for CUDA) "
+                "or KernelPolicy(mode='pallas', interpret=True)."
+            )
 
     def implementation(
         self,
@@ -103,13 +158,28 @@ class KernelPolicy:
         *,
         platform: str | None = None,
         direction: str | None = None,
+        name: str = "",
     ) -> Implementation:
-        """What packs or unpacks this bucket: ``"xla"``, ``"interpret"``, ``"triton"`` or ``"mosaic_gpu"``.
+        """What packs or unpacks this bucket when lowered for ``platform``: ``"xla"``, ``"interpret"``,
+        ``"triton"`` or ``"mosaic_gpu"``.
 
-        ``"xla"`` under ``mode="xla"``, for an empty bucket, wherever the compiled kernel cannot take the
-        bucket (:func:`vescale_jax.kernels.choose_backend` answering ``"xla"``) and, under ``mode="auto"``,
-        wherever ``measured`` holds no record of the kernel beating XLA for this ``direction`` (``"pack"`` |
-        ``"unpack"``; None: unknown, so XLA).
+        ``"xla"`` under ``mode="xla"``, for an empty bucket and, under ``mode="auto"``, wherever ``measured``
+        holds no record of the kernel beating XLA for this ``direction`` (``"pack"`` | ``"unpack"``; None:
+        unknown, so XLA). Otherwise ``"interpret"`` where the
+        policy interprets; else the compiled kernel :func:`vescale_jax.kernels.choose_backend` picks (which may
+        answer ``"triton"`` for a ``mosaic_gpu`` bucket, or ``"xla"``) -- except for an :attr:`explicit` policy,
+        which raises ``ValueError`` naming the bucket instead of replacing its ``backend``.
+
+        Args:
+          layout: the bucket layout.
+          src_dtype: dtype read (leaves for pack, the buffer for unpack).
+          dst_dtype: dtype written.
+          platform: the platform lowered for (default: ``jax.default_backend()``).
+          direction: ``"pack"`` or ``"unpack"`` (what ``mode="auto"`` looks up).
+          name: the bucket's name, for errors.
+
+        Returns:
+          The implementation.
         """
         if self.mode == "auto" and layout.total_size:
             return auto_implementation(
@@ -125,6 +195,18 @@ class KernelPolicy:
             return "xla"
         if self.interprets(platform):
             return "interpret"
-        return choose_backend(
-            layout, src_dtype, dst_dtype, platform=platform or jax.default_backend(), backend=self.backend
-        )
+        platform = platform or jax.default_backend()
+        if self.explicit:
+            self.check_platform(platform, "vj.kernels")
+            why = refusal(layout, src_dtype, dst_dtype, backend=self.backend)
+            if why:
+                raise ValueError(
+                    f"vj.kernels: {f'bucket {name!r}' if name else 'a bucket'} ({len(layout.sizes)} leaves, "
+                    f"{layout.total_size} elements, "
+                    f"{np.dtype(src_dtype).name} -> {np.dtype(dst_dtype).name}) cannot run the compiled "
+                    f"{self.backend} kernel that KernelPolicy(mode='pallas', interpret=False, backend="
+                    f"{self.backend!r}) asks for: {why}. Use backend='triton', or KernelPolicy(mode='pallas') "
+                    "to let such buckets fall back."
+                )
+            return self.backend  # type: ignore[return-value]
+        return choose_backend(layout, src_dtype, dst_dtype, platform=platform, backend=self.backend)

@@ -48,6 +48,7 @@ __all__ = [
     "gpu_backends_available",
     "pack",
     "pack_reference",
+    "refusal",
     "unpack",
     "unpack_reference",
 ]
@@ -99,17 +100,60 @@ def choose_backend(
         return "xla"
     if backend not in BACKENDS:
         raise ValueError(f"choose_backend: backend={backend!r}; use one of {BACKENDS}.")
-    if backend == "mosaic_gpu" and not _mosaic_ok(layout.sizes, layout.offsets, src_dtype, dst_dtype, scaled):
+    if backend == "mosaic_gpu" and refusal(layout, src_dtype, dst_dtype, backend=backend, scaled=scaled):
         return "triton"
     return backend  # type: ignore[return-value]
 
 
 def _mosaic_ok(sizes: Sequence[int], offsets: Sequence[int], src: Any, dst: Any, scaled: bool) -> bool:
-    """TMA bulk copies: no cast or scale, every offset and size (so every gap) a multiple of 16 bytes."""
+    """Whether the TMA kernel takes these copies (:func:`refusal` answers nothing)."""
+    return not _mosaic_refusal(sizes, offsets, None, src, dst, scaled)
+
+
+WARPGROUP_BYTES = 128
+"""Mosaic GPU copies a multiple of a warpgroup's 128 bytes per TMA transfer."""
+
+
+def _mosaic_refusal(
+    sizes: Sequence[int], offsets: Sequence[int], total: int | None, src: Any, dst: Any, scaled: bool
+) -> str:
+    """Why the TMA kernel cannot copy these runs ("" when it can): no cast or scale; every offset and size a
+    multiple of 16 bytes; every run (leaf, and padding gap when ``total`` is given) at least 128 bytes, so its
+    power-of-two windows move a multiple of a warpgroup's 128 bytes."""
     if scaled or np.dtype(src) != np.dtype(dst):
-        return False
-    q = max(1, 16 // np.dtype(src).itemsize)
-    return all(n % q == 0 and o % q == 0 for n, o in zip(sizes, offsets, strict=True))
+        return f"a fused {'scale' if scaled else 'cast'} ({np.dtype(src).name} -> {np.dtype(dst).name}); it copies only"
+    item = np.dtype(src).itemsize
+    q, least = max(1, 16 // item), max(1, WARPGROUP_BYTES // item)
+    for i, (n, o) in enumerate(zip(sizes, offsets, strict=True)):
+        if n and (n % q or o % q):
+            return f"leaf {i} ({n} elements at offset {o}) is not 16-byte aligned (plan with align_bytes=128)"
+        if n and n < least:
+            return f"leaf {i} has {n * item} bytes, under a warpgroup's {WARPGROUP_BYTES}"
+    if total is not None:
+        ends = sorted((o, o + n) for n, o in zip(sizes, offsets, strict=True) if n)
+        cursor = 0
+        for start, end in [*ends, (total, total)]:
+            if 0 < start - cursor < least:
+                return (
+                    f"a padding gap of {(start - cursor) * item} bytes at element {cursor} is under a warpgroup's "
+                    f"{WARPGROUP_BYTES} (plan with align_bytes=128 and leaves of multiples of 128 bytes)"
+                )
+            cursor = max(cursor, end)
+    return ""
+
+
+def refusal(layout: BucketLayout, src_dtype: Any, dst_dtype: Any, *, backend: str, scaled: bool = False) -> str:
+    """Why the compiled ``backend`` kernel cannot pack or unpack this bucket; ``""`` when it can.
+
+    ``triton``: buckets past the kernels' int32 offsets. ``mosaic_gpu``: also casts and scales, offsets or
+    sizes that are not multiples of 16 bytes, and leaves or padding gaps under 128 bytes (each TMA transfer
+    moves a multiple of a warpgroup's 128 bytes).
+    """
+    if layout.total_size > _MAX_ELEMENTS:
+        return f"{layout.total_size} elements exceed the kernels' int32 offsets (split the bucket)"
+    if backend == "mosaic_gpu":
+        return _mosaic_refusal(layout.sizes, layout.offsets, layout.total_size, src_dtype, dst_dtype, scaled)
+    return ""
 
 
 def _resolve(interpret: bool | None, backend: str | None) -> tuple[bool, str]:
@@ -121,6 +165,18 @@ def _resolve(interpret: bool | None, backend: str | None) -> tuple[bool, str]:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be 'triton' or 'mosaic_gpu' for a compiled kernel, got {backend!r}.")
     return False, backend
+
+
+def _chunk(chunk: int | None, backend: str, dtype: Any) -> int:
+    """The window width; a ``mosaic_gpu`` window must move a multiple of a warpgroup's 128 bytes."""
+    chunk = chunk or DEFAULT_CHUNK[backend]
+    item = np.dtype(dtype).itemsize
+    if backend == "mosaic_gpu" and (chunk * item) % WARPGROUP_BYTES:
+        raise ValueError(
+            f"mosaic_gpu: chunk={chunk} moves {chunk * item} bytes per window; each TMA transfer must be a "
+            f"multiple of {WARPGROUP_BYTES} bytes (chunk >= {WARPGROUP_BYTES // item})."
+        )
+    return chunk
 
 
 def _serial(dispatch: str | None, interpret: bool, backend: str) -> bool:
@@ -357,10 +413,11 @@ def pack(
     if not layout.total_size:
         return jnp.zeros((0,), dtype)
     interpret, backend = _resolve(interpret, backend)
-    chunk = chunk or DEFAULT_CHUNK[backend]
+    chunk = _chunk(chunk, backend, dtype)
     schedule = pack_schedule(layout.sizes, layout.offsets, layout.total_size, chunk=chunk)
-    if backend == "mosaic_gpu" and not _mosaic_ok(layout.sizes, layout.offsets, leaves[0].dtype, dtype, False):
-        raise NotImplementedError("mosaic_gpu pack needs 16-byte aligned offsets and sizes; use backend='triton'.")
+    why = refusal(layout, leaves[0].dtype, dtype, backend=backend, scaled=scale is not None)
+    if backend == "mosaic_gpu" and why:
+        raise NotImplementedError(f"mosaic_gpu pack: {why}; use backend='triton'.")
     used = [i for i, n in enumerate(layout.sizes) if n]
     index = {i: r for r, i in enumerate(used)}
     schedule = _remap(schedule, src=index)
@@ -417,9 +474,10 @@ def unpack(
     if not used:
         return result
     interpret, backend = _resolve(interpret, backend)
-    chunk = chunk or DEFAULT_CHUNK[backend]
+    chunk = _chunk(chunk, backend, dtype)
     if backend == "mosaic_gpu" and not _mosaic_ok(layout.sizes, layout.offsets, buffer.dtype, dtype, False):
-        raise NotImplementedError("mosaic_gpu unpack: plain copies with 16-byte alignment only; use 'triton'.")
+        why = _mosaic_refusal(layout.sizes, layout.offsets, None, buffer.dtype, dtype, False)
+        raise NotImplementedError(f"mosaic_gpu unpack: {why}; use backend='triton'.")
     schedule = unpack_schedule(layout.sizes, layout.offsets, chunk=chunk)
     schedule = _remap(schedule, dst={i: r for r, i in enumerate(used)})
     flat = _launch(

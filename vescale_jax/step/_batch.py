@@ -11,6 +11,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from vescale_jax._compat import is_tracer
 from vescale_jax.layout._checks import check_axes
 from vescale_jax.layout._plan import Plan
 from vescale_jax.step._checks import check_microbatches
@@ -101,7 +102,9 @@ def place_batch(
     ``microbatches``: ``(k, B/k, ...)`` arrays with dim 1 split, i.e. a batch this function placed). Other device
     arrays (on one device, replicated, split otherwise) are resharded and, for ``microbatches``, split on device,
     never copied through the host; shapes are checked from ``.shape`` alone. In a multi-process job a fully
-    addressable array is taken as the process's own part.
+    addressable array is taken as the process's own part. Under an outer ``jax.jit`` / ``jax.export`` a traced
+    leaf is the global batch (with ``microbatches`` not yet split): it is reshaped and given the sharding as a
+    constraint.
 
     Args:
       batch: a pytree of arrays with a leading batch dim.
@@ -123,7 +126,7 @@ def place_batch(
     what = "micro-batch" if microbatches else "batch"
 
     def on_device(x):  # a global array (any array in a single-process job): placed on device, never via the host
-        return isinstance(x, jax.Array) and not (multi and x.is_fully_addressable)
+        return isinstance(x, jax.Array) and (is_tracer(x) or not (multi and x.is_fully_addressable))
 
     def split_already(x):  # already (k, B/k, ...) with dim 1 split: a batch placed with these micro-batches
         return microbatches and x.ndim >= 2 and x.shape[0] == k and _has_sharding(x, sharding)
@@ -133,7 +136,7 @@ def place_batch(
         shape = tuple(x.shape) if isinstance(x, jax.Array) else np.shape(x)
         if not shape:
             raise _scalar_leaf(f"batch leaf {name}", x, axes)
-        if on_device(x) and split_already(x):
+        if on_device(x) and not is_tracer(x) and split_already(x):
             return jax.ShapeDtypeStruct(shape[1:], x.dtype)
         if shape[0] % k:
             raise ValueError(
@@ -142,7 +145,17 @@ def place_batch(
             )
         return jax.ShapeDtypeStruct((shape[0] // k, *shape[1:]) if microbatches else shape, np.float32)
 
+    def traced_place(x):  # under an outer jit / export: a global batch, reshaped and constrained, never moved
+        if microbatches:
+            x = jnp.reshape(x, (k, x.shape[0] // k, *x.shape[1:]))
+        types = dict(zip(plan.mesh.axis_names, plan.mesh.axis_types, strict=True))
+        if any(t == jax.sharding.AxisType.Explicit for t in types.values()):
+            return jax.sharding.reshard(x, sharding)
+        return jax.lax.with_sharding_constraint(x, sharding)
+
     def device_place(path, x):
+        if is_tracer(x):
+            return traced_place(x)
         if _has_sharding(x, sharding) and (not microbatches or split_already(x)):
             return x
         if not microbatches:

@@ -29,6 +29,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from vescale_jax._cache import plan_cache
+from vescale_jax._compat import is_tracer
 from vescale_jax.kernels import KernelPolicy
 from vescale_jax.layout._checks import int_grad_message, plan_difference
 from vescale_jax.layout._plan import Plan
@@ -86,7 +87,7 @@ def _check_not_donated(params: ShardedParams, opt_state: Any, *rest: Any) -> Non
         )
     for what, these, named in trees:
         for name, leaf in named:
-            if isinstance(leaf, jax.Array) and leaf.is_deleted():
+            if isinstance(leaf, jax.Array) and not is_tracer(leaf) and leaf.is_deleted():
                 one = "ones" if what == "params" else "one"
                 raise ValueError(
                     f"vj.fsdp: {these} {'were' if what == 'params' else 'was'} donated to the last step; use the "
@@ -359,8 +360,10 @@ def fsdp(
       optimizer state against the plan, the batch against the data-parallel size), places the batch with
       :func:`data_sharding` and keeps the outputs' ``ShardedParams`` sharded like their buckets and their
       ``PerDevice`` values split on dim 0 (any other output keeps the sharding its computation gives it).
-      ``.lower(...)`` gives the lowered computation for inspection. One :class:`StepPolicy` and one
-      compilation per plan the step meets.
+      ``.lower(...)`` gives the lowered computation for inspection (``lowering_platforms=("cuda",)`` lowers
+      it for GPU on a CPU machine), ``.trace(...)`` the traced one. The step composes: it can be called under
+      an outer ``jax.jit`` or ``jax.export`` (the checks read shapes, and the jitted step nests). One
+      :class:`StepPolicy` and one compilation per plan the step meets.
 
     Sharding:
       Params and optimizer state stay sharded over the plan's axis; the batch (argument 2 and any further
@@ -422,15 +425,34 @@ def fsdp(
     @functools.wraps(step)
     def run(params, opt_state, batch, *rest):
         compiled, args = prepare(params, opt_state, batch, *rest)
+        if any(is_tracer(x) for x in jax.tree.leaves(args)):  # under an outer jit / export: nest the jitted step
+            return compiled.jitted(*args)
+        kernels.check_platform(jax.default_backend())
         with jax.set_mesh(compiled.plan.mesh):
             return compiled.jitted(*args)
 
-    def lower(params, opt_state, batch, *rest):
+    def trace(params, opt_state, batch, *rest):
+        """The step traced for these arguments (``jax.stages.Traced``): ``.lower(lowering_platforms=...)``,
+        ``.jaxpr``."""
         compiled, args = prepare(params, opt_state, batch, *rest)
         with jax.set_mesh(compiled.plan.mesh):
-            return compiled.jitted.lower(*args)
+            return compiled.jitted.trace(*args)
+
+    def lower(params, opt_state, batch, *rest, lowering_platforms: Sequence[str] | None = None):
+        """The step lowered for these arguments, for the devices' platform or for ``lowering_platforms``
+        (e.g. ``("cuda",)`` on a CPU machine: the Pallas kernels compiled for CUDA, see
+        :class:`vj.kernels.KernelPolicy`)."""
+        for platform in lowering_platforms or (jax.default_backend(),):
+            kernels.check_platform(platform)
+        traced = trace(params, opt_state, batch, *rest)
+        compiled = compiled_for(params.plan if plan is None else plan)
+        with jax.set_mesh(compiled.plan.mesh):
+            if lowering_platforms is None:
+                return traced.lower()
+            return traced.lower(lowering_platforms=tuple(lowering_platforms))
 
     run.lower = lower
+    run.trace = trace
     run.plan = plan
     return run
 

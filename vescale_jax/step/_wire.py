@@ -211,7 +211,9 @@ def gather_leaves(local: jax.Array, bucket: Bucket, plan: Plan, how: Gather) -> 
     leaves = _fp8_leaves(local, bucket, plan, how, shapes)
     if leaves is None:
         full = gather_buffer(local, bucket, plan, how)
-        leaves = unpack(full, bucket.layout, shapes, kernels_policy=how.kernels, storage=bucket.storage)
+        leaves = unpack(
+            full, bucket.layout, shapes, kernels_policy=how.kernels, storage=bucket.storage, name=bucket.name
+        )
     return [leaf.astype(out_dtype) for leaf in leaves]
 
 
@@ -279,7 +281,9 @@ def scatter_leaves(
     grad_dtype = how.policy.grad_dtype(bucket.dtype)
     if not bucket.layout.total_size:  # nothing to reduce
         return varying_like(jnp.zeros((0,), master), like_axes)
-    packed = pack(cts, bucket.layout, dtype=grad_dtype, kernels_policy=how.kernels, storage=bucket.storage)
+    packed = pack(
+        cts, bucket.layout, dtype=grad_dtype, kernels_policy=how.kernels, storage=bucket.storage, name=bucket.name
+    )
     out = jax.lax.psum_scatter(packed, plan.axis, tiled=True)
     return replica_sum(out, like_axes).astype(master)
 
@@ -364,7 +368,9 @@ def gather_stacked(rows: jax.Array, bucket: Bucket, plan: Plan, how: Gather) -> 
         leaves = _fp8_leaves(r, bucket, plan, how, shapes)
         if leaves is None:
             full = gather_buffer(r, bucket, plan, how)
-            leaves = unpack(full, bucket.layout, shapes, kernels_policy=how.kernels, storage=bucket.storage)
+            leaves = unpack(
+                full, bucket.layout, shapes, kernels_policy=how.kernels, storage=bucket.storage, name=bucket.name
+            )
         return [leaf.astype(how.leaf_dtype(master)) for leaf in leaves]
 
     def fwd(r):
@@ -378,6 +384,7 @@ def gather_stacked(rows: jax.Array, bucket: Bucket, plan: Plan, how: Gather) -> 
             kernels_policy=how.kernels,
             lead=shapes[0][:1],
             storage=bucket.storage,
+            name=bucket.name,
         )
         out = jax.lax.psum_scatter(packed, plan.axis, scatter_dimension=1, tiled=True)
         return (replica_sum(out, like).astype(how.grad_out_dtype(master)),)

@@ -56,7 +56,9 @@ def unpack_copies(copies: Sequence[jax.Array], plan: Plan, how: Gather) -> list[
             continue
         for i, x in zip(
             bucket.leaves,
-            unpack_differentiable(copy, bucket.layout, shapes, kernels_policy=how.kernels, storage=bucket.storage),
+            unpack_differentiable(
+                copy, bucket.layout, shapes, kernels_policy=how.kernels, storage=bucket.storage, name=bucket.name
+            ),
             strict=True,
         ):
             leaves[i] = x
