@@ -236,10 +236,9 @@ def test_step_runs_under_an_outer_jit_and_from_an_export(microbatches):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Every feature, lowered for CUDA (slow)
+# Every feature, lowered for CUDA (the default matrix)
 
 
-@pytest.mark.slow
 def test_mosaic_step_exports_for_cuda():
     plan = gpt_plan(align_bytes=128)
     step, args = gpt_step(plan, ADAMW, kernels=MOSAIC)
@@ -248,7 +247,6 @@ def test_mosaic_step_exports_for_cuda():
     assert TRITON_CALL not in text
 
 
-@pytest.mark.slow
 def test_mosaic_mixed_precision():
     """bf16 gathers and bf16 gradient reductions are plain copies: Mosaic GPU lowers them; reducing in fp32
     fuses a cast into the gradient pack, which Mosaic GPU cannot do: refused, naming the bucket."""
@@ -263,7 +261,6 @@ def test_mosaic_mixed_precision():
         export_cuda(step, args)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("prefetch", [False, True], ids=["no-prefetch", "prefetch"])
 def test_mixed_precision_bf16(prefetch):
     plan = gpt_plan()
@@ -273,7 +270,6 @@ def test_mixed_precision_bf16(prefetch):
     check_module(export_cuda(step, args), plan, call=TRITON_CALL, reference=ref, wire="bf16")
 
 
-@pytest.mark.slow
 def test_fp8_gather():
     plan = gpt_plan(granularity=lambda path, leaf: vj.tiles(32, 32) if leaf.ndim >= 2 else vj.rows(1))
     fp8 = vj.MixedPrecision(compute_dtype=jnp.bfloat16, reduce_dtype=jnp.float32, fp8_gather=(32, 32))
@@ -283,9 +279,12 @@ def test_fp8_gather():
     check_module(text, plan, call=TRITON_CALL, reference=ref, wire="ui8", every_bucket=False)
     matrices = [b for b in plan.buckets if any(plan.leaves[i].shape[-2:] == (64, 64) for i in b.leaves)]
     assert matrices and len([c for c in census(text) if c[0] == "all_gather" and c[2] == "ui8"]) >= len(matrices)
+    # KernelPolicy(mode="pallas") on these CPU devices: the fused FP8 kernels compiled for CUDA too.
+    step, args = gpt_step(plan, ADAMW, kernels=KernelPolicy(mode="pallas"), precision=fp8)
+    cuda = step.lower(*args, lowering_platforms=("cuda",)).as_text()
+    assert cuda.count(TRITON_CALL) >= text.count(TRITON_CALL) > 0
 
 
-@pytest.mark.slow
 def test_scan_layers_with_prefetch():
     plan = gpt_plan()
     step, args = gpt_step(plan, ADAMW, kernels=TRITON, prefetch=True)
@@ -294,7 +293,6 @@ def test_scan_layers_with_prefetch():
     assert "stablehlo.while" in text  # the layer scan stays a loop
 
 
-@pytest.mark.slow
 def test_accumulate():
     plan = gpt_plan()
     step, args = gpt_step(plan, ADAMW, kernels=TRITON, microbatches=2)
@@ -305,7 +303,6 @@ def hsdp_mesh() -> jax.sharding.Mesh:
     return jax.make_mesh((2, 4), ("replica", "fsdp"), devices=jax.devices()[:8])
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kernels", [TRITON, MOSAIC], ids=["triton", "mosaic_gpu"])
 def test_hsdp_2x4(kernels):
     plan = gpt_plan(hsdp_mesh(), align_bytes=128)
@@ -317,7 +314,6 @@ def test_hsdp_2x4(kernels):
     assert "stablehlo.all_reduce" in text  # the replica sums
 
 
-@pytest.mark.slow
 def test_fsdp_by_tensor_2x4():
     gpt_tp = load_script("examples/gpt_tp.py")
     cfg = gpt_tp.Config(vocab=256, max_len=16, d_model=32, num_heads=4, num_layers=2, d_ff=64, tensor="tensor")
@@ -373,7 +369,6 @@ OPTIMIZERS = {
 }
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_optimizers(name):
     make_plan, make_tx = OPTIMIZERS[name]
@@ -383,7 +378,6 @@ def test_optimizers(name):
     check_module(export_cuda(step, args), plan, call=TRITON_CALL, reference=reference_text(plan, tx))
 
 
-@pytest.mark.slow
 def test_checkpoint_logical_conversion():
     """The checkpoint's conversion to and from the logical leaves (all-to-alls, no kernel) lowers for CUDA."""
     from vescale_jax.relayout import _logical_leaves as logical

@@ -7,7 +7,8 @@ implementation per layout and dtype; the XLA path is :func:`pack_reference` / :f
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -18,7 +19,7 @@ from vescale_jax.kernels._policy import KernelPolicy
 from vescale_jax.layout import _tiles as tiles
 from vescale_jax.layout._bucket_layout import BucketLayout
 
-__all__ = ["DEFAULT_KERNELS", "pack", "unpack", "unpack_differentiable"]
+__all__ = ["DEFAULT_KERNELS", "kernel_choices", "pack", "per_platform", "unpack", "unpack_differentiable"]
 
 DEFAULT_KERNELS = KernelPolicy()
 """XLA's slices and concatenate (the policy's defaults; immutable, so one shared instance)."""
@@ -52,21 +53,39 @@ def _by_platform(
     return jax.lax.platform_dependent(*args, **branches)
 
 
-def _tiled_kernels(
-    policy: KernelPolicy, layout: BucketLayout, src: Any, dst: Any, storage: Sequence[Any], direction: str
-) -> bool:
-    """Whether tile-major slots go through the kernels with the relayout fused (``mode="pallas"`` only)."""
-    if not any(storage) or policy.mode != "pallas":
-        return False
-    impls = [
-        policy.implementation(layout, src, dst, platform=p, direction=direction) for p in policy.lowering_platforms()
-    ]
-    return any(_how(i)[0] == "pallas" for i in impls)
+def per_platform(choices: Mapping[str, Any], run: Callable[..., Any], *args: Any) -> Any:
+    """``run(choice, *args)`` with the choice of the platform the step is lowered for.
+
+    Args:
+      choices: per lowering platform (:meth:`KernelPolicy.lowering_platforms`), a hashable choice (e.g. a
+        kernel's options as a tuple of items, or None for the XLA path).
+      run: ``(choice, *args) -> result``, the same result structure for every choice.
+      *args: the arrays ``run`` takes.
+
+    Returns:
+      ``run``'s result: called directly when every platform makes the same choice, else a
+      ``jax.lax.platform_dependent`` of which lowering keeps the target platform's branch only.
+    """
+    if len(set(choices.values())) == 1:
+        return run(next(iter(choices.values())), *args)
+    return jax.lax.platform_dependent(*args, **{p: functools.partial(run, c) for p, c in choices.items()})
 
 
-def _tiled(policy: KernelPolicy) -> dict[str, Any]:
-    """The tile kernels' options: interpreted, or Triton (Mosaic GPU has no per-lane scatter)."""
-    return {"interpret": True} if policy.interprets() else {"interpret": False, "backend": "triton"}
+def kernel_choices(
+    policy: KernelPolicy, layout: BucketLayout, src: Any, dst: Any, *, direction: str | None = None
+) -> dict[str, tuple[tuple[str, Any], ...] | None] | None:
+    """The fused kernels' options per lowering platform (None: the XLA path there), or None when no platform
+    runs them: interpreted, or Triton compiled (Mosaic GPU has no per-lane gathers and scatters)."""
+    if policy.mode != "pallas" or not layout.total_size:
+        return None
+    out: dict[str, tuple[tuple[str, Any], ...] | None] = {}
+    for p in policy.lowering_platforms():
+        impl = policy.implementation(layout, src, dst, platform=p, direction=direction)
+        out[p] = None if impl == "xla" else _how("triton" if impl == "mosaic_gpu" else impl)[1]
+    return out if any(v is not None for v in out.values()) else None
+
+
+_XLA = KernelPolicy(mode="xla")
 
 
 def unpack(
@@ -84,8 +103,17 @@ def unpack(
     (a bucket's ``storage``) names the slots stored tile-major: they are sliced flat, then relaid out."""
     shapes = [tuple(s) for s in shapes]
     lead = full.shape[:-1]
-    if _tiled_kernels(kernels_policy, layout, full.dtype, full.dtype, storage, "unpack"):
-        return _tiles.unpack_tiled_mapped(full, layout, shapes, storage=storage, **_tiled(kernels_policy))
+    choices = (
+        kernel_choices(kernels_policy, layout, full.dtype, full.dtype, direction="unpack") if any(storage) else None
+    )
+    if choices is not None:  # tile-major slots: the relayout fused into the kernel
+
+        def run_tiled(c, f):
+            if c is None:
+                return unpack(f, layout, shapes, kernels_policy=_XLA, storage=storage)
+            return list(_tiles.unpack_tiled_mapped(f, layout, shapes, storage=storage, **dict(c)))
+
+        return list(per_platform(choices, run_tiled, full))
     if any(storage):
         flat = unpack(full, layout, [(*lead, n) for n in layout.sizes], kernels_policy=kernels_policy, name=name)
         return [
@@ -129,9 +157,17 @@ def pack(
       storage: a bucket's ``storage``: the slots laid out tile-major before packing.
       name: the bucket's name, for the errors of a policy that refuses it.
     """
-    if leaves and _tiled_kernels(kernels_policy, layout, leaves[0].dtype, dtype, storage, "pack"):
-        kw = _tiled(kernels_policy)
-        return _tiles.pack_tiled_mapped(leaves, layout, storage=storage, dtype=dtype, lead=lead, **kw)
+    choices = None
+    if leaves and any(storage):
+        choices = kernel_choices(kernels_policy, layout, leaves[0].dtype, dtype, direction="pack")
+    if choices is not None:  # tile-major slots: the relayout fused into the kernel
+
+        def run_tiled(c, xs):
+            if c is None:
+                return pack(xs, layout, dtype=dtype, kernels_policy=_XLA, lead=lead, storage=storage)
+            return _tiles.pack_tiled_mapped(xs, layout, storage=storage, dtype=dtype, lead=lead, **dict(c))
+
+        return per_platform(choices, run_tiled, list(leaves))
     if any(storage):
         leaves = [
             x if g is None else tiles.to_storage(x, x.shape[len(lead) :], g, jnp)

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from vescale_jax.kernels import _fp8 as kfp8
+from vescale_jax.kernels._dispatch import kernel_choices, per_platform
 from vescale_jax.kernels._policy import KernelPolicy
 from vescale_jax.layout._blocks import BlockCut, BucketBlocks, block_index
 from vescale_jax.layout._bucket_layout import BucketLayout
@@ -116,30 +117,32 @@ dequantize_full = kfp8.dequantize_reference
 """``(m, S)`` gathered codes and ``(m, NB)`` scales -> the ``(m*S,)`` buffer in ``dtype`` (the XLA path)."""
 
 
-def fused(kernels_policy: KernelPolicy | None, layout: BucketLayout, table: BucketBlocks) -> dict[str, Any] | None:
-    """The options of the fused FP8 kernels under ``kernels_policy`` (None: the XLA path).
+def fused(
+    kernels_policy: KernelPolicy | None, layout: BucketLayout, table: BucketBlocks
+) -> dict[str, tuple[tuple[str, Any], ...] | None] | None:
+    """The fused FP8 kernels' options per lowering platform under ``kernels_policy`` (None: the XLA path).
 
-    The Pallas policy (``KernelPolicy(mode="pallas")``) runs them interpreted on CPU and with Triton on GPU
-    (Mosaic GPU has no per-lane gathers, so a ``backend="mosaic_gpu"`` policy takes Triton here); a bucket the
-    kernels cannot take (:func:`vescale_jax.kernels._fp8.supported`) stays on the XLA path."""
-    if kernels_policy is None or kernels_policy.mode != "pallas" or not kfp8.supported(table, layout.shard_size):
+    The Pallas policy (``KernelPolicy(mode="pallas")``) runs them interpreted on CPU and with Triton when
+    lowered for CUDA (Mosaic GPU has no per-lane gathers, so a ``backend="mosaic_gpu"`` policy takes Triton
+    here); a bucket the kernels cannot take (:func:`vescale_jax.kernels._fp8.supported`) stays on the XLA
+    path."""
+    if kernels_policy is None or not kfp8.supported(table, layout.shard_size):
         return None
-    impl = kernels_policy.implementation(layout, jnp.float32, FP8)
-    if impl == "xla":
-        return None
-    return {"interpret": True} if impl == "interpret" else {"interpret": False, "backend": "triton"}
+    return kernel_choices(kernels_policy, layout, jnp.float32, FP8)
 
 
-def _wire(x: jax.Array, table: BucketBlocks, axis: Any, opts: dict[str, Any] | None) -> jax.Array:
+def _wire(
+    x: jax.Array, table: BucketBlocks, axis: Any, opts: dict[str, tuple[tuple[str, Any], ...] | None] | None
+) -> jax.Array:
     """The local ``(S,)`` (or ``(L, S)``) shard's wire, all-gathered: ``(m, S + 4*NB)`` (or ``(L, m, ...)``) bytes."""
     k = jax.lax.axis_index(axis)
     m = table.starts.shape[0]
 
+    def quantize(c, row, k):
+        return quantize_local(row, table, k) if c is None else kfp8.quantize(row, table, k, **dict(c))
+
     def one(row):
-        if opts is None:
-            codes, scales = quantize_local(row, table, k)
-        else:
-            codes, scales = kfp8.quantize(row, table, k, **opts)
+        codes, scales = quantize(None, row, k) if opts is None else per_platform(opts, quantize, row, k)
         return jnp.concatenate(
             [
                 jax.lax.bitcast_convert_type(codes, jnp.uint8),
@@ -216,9 +219,14 @@ def wire_gather_leaves(
         return None
     full = _wire(x, table, axis, opts)
 
+    def dequantize(c, codes, scales):
+        kw = dict(dtype=dtype, storage=storage)
+        if c is None:
+            return kfp8.dequantize_unpack_reference(codes, scales, table, layout, shapes, **kw)
+        return kfp8.dequantize_unpack(codes, scales, table, layout, shapes, **kw, **dict(c))
+
     def back(f):
-        codes, scales = _split(f, x.shape[-1])
-        return kfp8.dequantize_unpack(codes, scales, table, layout, shapes, dtype=dtype, storage=storage, **opts)
+        return per_platform(opts, dequantize, *_split(f, x.shape[-1]))
 
     return list(back(full) if x.ndim == 1 else jax.vmap(back)(full))
 
