@@ -499,11 +499,13 @@ def test_pallas_pack_and_unpack_of_tiled_buckets_match_xla(monkeypatch):
     tree = tree_of(3)
     plan = plan_of(tree, M, tiled_or_element())
     leaves = jax.tree.leaves(tree)
-    calls = {"pack": [], "unpack": []}
+    calls = {"pack": [], "unpack": []}  # the tile kernels (relayout fused) see every tiled bucket
     for name in calls:
-        real = getattr(vj.kernels, name)
+        real = getattr(vj.kernels._tiles, f"{name}_tiled_mapped")
         monkeypatch.setattr(
-            vj.kernels._ragged, name, lambda *a, _r=real, _n=name, **k: calls[_n].append(a[1]) or _r(*a, **k)
+            vj.kernels._tiles,
+            f"{name}_tiled_mapped",
+            lambda *a, _r=real, _n=name, **k: calls[_n].append(a[1]) or _r(*a, **k),
         )
     for bucket in plan.buckets:
         lead = () if bucket.layers is None else (bucket.layers,)
