@@ -14,7 +14,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
-from tiers import fast_entries  # noqa: E402  (tests/tiers.py: tests/ is on sys.path, as for helpers.py)
+from tiers import fast_entries, heavy_entries  # noqa: E402  (tests/tiers.py: tests/ is on sys.path, as for helpers.py)
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
@@ -35,14 +35,25 @@ def mesh(request):
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects on the marker
 def pytest_collection_modifyitems(config, items):
-    """Marks the tests of the fast tier (tests/tiers.py) ``fast``; a stale entry is a usage error."""
+    """Marks the heavy parametrisations of tests/tiers.py ``slow`` and the tests of the fast tier ``fast``; a stale
+    entry is a usage error."""
     entries = fast_entries()
+    heavy = heavy_entries()
     by_file: dict[str, list[pytest.Item]] = {}
     for item in items:
         by_file.setdefault(item.path.name, []).append(item)
     narrowed = any("::" in arg for arg in config.args)  # a node id on the command line: not every test collected
     here = os.path.dirname(os.path.abspath(__file__))
-    problems = [f"{file}: no such test file" for file in entries if not os.path.exists(os.path.join(here, file))]
+    problems = [
+        f"{file}: no such test file" for file in {**entries, **heavy} if not os.path.exists(os.path.join(here, file))
+    ]
+    for file, file_items in by_file.items():
+        for entry, regex in heavy.get(file, ()):
+            matched = [item for item in file_items if regex.fullmatch(item.name)]
+            for item in matched:
+                item.add_marker(pytest.mark.slow)
+            if not matched and not narrowed:
+                problems.append(f"{file}: HEAVY entry {entry!r} matches no test (renamed or removed?)")
     for file, file_items in by_file.items():
         module = file_items[0].module if hasattr(file_items[0], "module") else None
         for entry, regex in entries.get(file, ()):

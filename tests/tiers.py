@@ -212,6 +212,38 @@ def _entry_regex(entry: str) -> re.Pattern[str]:
     return re.compile(re.escape(name) + r"\[" + ".*".join(map(re.escape, ids[:-1].split("*"))) + r"\]")
 
 
+HEAVY: dict[str, tuple[str, ...]] = {
+    # Heavy parametrisations moved from the default matrix to the slow tier (``-m slow``), entries as in FAST:
+    # each costs 10-80 s of CPU, and a cheaper case of the same test (or a test of the same property) stays in
+    # the default matrix.
+    "test_snippets.py": ("test_snippets_run_as_shown[docs/devices.md]",),
+    "test_planner.py": ("test_invariants_hold_on_random_instances",),
+    "test_checkpoint_optim.py": (
+        "test_low_precision_state_restores_in_its_own_dtype",
+        "test_optimizer_state_restores_into_another_device_count[shampoo-m8-m3]",
+    ),
+    "test_adam8bit.py": (
+        "test_bitwise_equal_to_the_logical_reference[m8-rows]",
+        "test_tiles_that_hold_several_blocks_and_padding",
+    ),
+    "test_fp8_gather.py": ("test_fp8_gather_sends_about_half_the_bf16_bytes",),
+    "test_tp.py": ("test_tp_training_matches_unsharded[fsdp2xexpert4]",),
+    "test_plan_travels.py": ("test_optax_wrappers_without_the_plan",),
+    "test_scale.py": ("test_bf16_training_tracks_fp32",),
+    "test_tp_optim.py": ("test_muon_parity_on_a_tp_plan[2x4]",),
+    "test_relayout.py": ("test_trained_state_moves_to_another_plan[shampoo-m8-m3]",),
+    "test_tiles.py": ("test_block_and_compact_layouts_of_a_tiles_plan_are_logical[3-2]",),
+    "test_shampoo.py": ("test_large_blocks_on_eight_cpu_devices_do_not_deadlock",),
+    "test_redistribute.py": ("test_reshard_between_placements[m8-*]",),
+    "test_fsdp.py": ("test_census[keep]", "test_census[prefetch]"),
+}
+
+
+def heavy_entries() -> dict[str, list[tuple[str, re.Pattern[str]]]]:
+    """Per test file: each entry of ``HEAVY`` with its compiled pattern."""
+    return {file: [(e, _entry_regex(e)) for e in entries] for file, entries in HEAVY.items()}
+
+
 def fast_entries() -> dict[str, list[tuple[str, re.Pattern[str]]]]:
     """Per test file: each entry of ``FAST`` with its compiled pattern."""
     return {file: [(e, _entry_regex(e)) for e in entries] for file, entries in FAST.items()}
