@@ -8,8 +8,8 @@
 # Parts, in order, each under its own timeout (capped by what is left of BUDGET_S, default 470 s), results
 # written as they go (a part that times out or fails does not stop the rest):
 #   env      (15 s)  nvidia-smi, JAX / jaxlib versions, devices.
-#   tests    (75 s)  tests/test_kernels.py (+ tests/test_cuda_lowering.py, tests/test_fused_kernels.py when
-#                    present) compiled on the GPU (JAX_PLATFORMS=cuda: interpret=None means compiled).
+#   tests    (75 s)  tests/test_kernels.py and the one-device cases of tests/test_fused_kernels.py compiled on
+#                    the GPU (JAX_PLATFORMS=cuda: interpret=None means compiled).
 #   bench   (100 s)  benchmarks/kernels.py: pack / unpack bandwidth against a device copy of the same buffer
 #                    (goal >= 0.85 of the copy) and against XLA; writes kernels_gpu.md and the measured table
 #                    for KernelPolicy(mode="auto") ($OUT/kernels_measured.json; to ship it, copy it to
@@ -79,8 +79,9 @@ print(jax.devices())"'
 fi
 
 if want tests; then
-  KTESTS=(tests/test_kernels.py)
-  for f in tests/test_cuda_lowering.py tests/test_fused_kernels.py; do [[ -f $f ]] && KTESTS+=("$f"); done
+  # The kernels compiled on the GPU against their references; the fused kernels' one-device cases (the
+  # others need 3 or 8 devices). tests/test_cuda_lowering.py is a CPU-machine test (8 simulated devices).
+  KTESTS=(tests/test_kernels.py tests/test_fused_kernels.py -k "not test_fused_kernels or m1 or lower" -m "slow or not slow")
   if (( DRY )); then  # the same command on CPU, narrowed to the policy tests (the kernels interpret on CPU)
     say "   would run on GPU: JAX_PLATFORMS=cuda ${PYTEST[*]} ${KTESTS[*]}"
     part tests 75 "${PYTEST[@]}" tests/test_kernel_choice.py tests/test_kernels.py -k "policy or choice or size_class or table"

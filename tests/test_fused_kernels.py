@@ -74,6 +74,9 @@ def _bucket(gran, m, dtype, seed=0):
     return bucket, table, shards, shapes
 
 
+INTERPRET = None
+"""The kernels' default: interpreted on CPU, compiled (Triton) on a GPU, where benchmarks/gpu_check.sh runs the
+one-device cases of this file against the same references."""
 QUICK = {("tiles", 3, BF16), ("rows", 3, F32), ("tiles", 8, BF16)}
 CASES = [
     pytest.param(g, m, d, marks=() if (g, m, d) in QUICK else pytest.mark.slow, id=f"{g}-m{m}-{d.__name__}")
@@ -86,7 +89,7 @@ CASES = [
 @pytest.mark.parametrize(("gran", "m", "dtype"), CASES)
 def test_quantize_matches_reference_bitwise(gran, m, dtype):
     bucket, table, shards, _ = _bucket(gran, m, dtype)
-    kernel = jax.jit(lambda x, k: kfp8.quantize(x, table, k, interpret=True))
+    kernel = jax.jit(lambda x, k: kfp8.quantize(x, table, k, interpret=INTERPRET))
     ref = jax.jit(lambda x, k: kfp8.quantize_reference(x, table, k))
     zero_block = False
     for k in range(m):
@@ -104,7 +107,7 @@ def test_dequantize_unpack_matches_reference_bitwise(gran, m, dtype):
     q = jax.jit(jax.vmap(lambda x, k: kfp8.quantize_reference(x, table, k)))
     codes, scales = q(shards, jnp.arange(m))
     kw = dict(dtype=dtype, storage=bucket.storage)
-    got = kfp8.dequantize_unpack(codes, scales, table, bucket.layout, shapes, interpret=True, **kw)
+    got = kfp8.dequantize_unpack(codes, scales, table, bucket.layout, shapes, interpret=INTERPRET, **kw)
     want = kfp8.dequantize_unpack_reference(codes, scales, table, bucket.layout, shapes, **kw)
     for g, w in zip(got, want, strict=True):
         _same(g, w)
@@ -115,7 +118,7 @@ def test_small_units_group_fewer_blocks():
     bucket, table, shards, _ = _bucket("tiles", 3, BF16, seed=1)
     units = _bands.quantize_units(table, bucket.layout.shard_size, chunk=256)
     assert max(c.elements for c in units.classes) <= 256
-    kernel = jax.jit(lambda x, k: kfp8.quantize(x, table, k, interpret=True, chunk=256))
+    kernel = jax.jit(lambda x, k: kfp8.quantize(x, table, k, interpret=INTERPRET, chunk=256))
     for k in range(3):
         for g, w in zip(kernel(shards[k], k), kfp8.quantize_reference(shards[k], table, k), strict=True):
             _same(g, w)
@@ -161,7 +164,7 @@ def test_tiles_that_are_not_multiples_of_the_block_stay_on_xla():
     table = step_fp8.block_table(plan, 0, BLOCK)
     assert not kfp8.supported(table, plan.buckets[0].layout.shard_size)
     with pytest.raises(NotImplementedError, match="XLA path"):
-        kfp8.quantize(jnp.zeros((plan.buckets[0].layout.shard_size,)), table, 0, interpret=True)
+        kfp8.quantize(jnp.zeros((plan.buckets[0].layout.shard_size,)), table, 0, interpret=INTERPRET)
     assert step_fp8.fused(vj.kernels.KernelPolicy(mode="pallas"), plan.buckets[0].layout, table) is None
 
 
@@ -187,9 +190,9 @@ def _tiled_bucket(dtype, gran=None):
 def test_tiled_pack_and_unpack_match_reference_bitwise(src, dst, chunk):
     layout, storage, leaves = _tiled_bucket(src)
     assert sum(layout.sizes) < layout.total_size  # padding, written as zero
-    buf = ktiles.pack_tiled(leaves, layout, storage=storage, dtype=dst, interpret=True, chunk=chunk)
+    buf = ktiles.pack_tiled(leaves, layout, storage=storage, dtype=dst, interpret=INTERPRET, chunk=chunk)
     _same(buf, ktiles.pack_tiled_reference(leaves, layout, storage=storage, dtype=dst))
-    got = ktiles.unpack_tiled(buf, layout, TILE_SHAPES, storage=storage, dtype=src, interpret=True, chunk=chunk)
+    got = ktiles.unpack_tiled(buf, layout, TILE_SHAPES, storage=storage, dtype=src, interpret=INTERPRET, chunk=chunk)
     want = ktiles.unpack_tiled_reference(buf, layout, TILE_SHAPES, storage=storage, dtype=src)
     for g, w in zip(got, want, strict=True):
         _same(g, w)
@@ -198,7 +201,7 @@ def test_tiled_pack_and_unpack_match_reference_bitwise(src, dst, chunk):
 def test_tiled_unpack_of_rectangular_tiles():
     layout, storage, leaves = _tiled_bucket(F32, gran=vj.tiles(4, 32))
     buf = ktiles.pack_tiled_reference(leaves, layout, storage=storage)
-    got = ktiles.unpack_tiled(buf, layout, TILE_SHAPES, storage=storage, interpret=True)
+    got = ktiles.unpack_tiled(buf, layout, TILE_SHAPES, storage=storage, interpret=INTERPRET)
     for g, x in zip(got, leaves, strict=True):
         _same(g, x)
 
