@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from vescale_jax.layout import _tiles
-from vescale_jax.layout._blocks import BucketBlocks, LeafBlocks
+from vescale_jax.layout._blocks import BucketBlocks, LeafBlocks, tile_regions
 
 __all__ = [
     "UnitClass",
@@ -133,20 +133,6 @@ class _Builder:
 # Bands of one leaf
 
 
-def _regions(shape: tuple[int, ...], gran: Any) -> list[tuple[int, int, int, int, int, int]]:
-    """Storage segments of a tile-major leaf, in order: ``(row0, col0, tile rows, tile cols, th, tw)``."""
-    *_, h, w = shape
-    gh, gw = gran.bh, gran.bw
-    hf, wf = h - h % gh, w - w % gw
-    parts = (
-        (0, 0, hf // gh, wf // gw, gh, gw),
-        (0, wf, hf // gh, 1, gh, w - wf),
-        (hf, 0, 1, wf // gw, h - hf, gw),
-        (hf, wf, 1, 1, h - hf, w - wf),
-    )
-    return [r for r in parts if r[2] * r[3] * r[4] * r[5]]
-
-
 def leaf_bands(shape: Sequence[int], storage: Any, band_rows: int) -> tuple[np.ndarray, ...]:
     """The bands of a leaf of two or more dims, in storage order.
 
@@ -170,7 +156,7 @@ def leaf_bands(shape: Sequence[int], storage: Any, band_rows: int) -> tuple[np.n
         return pos, pos.copy(), rows, np.full(pos.shape, w, np.int64)
     out: list[list[np.ndarray]] = [[], [], [], []]
     seg0 = 0
-    for r0, c0, ntr, ntc, th, tw in _regions(shape, storage):
+    for r0, c0, ntr, ntc, th, tw in tile_regions(shape, storage):
         br = min(band_rows, th)
         nbands = -(-th // br)
         ld, tr, tc, i = (a.ravel().astype(np.int64) for a in np.indices((p, ntr, ntc, nbands)))

@@ -50,7 +50,17 @@ from vescale_jax.layout._granularity import element
 from vescale_jax.layout._plan import LeafSpec, Plan
 from vescale_jax.layout._tp import misaligned_split
 
-__all__ = ["EXACT", "LOGICAL", "STORAGE", "BlockCut", "BucketBlocks", "LeafBlocks", "block_index", "local_slots"]
+__all__ = [
+    "EXACT",
+    "LOGICAL",
+    "STORAGE",
+    "BlockCut",
+    "BucketBlocks",
+    "LeafBlocks",
+    "block_index",
+    "local_slots",
+    "tile_regions",
+]
 
 EXACT, LOGICAL, STORAGE = "exact", "logical", "storage"
 
@@ -157,7 +167,7 @@ class LeafBlocks:
         *lead, h, w = self.shape
         p, nbw = math.prod(lead), -(-w // bw)
         out = []
-        for r_lo, c_lo, ntr, ntc, th, tw in _regions(self.shape, self.storage):
+        for r_lo, c_lo, ntr, ntc, th, tw in tile_regions(self.shape, self.storage):
             sr, sc = -(-th // bh), -(-tw // bw)
             ld, tr, tc, br, bc = np.indices((p, ntr, ntc, sr, sc)).reshape(5, -1)
             row, col = r_lo + tr * th + br * bh, c_lo + tc * tw + bc * bw
@@ -165,7 +175,7 @@ class LeafBlocks:
         return np.concatenate(out).astype(np.int64) if out else np.zeros(0, np.int64)
 
 
-def _regions(shape: tuple[int, ...], gran: Any) -> list[tuple[int, int, int, int, int, int]]:
+def tile_regions(shape: tuple[int, ...], gran: Any) -> list[tuple[int, int, int, int, int, int]]:
     """Non-empty storage segments of a tile-major leaf: ``(row0, col0, tile rows, tile cols, th, tw)``."""
     *_, h, w = shape
     gh, gw = gran.bh, gran.bw
@@ -182,7 +192,7 @@ def _regions(shape: tuple[int, ...], gran: Any) -> list[tuple[int, int, int, int
 def _segments(shape: tuple[int, ...], gran: Any) -> list[tuple[int, int, int]]:
     """``(tiles, th, tw)`` of each non-empty segment, in storage order (tiles over all leading indices)."""
     p = math.prod(shape[:-2])
-    return [(p * ntr * ntc, th, tw) for _, _, ntr, ntc, th, tw in _regions(shape, gran)]
+    return [(p * ntr * ntc, th, tw) for _, _, ntr, ntc, th, tw in tile_regions(shape, gran)]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
