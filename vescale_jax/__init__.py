@@ -25,6 +25,8 @@ from vescale_jax.layout import (
 )
 from vescale_jax.layout._paths import path_str as plan_path
 from vescale_jax.state import (
+    Offload,
+    Offloaded,
     PerDevice,
     PerLeafOnBucketsError,
     ShardedParams,
@@ -32,6 +34,8 @@ from vescale_jax.state import (
     global_norm,
     init_opt_state,
     init_sharded,
+    offload,
+    onload,
     shard,
     tree_map,
     unshard,
@@ -57,6 +61,8 @@ __all__ = [
     "LayerShard",
     "LeafSpec",
     "MixedPrecision",
+    "Offload",
+    "Offloaded",
     "PerDevice",
     "PerLeafOnBucketsError",
     "Plan",
@@ -78,6 +84,8 @@ __all__ = [
     "init_opt_state",
     "init_sharded",
     "kernels",
+    "offload",
+    "onload",
     "optim",
     "place_batch",
     "plan",

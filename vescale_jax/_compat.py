@@ -899,3 +899,109 @@ to their public names (``scale_by_trust_ratio``, which ``optax.lamb``, ``lars`` 
 ``scale_by_sm3``; ``scale_by_novograd``). Assumes (verified on optax 0.2.8) each returns a transformation whose
 ``init`` / ``update`` is a plain function that maps its per-leaf computation over the tree in its own frame.
 Used by ``state/_guards`` (a per-leaf transformation that reaches the bucket buffers of a ``ShardedParams``)."""
+
+
+ELEMENTWISE_PRIMITIVES = frozenset(
+    {
+        "abs",
+        "acos",
+        "acosh",
+        "add",
+        "and",
+        "asin",
+        "asinh",
+        "atan",
+        "atan2",
+        "atanh",
+        "cbrt",
+        "ceil",
+        "clamp",
+        "convert_element_type",
+        "copy",
+        "copy_p",
+        "cos",
+        "cosh",
+        "div",
+        "eq",
+        "erf",
+        "erf_inv",
+        "erfc",
+        "exp",
+        "exp2",
+        "expm1",
+        "floor",
+        "ge",
+        "gt",
+        "integer_pow",
+        "is_finite",
+        "le",
+        "log",
+        "log1p",
+        "logistic",
+        "lt",
+        "max",
+        "min",
+        "mul",
+        "ne",
+        "neg",
+        "nextafter",
+        "not",
+        "or",
+        "pow",
+        "reduce_precision",
+        "rem",
+        "round",
+        "rsqrt",
+        "select_n",
+        "sign",
+        "sin",
+        "sinh",
+        "sqrt",
+        "square",
+        "sub",
+        "tan",
+        "tanh",
+        "xor",
+    }
+)
+"""Primitives that compute each output element from the operand elements at the same index (operands of one
+shape, scalars broadcast explicitly): evaluating one on a slice of every operand gives that slice of the output,
+bit for bit. Verified on JAX 0.10.2 (Optax's Adam, AdamW, SGD with momentum, Lion and the ``vj.optim`` masks
+trace to these plus ``broadcast_in_dim`` of scalars). Used by ``step/_offload`` (a bucket's optimizer update is
+streamed one layer at a time when every operation of it is one of these)."""
+
+
+def is_elementwise(eqn: Any) -> bool:
+    """Whether ``eqn`` applies an element-wise primitive (:data:`ELEMENTWISE_PRIMITIVES`).
+
+    Verified on JAX 0.10.2. Used by ``step/_offload``.
+    """
+    return primitive_name(eqn) in ELEMENTWISE_PRIMITIVES
+
+
+def is_broadcast(eqn: Any) -> bool:
+    """Whether ``eqn`` is a ``broadcast_in_dim`` (its output shape in ``eqn.params["shape"]``).
+
+    Verified on JAX 0.10.2. Used by ``step/_offload``.
+    """
+    return primitive_name(eqn) == "broadcast_in_dim" and "shape" in eqn.params
+
+
+def with_shape(eqn: Any, shape: tuple[int, ...]) -> Any:
+    """A ``broadcast_in_dim`` equation (:func:`is_broadcast`) that broadcasts to ``shape`` instead.
+
+    Verified on JAX 0.10.2 (``JaxprEqn.replace``). Used by ``step/_offload``.
+    """
+    return eqn.replace(params={**eqn.params, "shape": tuple(shape)})
+
+
+def is_row_constraint(eqn: Any) -> bool:
+    """Whether ``eqn`` is a ``sharding_constraint`` whose sharding leaves dim 0 whole (a stacked bucket's
+    ``P(None, axis)``): it constrains a slice of rows as it does the whole array.
+
+    Verified on JAX 0.10.2 (``eqn.params["sharding"]`` a ``NamedSharding``). Used by ``step/_offload``.
+    """
+    if primitive_name(eqn) != "sharding_constraint":
+        return False
+    spec = getattr(eqn.params.get("sharding"), "spec", None)
+    return spec is not None and (len(spec) == 0 or spec[0] is None)

@@ -166,6 +166,14 @@ def _zeroing(plan: Plan, todo: tuple[int, ...]) -> Callable[..., Any]:
     return jax.jit(jax.shard_map(local, mesh=plan.mesh, in_specs=specs, out_specs=specs, check_vma=False))
 
 
+def zero_piece(plan: Plan, bucket: int, x: jax.Array, *, full_shape: tuple[int, ...]) -> jax.Array:
+    """``x``, a piece of a global buffer of ``bucket`` (the whole buffer, or rows of a stacked one; the buffer has
+    ``full_shape``), with the padding set to exactly zero, as :func:`zero_padding` zeroes the whole buffer."""
+    if tuple(full_shape) != plan.buckets[bucket].shape or not has_padding(plan, bucket):
+        return x
+    return _zeroing(plan, (bucket,))(x)[0]
+
+
 def _is_sharded(x: Any) -> bool:
     return isinstance(x, ShardedParams)
 

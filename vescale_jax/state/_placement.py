@@ -15,6 +15,8 @@ from jax.sharding import PartitionSpec as P
 from vescale_jax.layout._checks import plan_difference
 from vescale_jax.layout._plan import Plan, mesh_size
 from vescale_jax.state._checks import check_sharded_params
+from vescale_jax.state._offloaded import Offload
+from vescale_jax.state._offloaded import offload as offload_tree
 from vescale_jax.state._sharded import PerDevice, ShardedParams
 
 __all__ = ["constrain_outputs", "init_opt_state"]
@@ -72,13 +74,15 @@ def _state_shardings(tree: Any, plan: Plan) -> Any:
     return jax.tree.map(one, tree, is_leaf=_is_node)
 
 
-def init_opt_state(tx: Any, params: ShardedParams, *, plan: Plan | None = None) -> Any:
+def init_opt_state(tx: Any, params: ShardedParams, *, plan: Plan | None = None, offload: Offload | None = None) -> Any:
     """``tx.init(params)`` jitted so every parameter-like state (a ``ShardedParams``) is sharded like the buckets.
 
     Args:
       tx: an ``optax.GradientTransformation``.
       params: the sharded parameters; the state is placed by the plan they carry.
       plan: optional; given, it must be the params' plan (another one raises, saying how they differ).
+      offload: a :class:`vj.Offload`: the state for a ``vj.fsdp(offload=...)`` step, its ``ShardedParams`` and
+        ``PerDevice`` nodes moved to host memory (:func:`vj.offload`).
 
     Returns:
       The optimizer state. Placement goes by type, not shape: the children of each :class:`ShardedParams` carry
@@ -106,8 +110,11 @@ def init_opt_state(tx: Any, params: ShardedParams, *, plan: Plan | None = None) 
         )
     plan = params.plan
     shapes = jax.eval_shape(tx.init, params)
+    if offload is not None and not isinstance(offload, Offload):
+        raise TypeError(f"vj.init_opt_state: offload= must be a vj.Offload, got {type(offload).__name__}.")
     with jax.set_mesh(plan.mesh):
-        return jax.jit(tx.init, out_shardings=_state_shardings(shapes, plan))(params)
+        state = jax.jit(tx.init, out_shardings=_state_shardings(shapes, plan))(params)
+    return state if offload is None else offload_tree(state, offload)
 
 
 def constrain_outputs(out: Any, plan: Plan) -> Any:

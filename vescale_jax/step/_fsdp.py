@@ -35,6 +35,7 @@ from vescale_jax.layout._checks import int_grad_message, plan_difference
 from vescale_jax.layout._plan import Plan
 from vescale_jax.state._checks import check_sharded_params, check_state_not_logical, plan_states
 from vescale_jax.state._containers import GatheredParams, ShardedParams
+from vescale_jax.state._offloaded import Offload, has_offloaded, is_offloaded
 from vescale_jax.state._padding import zero_padding
 from vescale_jax.state._placement import constrain_outputs
 from vescale_jax.step._batch import _check_batch, _check_placed, _data_size, place_batch
@@ -42,6 +43,7 @@ from vescale_jax.step._checks import check_kernel_policy, check_microbatches, ch
 from vescale_jax.step._control_flow import checked_model
 from vescale_jax.step._fp32_grads import widened
 from vescale_jax.step._model_call import model_call
+from vescale_jax.step._offload import stream_offloaded
 from vescale_jax.step._outputs import split_or_whole
 from vescale_jax.step._point_of_use import at_point_of_use
 from vescale_jax.step._policy import StepPolicy, enclosing_policy, running
@@ -97,9 +99,29 @@ def _check_not_donated(params: ShardedParams, opt_state: Any, *rest: Any) -> Non
                 )
 
 
-def _check_opt_state(opt_state: Any, plan: Plan) -> None:
-    """Every ``ShardedParams`` / ``PerDevice`` in the optimizer state must belong to the step's plan."""
-    for path, node in plan_states(opt_state):
+def _check_opt_state(opt_state: Any, plan: Plan, offload: Offload | None = None) -> None:
+    """Every ``ShardedParams`` / ``PerDevice`` (or offloaded one) in the optimizer state must belong to the step's
+    plan, and be in host memory exactly when the step offloads the state."""
+    offloaded = [
+        (jax.tree_util.keystr(p) or "<root>", x)
+        for p, x in jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=is_offloaded)[0]
+        if is_offloaded(x)
+    ]
+    active = offload is not None and offload.active
+    if active and plan_states(opt_state):
+        path = plan_states(opt_state)[0][0]
+        raise ValueError(
+            f"vj.fsdp: the step keeps the optimizer state in host memory (offload={offload}) but opt_state{path} "
+            "is on the device; build the state with vj.init_opt_state(tx, params, offload=...) or move it with "
+            "vj.offload(opt_state, offload)."
+        )
+    if offloaded and not active:
+        raise ValueError(
+            f"vj.fsdp: opt_state{offloaded[0][0]} is in host memory (vj.Offloaded) but the step was built without "
+            "offload=; build it with vj.fsdp(..., offload=vj.Offload()) or bring the state back with "
+            "vj.onload(opt_state)."
+        )
+    for path, node in [*plan_states(opt_state), *offloaded]:
         if node.plan != plan:
             raise ValueError(
                 f"vj.fsdp: opt_state{path} is a {type(node).__name__} of another plan "
@@ -325,6 +347,7 @@ def fsdp(
     microbatches: int | None = None,
     donate: bool = True,
     kernels: KernelPolicy | None = None,
+    offload: Offload | None = None,
 ) -> Callable[..., Any]:
     """Compiles a train step ``step(params, opt_state, batch, *rest) -> (params, opt_state, ...)`` for FSDP.
 
@@ -354,6 +377,12 @@ def fsdp(
         step) it may return anything.
       kernels: a :class:`vj.kernels.KernelPolicy`: how gathered buckets are unpacked and gradients packed
         (XLA or the Pallas kernels). Default: ``KernelPolicy.from_env()``, read once, here.
+      offload: a :class:`vj.Offload`: keep the optimizer state in host memory between steps (build it with
+        ``vj.init_opt_state(tx, params, offload=...)``). The step runs the forward and backward with no optimizer
+        state on the device, then brings each bucket's state to the device, updates it and sends it back, one
+        piece at a time (a layer of a stacked group when the update is element-wise, else the whole bucket);
+        the results are bit for bit those of the step without offload. The step must return
+        ``(params, opt_state, *rest)``.
 
     Returns:
       The compiled step. It checks its inputs (params and every ``ShardedParams`` / ``PerDevice`` of the
@@ -393,8 +422,11 @@ def fsdp(
             microbatches=microbatches,
             donate=donate,
             kernels=kernels,
+            offload=offload,
         )
     check_precision_type(precision, "vj.fsdp")
+    if offload is not None and not isinstance(offload, Offload):
+        raise TypeError(f"vj.fsdp: offload= must be a vj.Offload, got {type(offload).__name__}.")
     kernels = KernelPolicy.from_env() if kernels is None else check_kernel_policy(kernels, "vj.fsdp")
     options = dict(
         data_axes=data_axes,
@@ -407,7 +439,7 @@ def fsdp(
 
     @plan_cache
     def compiled_for(plan: Plan) -> _Compiled:
-        return _compile(step, plan, donate, options)
+        return _compile(step, plan, donate, options, offload)
 
     if plan is not None:
         compiled_for(plan)  # the options checked against the plan now
@@ -417,7 +449,7 @@ def fsdp(
         on = params.plan if plan is None else plan
         _check_params(params, on)
         _check_not_donated(params, opt_state, batch, *rest)
-        _check_opt_state(opt_state, on)
+        _check_opt_state(opt_state, on, offload)
         compiled = compiled_for(on)
         batch = place_batch(batch, on, compiled.policy.data_axes, microbatches=microbatches)
         return compiled, (params, opt_state, batch, *rest)
@@ -451,8 +483,19 @@ def fsdp(
                 return traced.lower()
             return traced.lower(lowering_platforms=tuple(lowering_platforms))
 
+    def streamed(params, opt_state, batch, *rest) -> list[Any]:
+        """The pieces of optimizer state an offloaded step streams, in order (``Piece``: bucket, row, bytes per
+        device in and out); empty without offload."""
+        compiled, args = prepare(params, opt_state, batch, *rest)
+        record: list[Any] = []
+        if offload is not None and offload.active:
+            with jax.set_mesh(compiled.plan.mesh):
+                jax.make_jaxpr(functools.partial(compiled.traced, record=record))(*args)
+        return record
+
     run.lower = lower
     run.trace = trace
+    run.streamed = streamed
     run.plan = plan
     return run
 
@@ -464,16 +507,19 @@ class _Compiled:
     plan: Plan
     policy: StepPolicy
     jitted: Callable[..., Any]
+    traced: Callable[..., Any]
 
 
-def _compile(step: Callable[..., Any], plan: Plan, donate: bool, options: dict[str, Any]) -> _Compiled:
+def _compile(
+    step: Callable[..., Any], plan: Plan, donate: bool, options: dict[str, Any], offload: Offload | None = None
+) -> _Compiled:
     """The step over ``plan``: the options checked against it, gathered into one :class:`StepPolicy`, and the
     step jitted with that policy enclosing its trace."""
     _check_precision(options["precision"], plan)
     policy = StepPolicy.for_plan(plan, **options)
     auto = all(t == jax.sharding.AxisType.Auto for t in plan.mesh.axis_types)
 
-    def traced(params, opt_state, batch, *rest):
+    def inner(params, opt_state, batch, *rest, streamed=False):
         check_state_not_logical(opt_state, plan)  # at trace time: jit retraces for another state structure
         with running(policy):
             try:
@@ -483,11 +529,27 @@ def _compile(step: Callable[..., Any], plan: Plan, donate: bool, options: dict[s
                 if hint is None:
                     raise
                 raise TypeError(f"vj.fsdp: {hint}") from e
-        out = zero_padding(out)  # the padding invariant: params and optimizer moments keep exactly zero padding
-        if donate:  # the inputs are gone after the call: the step must hand back their successors
+        if donate or streamed:  # the inputs are gone after the call: the step must hand back their successors
             check_step_outputs(out, plan, opt_state)
+        if streamed:  # the offloaded state's padding is zeroed piece by piece as it goes back to host memory
+            keep = out[1]
+            out = zero_padding((out[0], *out[2:]))
+            out = (out[0], keep, *out[1:])
+        else:  # the padding invariant: params and optimizer moments keep exactly zero padding
+            out = zero_padding(out)
         if auto:  # Explicit axes carry shardings in the types; Auto ones need a hint on the outputs.
-            out = constrain_outputs(out, plan)
+            if streamed:  # the offloaded state is placed piece by piece
+                kept = constrain_outputs((out[0], *out[2:]), plan)
+                out = (kept[0], out[1], *kept[1:])
+            else:
+                out = constrain_outputs(out, plan)
         return out
 
-    return _Compiled(plan, policy, jax.jit(traced, donate_argnums=(0, 1) if donate else ()))
+    def traced(params, opt_state, batch, *rest, record=None):
+        if not has_offloaded(opt_state):
+            return inner(params, opt_state, batch, *rest)
+        run = functools.partial(inner, streamed=True)
+        return stream_offloaded(run, (params, opt_state, batch, *rest), record=record)
+
+    jitted = jax.jit(traced, donate_argnums=(0, 1) if donate else ())
+    return _Compiled(plan, policy, jitted, traced)
