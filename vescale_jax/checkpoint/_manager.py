@@ -9,7 +9,8 @@ finalisation, optional async save) with four items per step:
 * ``opt_state``: the optimizer state as nested dicts keyed by its key path; every :class:`ShardedParams` in it
   (AdamW moments, Muon momentum) stored logically like ``params``; a :class:`PerDevice` leaf with a ``layout``
   stored as ``layout.to_logical(value)`` (plan-independent keys), one without a layout by device index;
-  counts and scalars as they are;
+  counts and scalars as they are; an offloaded node (:class:`vj.Offloaded`, state in host memory) stored as the
+  node it holds, so the checkpoint is the one saved from the same state on the device;
 * ``vescale_jax``: JSON describing the plan (:meth:`Plan.to_dict`), each optimizer-state leaf and the format;
 * ``metadata``: the user's JSON.
 
@@ -206,7 +207,9 @@ class Manager:
         Args:
           step: the step number (the sub-directory's name).
           params: the sharded parameters.
-          opt_state: the optimizer state over them (any Optax state), or ``None``.
+          opt_state: the optimizer state over them (any Optax state), or ``None``. Offloaded nodes
+            (``vj.init_opt_state(..., offload=vj.Offload())``) are written as the device state they hold, brought
+            to the device one node at a time.
           metadata: JSON-serialisable user data (data-loader position, RNG state, config).
           force: save even if ``save_interval_steps`` says not to.
 
@@ -286,7 +289,10 @@ class Manager:
           params: the target :class:`Plan` (or ``ShardedParams``, real or abstract, whose plan to use);
             ``None`` skips the parameters.
           opt_state: a template of the target optimizer state (e.g. ``vj.init_opt_state(tx, sp)`` or its
-            ``jax.eval_shape``) whose ``ShardedParams`` carry the target plan; ``None`` skips it.
+            ``jax.eval_shape``) whose ``ShardedParams`` carry the target plan; ``None`` skips it. Where the
+            template holds an offloaded node (``vj.Offloaded``, concrete or abstract) the restored node is offloaded
+            too, in the template's memory kind and pieces; a device-resident node is restored on the device,
+            whichever form the state was saved from.
 
         Returns:
           :class:`Restored` ``(step, params, opt_state, metadata)``; values are bit-equal to the saved ones.

@@ -3,6 +3,11 @@
 Turns ``params`` / an optimizer state into the trees Orbax writes (nested dicts keyed by key path; zero-size
 leaves as ``None``, since Orbax refuses empty arrays) and back, given restore templates. Used by
 :mod:`vescale_jax.checkpoint`.
+
+An :class:`Offloaded` node (optimizer state in host memory) is stored as the node it holds: brought to the device
+one node at a time, converted like a device node, and its stored arrays moved back to its host memory kind before
+the next node, so the device holds about one node's state. A checkpoint saved from offloaded state is the one
+saved from the same state on the device; either restores into an offloaded or a device-resident template.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from vescale_jax.checkpoint import _integrity as _integrity
 from vescale_jax.layout._plan import Plan
 from vescale_jax.optim._logical_view import check_layout_groups
 from vescale_jax.relayout import _logical_leaves as _logical
+from vescale_jax.state._offloaded import Offload, Offloaded, offload, onload
 from vescale_jax.state._sharded import PerDevice, ShardedParams
 
 __all__ = [
@@ -41,7 +47,47 @@ _name, _raw_path = _integrity.key_name, _integrity.raw_path
 
 
 def is_node(x: Any) -> bool:
-    return isinstance(x, (ShardedParams, PerDevice))
+    return isinstance(x, (ShardedParams, PerDevice, Offloaded))
+
+
+# --------------------------------------------------------------------------------------------- offloaded nodes
+def _in_memory(tree: Any, kind: str) -> Any:
+    """``tree``'s arrays (or ``ShapeDtypeStruct`` targets) in memory ``kind`` with their shardings otherwise."""
+
+    def move(x: Any) -> Any:
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding.with_memory_kind(kind))
+        if isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding):
+            return jax.device_put(x, x.sharding.with_memory_kind(kind))
+        return x
+
+    return jax.tree.map(move, tree)
+
+
+def _shell(off: Offloaded, name: str) -> ShardedParams | PerDevice:
+    """The device node an offloaded template holds, its children as ``ShapeDtypeStruct`` (no data moved)."""
+    form, children = off.form, []
+    for parts, rows in zip(off.pieces, form.rows, strict=True):
+        if rows == -1:
+            children.append(parts[0])
+            continue
+        first = parts[0]
+        if not (hasattr(first, "shape") and hasattr(first, "dtype")) or (rows is not None and len(parts) != rows):
+            raise ValueError(
+                f"vj.checkpoint: optimizer-state leaf {name!r} of the template is a vj.Offloaded whose pieces do "
+                f"not match its form ({len(parts)} pieces of {type(first).__name__}, {rows} rows expected); build "
+                "the template with vj.init_opt_state(..., offload=vj.Offload()) or vj.offload(...)."
+            )
+        shape = tuple(first.shape) if rows is None else (rows, *first.shape[1:])
+        children.append(jax.ShapeDtypeStruct(shape, np.dtype(first.dtype)))
+    if form.kind == "sharded":
+        return ShardedParams(children, form.plan)
+    return PerDevice(children[0], form.plan, form.layout)
+
+
+def _policy(off: Offloaded) -> Offload:
+    """The :class:`Offload` policy that re-creates ``off``'s form from its device node."""
+    return Offload(memory_kind=off.form.memory_kind, pieces="layer" if off.form.by_layer else "bucket")
 
 
 def nest(items: list[tuple[list[str], Any]]) -> dict[str, Any]:
@@ -135,14 +181,23 @@ def _replicated(plan: Plan) -> NamedSharding:
 
 
 def opt_state_items(opt_state: Any) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, list[int]]]:
-    """``opt_state`` as a nested dict of storable values, the JSON description of each node, its checksums."""
+    """``opt_state`` as a nested dict of storable values, the JSON description of each node, its checksums.
+
+    An :class:`Offloaded` node is written as the device node it holds (the same keys, arrays and description):
+    it is brought to the device alone, converted, checksummed there, and what is stored goes back to its host
+    memory kind before the next node, so the device holds about one node's state at a time.
+    """
     flat, _ = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=is_node)
     items, info, others, sums = [], [], [], {}
+    early: dict[str, list[int]] = {}  # checksums of offloaded PerDevice values, computed on the device
     for path, node in flat:
         parts, name = [_name(k) for k in path], _raw_path(path)
+        host = node.form.memory_kind if isinstance(node, Offloaded) else None
+        if host is not None:
+            node = onload(node)  # this node only: its buckets whole, on the device
         if isinstance(node, ShardedParams):
             tree, node_sums = logical_and_sums(node, prefix=name + "/")
-            items.append((parts, storable(tree)))
+            items.append((parts, storable(tree) if host is None else _in_memory(storable(tree), host)))
             sums.update(node_sums)
             info.append({"path": name, "kind": "sharded", "plan": node.plan.fingerprint()})
             continue
@@ -162,6 +217,9 @@ def opt_state_items(opt_state: Any) -> tuple[dict[str, Any], list[dict[str, Any]
                         "shape": list(node.value.shape),
                     }
                 )
+            if host is not None:
+                early.update(_integrity.checksums(nest([(parts, value)])))
+                value = _in_memory(value, host)
         else:
             # A process-local jax.Array (e.g. a scalar made outside jit) cannot be written as a global array in a
             # multi-process job: it is the same on every process, so store it as host data.
@@ -170,8 +228,22 @@ def opt_state_items(opt_state: Any) -> tuple[dict[str, Any], list[dict[str, Any]
             info.append({"path": name, "kind": "array"})
         items.append((parts, value))
         others.append((parts, value))
-    sums.update(_integrity.checksums(nest(others)))
+    if early:
+        names = set(early)
+        on_device = [(parts, v) for parts, v in others if not _under(parts, names)]
+        found = {**_integrity.checksums(nest(on_device)), **early}
+        # In the order a device-resident state's checksums take (the same JSON either way).
+        flat_others, _ = jax.tree_util.tree_flatten_with_path(nest(others))
+        sums.update({k: found[k] for k in (_raw_path(p) for p, _ in flat_others)})
+    else:
+        sums.update(_integrity.checksums(nest(others)))
     return nest(items), info, sums
+
+
+def _under(parts: list[str], names: set[str]) -> bool:
+    """Whether a leaf at ``parts`` (or a leaf below it) has a checksum in ``names``."""
+    prefix = "/".join(parts) if parts else "value"
+    return any(n == prefix or n.startswith(prefix + "/") for n in names)
 
 
 def _abstract(x: Any, sharding: Any) -> jax.ShapeDtypeStruct:
@@ -179,7 +251,11 @@ def _abstract(x: Any, sharding: Any) -> jax.ShapeDtypeStruct:
 
 
 def opt_state_target(template: Any, saved: Mapping[str, dict[str, Any]], default: Plan) -> tuple[dict, list]:
-    """The Orbax restore target of an optimizer-state template, and how to rebuild each node."""
+    """The Orbax restore target of an optimizer-state template, and how to rebuild each node.
+
+    An :class:`Offloaded` node of the template is read as the device node it holds, into its host memory kind
+    (so the read places nothing on the device); :func:`rebuild_state` converts it one node at a time.
+    """
     flat, _ = jax.tree_util.tree_flatten_with_path(template, is_leaf=is_node)
     items, rebuild = [], []
     for path, node in flat:
@@ -191,14 +267,18 @@ def opt_state_target(template: Any, saved: Mapping[str, dict[str, Any]], default
                 f"(it holds {sorted(saved)[:8]}); build the template with the optimizer the checkpoint was saved "
                 "with, or restore params only (opt_state=None) and re-initialise the optimizer."
             )
+        off = node if isinstance(node, Offloaded) else None
+        if off is not None:
+            node = _shell(off, name)
         if isinstance(node, ShardedParams):
             if stored["kind"] != "sharded":
+                what = "parameter-shaped ShardedParams" if off is None else "an offloaded (vj.Offloaded) ShardedParams"
                 raise ValueError(
                     f"vj.checkpoint: optimizer-state leaf {name!r} was saved as {stored['kind']}, the "
-                    "template has parameter-shaped ShardedParams there; use the same optimizer."
+                    f"template has {what} there; use the same optimizer."
                 )
-            items.append((parts, storable(abstract_logical(node.plan, node.buffers))))
-            rebuild.append(("sharded", node))
+            target: Any = storable(abstract_logical(node.plan, node.buffers))
+            rebuild.append(("sharded", node, off))
         elif isinstance(node, PerDevice):
             layout = getattr(node, "layout", None)
             if layout is not None:
@@ -209,7 +289,7 @@ def opt_state_target(template: Any, saved: Mapping[str, dict[str, Any]], default
                         "had no layout), so it can only be restored into the identical plan; restore with the "
                         "saved plan, or re-initialise this state."
                     )
-                shapes = {
+                target = {
                     k: _abstract(
                         s,
                         s.sharding
@@ -218,8 +298,7 @@ def opt_state_target(template: Any, saved: Mapping[str, dict[str, Any]], default
                     )
                     for k, s in layout.logical_shapes(node.value.dtype).items()
                 }
-                items.append((parts, shapes))
-                rebuild.append(("per_device_logical", node))
+                rebuild.append(("per_device_logical", node, off))
             else:
                 if stored["kind"] != "per_device" or stored["plan"] != node.plan.fingerprint():
                     raise ValueError(
@@ -231,8 +310,8 @@ def opt_state_target(template: Any, saved: Mapping[str, dict[str, Any]], default
                         "params only and re-initialise the optimizer."
                     )
                 spec = P(node.plan.axis, *[None] * (len(node.value.shape) - 1))
-                items.append((parts, _abstract(node.value, NamedSharding(node.plan.mesh, spec))))
-                rebuild.append(("per_device", node))
+                target = _abstract(node.value, NamedSharding(node.plan.mesh, spec))
+                rebuild.append(("per_device", node, off))
         else:
             sharding = getattr(node, "sharding", None)
             # jax.eval_shape templates on Explicit axes carry shardings over an AbstractMesh: not placeable.
@@ -240,41 +319,52 @@ def opt_state_target(template: Any, saved: Mapping[str, dict[str, Any]], default
                 getattr(sharding, "mesh", None), jax.sharding.AbstractMesh
             ):
                 sharding = _replicated(default)
-            items.append((parts, _abstract(np.asarray(node) if not hasattr(node, "shape") else node, sharding)))
-            rebuild.append(("array", node))
+            target = _abstract(np.asarray(node) if not hasattr(node, "shape") else node, sharding)
+            rebuild.append(("array", node, None))
+        items.append((parts, target if off is None else _in_memory(target, off.form.memory_kind)))
     return nest(items), rebuild
 
 
 def rebuild_state(
     template: Any, restored: dict[str, Any], rebuild: list, expected: Mapping[str, list[int]], where: str
 ) -> Any:
+    """The optimizer state of ``template``'s structure from the restored tree, checking every checksum.
+
+    A node whose template is an :class:`Offloaded` is moved to the device, rebuilt there and offloaded again
+    (in the template's memory kind and pieces) before the next node.
+    """
     flat, treedef = jax.tree_util.tree_flatten_with_path(template, is_leaf=is_node)
     out, others = [], []
-    for (path, _), (kind, node) in zip(flat, rebuild, strict=True):
+    for (path, _), (kind, node, off) in zip(flat, rebuild, strict=True):
         value: Any = restored
         for k in path:
             value = value[_name(k)]
+        if off is not None:
+            value = _in_memory(value, "device")
         if kind == "sharded":
-            out.append(
-                pack(
-                    value,
-                    node.plan,
-                    expected,
-                    prefix=_raw_path(path) + "/",
-                    item=OPT,
-                    where=where,
-                    buffers=node.buffers,
-                )
+            built: Any = pack(
+                value,
+                node.plan,
+                expected,
+                prefix=_raw_path(path) + "/",
+                item=OPT,
+                where=where,
+                buffers=node.buffers,
             )
-            continue
-        others.append(([_name(k) for k in path], value))
-        if kind == "per_device_logical":
-            children = [node.layout.from_logical(dict(value))]
-            out.append(jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(node), children))
-        elif kind == "per_device":
-            out.append(jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(node), [value]))
         else:
-            out.append(value)
+            parts = [_name(k) for k in path]
+            if off is None:
+                others.append((parts, value))
+            else:  # checked here, on the device, before the node goes back to host memory
+                _integrity.compare(_integrity.checksums(nest([(parts, value)])), expected, item=OPT, where=where)
+            if kind == "per_device_logical":
+                children = [node.layout.from_logical(dict(value))]
+                built = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(node), children)
+            elif kind == "per_device":
+                built = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(node), [value])
+            else:
+                built = value
+        out.append(built if off is None else offload(built, _policy(off)))
     _integrity.compare(_integrity.checksums(nest(others)), expected, item=OPT, where=where)
     return jax.tree_util.tree_unflatten(treedef, out)
 
