@@ -170,7 +170,7 @@ def host_form(node: ShardedParams | PerDevice, memory_kind: str, *, by_layer: bo
     """The :class:`_Form` an offloaded ``node`` takes (from its children's shapes)."""
     rows = []
     for i, x in enumerate(_children(node)):
-        rows.append(split_rows(node, i, x.shape) if _is_array(x) else -1)
+        rows.append((split_rows(node, i, x.shape) if by_layer else None) if _is_array(x) else -1)
     kind = "sharded" if isinstance(node, ShardedParams) else "per_device"
     layout = node.layout if isinstance(node, PerDevice) else None
     return _Form(kind, node.plan, layout, tuple(rows), memory_kind, by_layer)

@@ -458,7 +458,7 @@ def fsdp(
     def run(params, opt_state, batch, *rest):
         compiled, args = prepare(params, opt_state, batch, *rest)
         if any(is_tracer(x) for x in jax.tree.leaves(args)):  # under an outer jit / export: nest the jitted step
-            return compiled.jitted(*args)
+            return compiled.ordered(*args)  # (exported for a GPU, offloaded state's transfers must be ordered)
         kernels.check_platform(jax.default_backend())
         with jax.set_mesh(compiled.plan.mesh):
             return compiled.jitted(*args)
@@ -476,9 +476,11 @@ def fsdp(
         :class:`vj.kernels.KernelPolicy`)."""
         for platform in lowering_platforms or (jax.default_backend(),):
             kernels.check_platform(platform)
-        traced = trace(params, opt_state, batch, *rest)
-        compiled = compiled_for(params.plan if plan is None else plan)
+        compiled, args = prepare(params, opt_state, batch, *rest)
+        to_cpu = all(p == "cpu" for p in (lowering_platforms or (jax.default_backend(),)))
+        jitted = compiled.jitted if to_cpu else compiled.ordered
         with jax.set_mesh(compiled.plan.mesh):
+            traced = jitted.trace(*args)
             if lowering_platforms is None:
                 return traced.lower()
             return traced.lower(lowering_platforms=tuple(lowering_platforms))
@@ -508,6 +510,7 @@ class _Compiled:
     policy: StepPolicy
     jitted: Callable[..., Any]
     traced: Callable[..., Any]
+    ordered: Callable[..., Any]  # ``jitted`` with the offloaded state's transfers ordered (for lowering to a GPU)
 
 
 def _compile(
@@ -545,11 +548,16 @@ def _compile(
                 out = constrain_outputs(out, plan)
         return out
 
-    def traced(params, opt_state, batch, *rest, record=None):
+    on_cpu = plan.mesh.devices.flat[0].platform == "cpu"
+
+    def traced(params, opt_state, batch, *rest, record=None, ordered=not on_cpu):
         if not has_offloaded(opt_state):
             return inner(params, opt_state, batch, *rest)
         run = functools.partial(inner, streamed=True)
-        return stream_offloaded(run, (params, opt_state, batch, *rest), record=record)
+        return stream_offloaded(run, (params, opt_state, batch, *rest), ordered=ordered, record=record)
 
-    jitted = jax.jit(traced, donate_argnums=(0, 1) if donate else ())
-    return _Compiled(plan, policy, jitted, traced)
+    donated = (0, 1) if donate else ()
+    jitted = jax.jit(traced, donate_argnums=donated)
+    # lowered for a GPU from CPU devices: the transfers exist there, so they are ordered
+    ordered = jitted if not on_cpu else jax.jit(functools.partial(traced, ordered=True), donate_argnums=donated)
+    return _Compiled(plan, policy, jitted, traced, ordered)
