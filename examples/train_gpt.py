@@ -141,6 +141,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--microbatches", type=int, default=1, help="gradient accumulation steps per batch")
     p.add_argument("--bf16", action="store_true", help="gather and compute in bfloat16, reduce in float32")
     p.add_argument(
+        "--offload",
+        action="store_true",
+        help="keep the optimizer state in pinned host memory between steps, streamed through the update (vj.Offload)",
+    )
+    p.add_argument(
         "--fp8-gather",
         action="store_true",
         help="with --bf16's dtypes, gather the matrices as FP8 codes with one fp32 scale per 128x128 tile "
@@ -237,12 +242,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, b2=0.99, weight_decay=0.1))
 
     params = vj.init_sharded(lambda key: init_params(cfg, key), plan, jax.random.key(args.seed))
-    opt_state = vj.init_opt_state(tx, params)
+    offload = vj.Offload() if args.offload else None
+    opt_state = vj.init_opt_state(tx, params, offload=offload)
     mngr, first = None, 1
     if args.checkpoint_dir:
         mngr = vj.checkpoint.Manager(args.checkpoint_dir, max_to_keep=2, async_save=True)
         if args.resume and mngr.latest_step() is not None:  # into this run's plan, whatever the device count
-            restored = mngr.restore(params=plan, opt_state=jax.eval_shape(tx.init, params))
+            target = jax.eval_shape(tx.init, params)  # the state's form: offloaded with --offload, whatever was saved
+            restored = mngr.restore(params=plan, opt_state=jax.eval_shape(vj.offload, target) if offload else target)
             params, opt_state, first = restored.params, restored.opt_state, restored.step + 1
             train_rng.bit_generator.state = restored.metadata["train_rng"]
             if lead:
@@ -259,6 +266,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         reshard_after_forward=not args.keep,
         precision=precision,
         microbatches=args.microbatches if args.microbatches > 1 else None,
+        offload=offload,
     )
     def train_step(params, opt_state, batch):
         def loss_of(p, b):
