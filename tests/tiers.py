@@ -239,6 +239,15 @@ HEAVY: dict[str, tuple[str, ...]] = {
     "test_shampoo.py": ("test_large_blocks_on_eight_cpu_devices_do_not_deadlock",),
     "test_redistribute.py": ("test_reshard_between_placements[m8-*]",),
     "test_fsdp.py": ("test_census[keep]", "test_census[prefetch]"),
+    "test_offload.py": (
+        "test_adamw_ten_steps_bitwise[m1]",
+        "test_adamw_ten_steps_bitwise[m8]",
+        "test_optimizers_bitwise[muon]",
+        "test_optimizers_bitwise[shampoo]",
+        "test_optimizers_bitwise[clipped_chain]",
+        "test_hsdp_bitwise",
+        "test_tensor_parallel_plan[layer]",
+    ),
 }
 
 
