@@ -3,6 +3,7 @@
     python benchmarks/fsdp_step.py                       # 12-layer GPT, 8 simulated CPU devices
     python benchmarks/fsdp_step.py --layers 24 --time-steps 0 --no-flops
     python benchmarks/fsdp_step.py --out benchmarks/results/fsdp_step.md
+    python benchmarks/fsdp_step.py --d-model 768 --heads 12 --vocab 50257 --time-steps 0 --no-flops --offload-bound 0.6
 
 Baselines (DESIGN.md §5): ``jax.jit`` with ``NamedSharding`` FSDP (each parameter and its Adam moments sharded
 on its largest dim divisible by the device count, else replicated) and batch-sharded activation constraints;
@@ -15,6 +16,15 @@ for per MiB with ``vescale_jax.testing.peak_account``; the CPU step time is a sm
 when vj.fsdp breaks a bound: peak ≤ 1.05× strong (fp32, and bf16 against strong bf16); peak ≤ 0.5× plain (for a
 vocabulary of at most 1024, see ``--plain-bound``); collective launches ≤ ½ of the strong baseline's; all-gather
 and reduce-scatter wire bytes within 2 % of their ideal; no parameter-sized all-reduce.
+
+The *vj.fsdp offload* row (``--no-offload`` skips it) keeps the AdamW state in ``pinned_host`` memory
+(``vj.Offload()``) and streams it through the update. XLA:CPU drops memory kinds, so its device peak is an
+estimate from the CPU compile: memory.peak − H + W, H the per-device bytes of the host-resident (donated, aliased)
+state arguments, W = max_k (in_k + out_k + in_{k+1}) over ``step.streamed``'s pieces (the pieces in flight on a
+GPU). The bytes it moves per step are read from the step lowered for CUDA (its ``annotate_device_placement`` custom
+calls; not compiled). Bounds: estimated device peak ≤ ``--offload-bound`` (default 0.65) × strong's peak; bytes
+moved ≤ 2 × the optimizer state; nothing but the optimizer state moved (in == out == H); the lowered transfers and
+host arguments match ``step.streamed`` and the state's host arrays.
 """
 
 from __future__ import annotations
@@ -110,11 +120,13 @@ def baseline_step(cfg: GPTConfig, mesh, tx, *, scan: bool, compute_dtype=None):
     return jitted, (params, opt_state)
 
 
-def vj_step(cfg: GPTConfig, mesh, tx, *, reshard: bool = True, prefetch: bool = False, precision=None):
+def vj_step(cfg: GPTConfig, mesh, tx, *, reshard: bool = True, prefetch: bool = False, precision=None, offload=None):
+    """The vj.fsdp train step; returns (step, (params, opt_state), plan). With ``offload`` (a ``vj.Offload``) the
+    optimizer state is built in host memory and the step streams it through the update."""
     graphdef, shapes = abstract_model(cfg)
     plan = vj.plan(shapes, mesh, stacked=("blocks",))  # element granularity: all AdamW needs
 
-    @vj.fsdp(plan=plan, reshard_after_forward=reshard, prefetch=prefetch, precision=precision)
+    @vj.fsdp(plan=plan, reshard_after_forward=reshard, prefetch=prefetch, precision=precision, offload=offload)
     def step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(lambda p: loss_fn(vj.flax.nnx_apply(graphdef, p, batch["x"]), batch["y"]))(
             params
@@ -123,7 +135,7 @@ def vj_step(cfg: GPTConfig, mesh, tx, *, reshard: bool = True, prefetch: bool = 
         return optax.apply_updates(params, updates), opt_state, loss
 
     params = vj.init_sharded(lambda k: init_params(cfg, k), plan, jax.random.key(0))
-    return step, (params, vj.init_opt_state(tx, params)), plan
+    return step, (params, vj.init_opt_state(tx, params, offload=offload)), plan
 
 
 def measure(name, fn, args, batch, mesh, *, time_steps: int, account: bool = False):
@@ -214,6 +226,13 @@ def main(argv=None) -> int:
         action="store_true",
         help="apply the bound peak <= 0.5 x plain whatever the vocabulary (by default only for vocab <= 1024)",
     )
+    ap.add_argument(
+        "--offload-bound",
+        type=float,
+        default=0.65,
+        help="bound on the offload row's estimated device peak, as a fraction of the strong baseline's peak",
+    )
+    ap.add_argument("--no-offload", action="store_true", help="skip the vj.fsdp offload row")
     args = ap.parse_args(argv)
 
     m = len(jax.devices())
@@ -243,6 +262,8 @@ def main(argv=None) -> int:
         rows.append(
             measure(name, fn, b_args, batch, mesh, time_steps=args.time_steps, account=name.startswith("strong"))
         )
+    if not args.no_offload:
+        rows.insert(3, offload_row(cfg, mesh, tx, batch, time_steps=args.time_steps))
     by_name = {r["name"]: r for r in rows}
     fl = {} if args.no_flops else {w: flops(cfg, mesh, tx, batch, w) for w in ("vj", "plain", "strong")}
 
@@ -302,12 +323,14 @@ def main(argv=None) -> int:
     ]
     for r in rows:
         mem, cen = r["memory"], r["census"]
-        f = None if "bf16" in r["name"] else fl.get("vj" if r["name"].startswith("vj.fsdp") else r["name"])
+        offloaded = "estimate" in r
+        f = None if "bf16" in r["name"] or offloaded else fl.get("vj" if r["name"].startswith("vj.fsdp") else r["name"])
         fr = f"{f / fl['plain']:.3f}" if f else "–"
-        xideal = "–" if "bf16" in r["name"] else f"{mem.peak / ideal:.2f}"
-        persistent = mem.argument - mem.alias + mem.output
+        xideal = "–" if "bf16" in r["name"] or offloaded else f"{mem.peak / ideal:.2f}"
+        persistent = mem.argument - mem.alias + mem.output - (r["host"] if offloaded else 0)
+        peak = f"{r['estimate'] / MiB:.1f}¹" if offloaded else f"{mem.peak / MiB:.1f}"
         lines.append(
-            f"| {r['name']} | {mem.peak / MiB:.1f} | {xideal} | {persistent / MiB:.1f} | "
+            f"| {r['name']} | {peak} | {xideal} | {persistent / MiB:.1f} | "
             f"{mem.temp / MiB:.1f} | {launches(cen)} | {cen.count('all-gather')} | "
             f"{cen.wire_bytes('all-gather') / MiB:.2f} | {cen.count('reduce-scatter')} | "
             f"{cen.wire_bytes('reduce-scatter') / MiB:.2f} | {cen.count('all-reduce')} | "
@@ -316,6 +339,7 @@ def main(argv=None) -> int:
     lines += [
         "",
         "launches: all-gather + reduce-scatter + all-reduce + all-to-all + collective-permute launches per step.",
+        *([] if args.no_offload else ["", OFFLOAD_FOOTNOTE]),
         "",
         f"Reference: the ideal fp32 peak (P+O+G)/m + 2·U_max + activations = "
         f"{(persistent_ideal + param_bytes / m) / MiB:.1f} + 2·{unit_max / MiB:.1f} + {acts / MiB:.1f} = "
@@ -370,6 +394,26 @@ def main(argv=None) -> int:
     vjm, plain = by_name["vj.fsdp"]["memory"], by_name["plain"]["memory"]
     if plain_bound:
         checks["vj.fsdp peak <= 0.5 x plain"] = vjm.peak <= 0.5 * plain.peak
+    if not args.no_offload:
+        off = by_name["vj.fsdp offload"]
+        strong = by_name["strong"]["memory"].peak
+        checks[f"vj.fsdp offload device peak (estimate) <= {args.offload_bound:g} x strong"] = (
+            off["estimate"] <= args.offload_bound * strong
+        )
+        checks["vj.fsdp offload bytes moved per step <= 2 x optimizer state"] = (
+            off["moved_in"] + off["moved_out"] <= 2 * off["opt_bytes"]
+        )
+        checks["vj.fsdp offload moves only the optimizer state (in == out == host bytes)"] = (
+            off["moved_in"] == off["moved_out"] == off["host"]
+        )
+        streamed = (sum(p.bytes_in for p in off["pieces"]), sum(p.bytes_out for p in off["pieces"]))
+        checks["vj.fsdp offload CUDA-lowered transfers == step.streamed totals"] = (
+            off["moved_in"],
+            off["moved_out"],
+        ) == streamed
+        host_state = (off["host_leaves"], off["host_leaves"], off["host"])  # arguments, results, bytes
+        checks["vj.fsdp offload CUDA-lowered host arguments == host-resident state"] = off["lowered_host"] == host_state
+        lines += ["", *offload_paragraph(off, strong)]
     lines += ["", *notes] if notes else []
     lines += [
         "",
@@ -393,6 +437,55 @@ def main(argv=None) -> int:
         with open(args.out, "a") as f:
             f.write(text + "\n")
     return 0 if all(checks.values()) else 1
+
+
+def offload_paragraph(off, strong_peak: int) -> list[str]:
+    """Markdown lines: the offload row's estimate, host bytes and transfers, with how each is obtained."""
+    mem, pieces = off["memory"], off["pieces"]
+    n_host, n_host_out, lowered_bytes = off["lowered_host"]
+    layers = sum(p.row is not None for p in pieces)
+
+    def name(p):
+        group = off["groups"][p.group] if p.group < len(off["groups"]) else f"PerDevice {p.group}"
+        return group if p.row is None else f"{group} row {p.row}"
+
+    # where the window is reached: piece k and piece k + 1
+    def term(k):
+        return pieces[k].bytes_in + pieces[k].bytes_out + (pieces[k + 1].bytes_in if k + 1 < len(pieces) else 0)
+
+    k = max(range(len(pieces)), key=term)
+    assert term(k) == off["window"]
+    at = f"pieces {name(pieces[k])} and {name(pieces[k + 1])}" if k + 1 < len(pieces) else f"{name(pieces[k])}"
+    return [
+        "vj.fsdp offload: `vj.fsdp(step, offload=vj.Offload())` with the state from `vj.init_opt_state(tx, params, "
+        "offload=vj.Offload())`: AdamW's moments (fp32) in `pinned_host` memory between steps, streamed through "
+        f"the update after the backward in {len(pieces)} pieces ({layers} layer rows of the stacked buckets, "
+        f"{len(pieces) - layers} whole buckets), piece k+2 loaded only after piece k is stored. XLA:CPU drops "
+        "memory kinds (it counts the host arguments and outputs as ordinary ones, and the transfers vanish), so the "
+        "device peak is an **estimate from the CPU compile**: memory.peak − H + W = "
+        f"{mem.peak / MiB:.2f} − {off['host'] / MiB:.2f} + {off['window'] / MiB:.2f} = "
+        f"**{off['estimate'] / MiB:.2f} MiB** per device "
+        f"({off['estimate'] / strong_peak:.3f} × strong's {strong_peak / MiB:.2f} MiB; memory.peak − H alone: "
+        f"{(mem.peak - off['host']) / strong_peak:.3f} × strong), where memory.peak = "
+        "argument + output − alias + temp of the CPU compile, H = the per-device bytes of the host-resident "
+        "arguments (the offloaded state, donated and aliased to the host outputs, so counted once in "
+        "memory.peak), and W = max_k (in_k + out_k + in_{k+1}) over `step.streamed(...)`'s pieces, the streaming "
+        "window: a conservative bound on the device copies XLA:GPU makes of the pieces in flight (on CPU they "
+        f"do not exist); W is reached at {at}: {pieces[k].bytes_in / MiB:.2f} + {pieces[k].bytes_out / MiB:.2f}"
+        f"{f' + {pieces[k + 1].bytes_in / MiB:.2f}' if k + 1 < len(pieces) else ''} MiB.",
+        "",
+        f"Host bytes per device (the offloaded state): H = **{off['host'] / MiB:.2f} MiB** in {off['host_leaves']} "
+        f"arrays, of {off['opt_bytes'] / MiB:.2f} MiB of optimizer state (the rest, the step count, stays on the "
+        f"device); the CUDA-lowered step has {n_host} `pinned_host` arguments ({lowered_bytes / MiB:.2f} MiB per "
+        f"device) and {n_host_out} `pinned_host` results. Bytes moved per step per device, from the CUDA-lowered "
+        f"module's `annotate_device_placement` custom calls (tensor bytes / shards): in (to the device) "
+        f"**{off['moved_in'] / MiB:.2f} MiB** in {off['loads']} loads, out (to `pinned_host`) "
+        f"**{off['moved_out'] / MiB:.2f} MiB** in {off['stores']} stores, "
+        f"{(off['moved_in'] + off['moved_out']) / off['opt_bytes']:.3f} × the optimizer state; "
+        f"`step.streamed` totals in {sum(p.bytes_in for p in pieces) / MiB:.2f} MiB, out "
+        f"{sum(p.bytes_out for p in pieces) / MiB:.2f} MiB. Measured with one CPU compile (memory, collectives) "
+        f"and one CUDA lowering ({off['cuda_lower_s']:.1f} s, not compiled).",
+    ]
 
 
 def account_table(rows) -> list[str]:
@@ -439,6 +532,151 @@ def collective_dtypes(stablehlo: str) -> dict[str, set[str]]:
         result = lines[end].rsplit("->", 1)[-1]
         out[m.group(1).replace("_", "-")].update(re.findall(r"tensor<(?:[\d?]+x)*(\w+)>", result))
     return out
+
+
+# --- The offload row: host-resident bytes, the streaming window, the transfers of the CUDA-lowered step ---------
+
+HOST_KINDS = ("pinned_host", "unpinned_host")
+OFFLOAD_FOOTNOTE = (
+    "¹ vj.fsdp offload: estimated device peak, from the CPU compile: memory.peak − H + W (below); persistent is "
+    "argument + output − alias − H (the device's params, counts and batch); temp is the CPU compile's."
+)
+# Element sizes of MLIR tensor types (bytes).
+MLIR_ITEMSIZE = {
+    "f64": 8, "f32": 4, "bf16": 2, "f16": 2, "i64": 8, "ui64": 8, "i32": 4, "ui32": 4, "i16": 2, "ui16": 2,
+    "i8": 1, "ui8": 1, "i1": 1, "f8E4M3FN": 1, "f8E5M2": 1, "f8E4M3FNUZ": 1, "f8E5M2FNUZ": 1,
+}  # fmt: skip
+_SSA = r"%[\w#.$-]+"
+_SDY = r"<@([\w.$-]+), \[(.*?)\]"  # a tensor sharding: mesh name and the dims' axes
+
+
+def shard_bytes(x) -> int:
+    """Bytes per device of an array (one shard of its sharding)."""
+    return int(np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64)) * np.dtype(x.dtype).itemsize
+
+
+def host_resident_bytes(tree, kinds=("pinned_host",)) -> tuple[int, int]:
+    """(count, bytes per device) of the leaves of ``tree`` whose sharding's memory kind is one of ``kinds``."""
+    host = [x for x in jax.tree.leaves(tree) if getattr(getattr(x, "sharding", None), "memory_kind", None) in kinds]
+    return len(host), sum(map(shard_bytes, host))
+
+
+def streaming_window(pieces) -> int:
+    """The streaming window of an offloaded step, bytes per device: max over k of in[k] + out[k] + in[k+1] (piece
+    k's input state and its output on the device while piece k+1's input arrives; piece k+2 waits for piece k to be
+    stored). A conservative bound on the device copies of the pieces in flight; 0 without pieces."""
+    nxt = [p.bytes_in for p in pieces[1:]] + [0]
+    return max((p.bytes_in + p.bytes_out + n for p, n in zip(pieces, nxt, strict=False)), default=0)
+
+
+def _tensor(ty: str) -> tuple[tuple[int, ...], int]:
+    """Shape and element size of an MLIR type ``tensor<AxBxf32>``."""
+    *dims, elem = re.fullmatch(r"tensor<(.*)>", ty.strip()).group(1).split(",")[0].split("x")
+    return tuple(int(d) for d in dims), MLIR_ITEMSIZE[elem.strip()]
+
+
+def _meshes(stablehlo: str) -> dict[str, dict[str, int]]:
+    """The module's Shardy meshes: name -> {axis: size}."""
+    return {
+        name: {a: int(n) for a, n in re.findall(r'"([^"]+)"=(\d+)', axes)}
+        for name, axes in re.findall(r"sdy\.mesh @([\w.$-]+) = <\[(.*?)\]>", stablehlo)
+    }
+
+
+def _per_device(shape, sharding, meshes, fallback: int) -> int:
+    """Elements per device of a tensor of ``shape`` with the Shardy ``sharding`` (mesh name, dims text); without
+    one (or with a mesh not in ``meshes``) the elements are taken as split ``fallback`` ways."""
+    size = int(np.prod(shape, dtype=np.int64))
+    if sharding is None or sharding[0] not in meshes:
+        return -(-size // fallback)
+    axes = meshes[sharding[0]]
+    dims = re.findall(r"\{([^{}]*)\}", sharding[1])
+    if len(dims) != len(shape):
+        return -(-size // fallback)
+    per = 1
+    for d, dim in zip(shape, dims, strict=True):
+        n = int(np.prod([axes[a] for a in re.findall(r'"([^"]+)"', dim)], dtype=np.int64))
+        per *= -(-d // n)
+    return per
+
+
+def placement_bytes(stablehlo: str, fallback_shards: int) -> dict[str, list[int]]:
+    """Bytes per device of every ``annotate_device_placement`` custom call of a lowered module, by placement
+    (``"device"``: a load to the device; ``"pinned_host"`` / ``"unpinned_host"``: a store to host memory), in
+    program order.
+
+    The sharding is the op's own (``sdy.sharding``) if it has one, else that of the ``sdy.sharding_constraint``
+    defining its operand, else the tensor is taken as split ``fallback_shards`` ways (the offloaded pieces are
+    sharded over the fsdp axis)."""
+    meshes = _meshes(stablehlo)
+    constrained: dict[str, tuple[str, str]] = {}  # SSA value -> the sharding constraint defining it
+    out: dict[str, list[int]] = {}
+    for line in stablehlo.splitlines():
+        if "func.func" in line:
+            constrained = {}  # SSA names are per function
+        c = re.search(rf"({_SSA}) = sdy\.sharding_constraint {_SSA} {_SDY}", line)
+        if c:
+            constrained[c.group(1)] = (c.group(2), c.group(3))
+        call = re.search(rf"@annotate_device_placement\(({_SSA})\)", line)
+        if call is None:
+            continue
+        placement = re.search(r'_xla_buffer_placement = "(\w+)"', line).group(1)
+        shape, itemsize = _tensor(line.rsplit("->", 1)[1])
+        own = re.search(rf"sdy\.sharding = #sdy\.sharding_per_value<\[{_SDY}", line)
+        sharding = (own.group(1), own.group(2)) if own else constrained.get(call.group(1))
+        out.setdefault(placement, []).append(_per_device(shape, sharding, meshes, fallback_shards) * itemsize)
+    return out
+
+
+def host_arguments(stablehlo: str, fallback_shards: int) -> tuple[int, int, int]:
+    """(host arguments, host results, bytes per device of the host arguments) of a lowered module's ``main``: the
+    arguments and results with ``mhlo.memory_kind = "pinned_host"`` (or ``"unpinned_host"``)."""
+    meshes = _meshes(stablehlo)
+    sig = next(line for line in stablehlo.splitlines() if "func.func public @main(" in line)
+    args, results = re.split(r"\)\s*->\s*", sig.split("@main(", 1)[1], maxsplit=1)
+    host = re.compile(r'mhlo\.memory_kind = "(?:' + "|".join(HOST_KINDS) + ')"')
+    count = nbytes = 0
+    for chunk in re.split(r"%arg\d+: ", args)[1:]:
+        if host.search(chunk):
+            shape, itemsize = _tensor(re.match(r"tensor<[^>]*>", chunk).group(0))
+            own = re.search(rf"sdy\.sharding = #sdy\.sharding{_SDY}", chunk)
+            count += 1
+            nbytes += _per_device(shape, own.groups() if own else None, meshes, fallback_shards) * itemsize
+    return count, len(host.findall(results)), nbytes
+
+
+def offload_row(cfg: GPTConfig, mesh, tx, batch, *, time_steps: int) -> dict:
+    """The "vj.fsdp offload" row: the AdamW state in host memory (``vj.Offload()``), measured from one CPU compile
+    (memory, census) and one CUDA lowering (the transfers and host arguments, which XLA:CPU drops)."""
+    m = mesh.shape["fsdp"]
+    step, args, plan = vj_step(cfg, mesh, tx, offload=vj.Offload())
+    params, opt_state = args
+    n_host, host = host_resident_bytes(opt_state, HOST_KINDS)
+    opt_bytes = sum(map(shard_bytes, jax.tree.leaves(opt_state)))
+    pieces = step.streamed(params, opt_state, batch)
+    t0 = time.perf_counter()
+    text = step.lower(params, opt_state, batch, lowering_platforms=("cuda",)).as_text()
+    lower_s = time.perf_counter() - t0
+    moves = placement_bytes(text, m)
+    lowered_host = host_arguments(text, m)
+    row = measure("vj.fsdp offload", step, args, batch, mesh, time_steps=time_steps)  # last: a timed step donates
+    window = streaming_window(pieces)
+    row.update(
+        host_leaves=n_host,
+        host=host,
+        opt_bytes=opt_bytes,
+        pieces=pieces,
+        groups=[b.name for b in plan.buckets],
+        window=window,
+        estimate=row["memory"].peak - host + window,
+        moved_in=sum(moves.get("device", [])),
+        moved_out=sum(sum(v) for k, v in moves.items() if k != "device"),
+        loads=len(moves.get("device", [])),
+        stores=sum(len(v) for k, v in moves.items() if k != "device"),
+        lowered_host=lowered_host,
+        cuda_lower_s=lower_s,
+    )
+    return row
 
 
 def compiled_dtypes(cen) -> dict[str, set[str]]:
