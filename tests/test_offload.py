@@ -86,13 +86,13 @@ def test_adamw_ten_steps_bitwise(m):
 
 
 def test_layer_pieces_stream_one_layer_at_a_time():
-    """With the default pieces, a stacked group's element-wise update is streamed row by row: L pieces of one
-    layer's state each, every byte of state in and out once. The values are the same operations on the same
+    """With the default pieces, a stacked group's element-wise update is streamed row by row (L pieces of one
+    layer's state each) and a large flat bucket's in column pieces, every byte of state in and out once. The values are the same operations on the same
     numbers; XLA:CPU's fusion emitters may round a fused ``x / (sqrt(y) + eps)`` on a row differently from the
     whole buffer by one ulp, so after 10 steps they agree to float32 rounding."""
     plan = _plan(make_mesh(3, auto=True))
     tx = optax.adamw(1e-2, weight_decay=0.1)
-    params, opt_state, losses, step, batch = _train(plan, tx, vj.Offload(), 10)
+    params, opt_state, losses, step, batch = _train(plan, tx, vj.Offload(piece_bytes=2048), 10)
     with jax.numpy_dtype_promotion("standard"):
         pieces = step.streamed(params, opt_state, batch)
     stacked = [b for b, bucket in enumerate(plan.buckets) if bucket.layers]
@@ -100,6 +100,13 @@ def test_layer_pieces_stream_one_layer_at_a_time():
     for b in stacked:
         rows = [p.row for p in pieces if p.group == b]
         assert rows == list(range(CFG.num_layers))
+    # the flat buckets larger than 2048 bytes per device (embedding, head) come in column pieces of at most that
+    for b, bucket in enumerate(plan.buckets):
+        local = bucket.shape[-1] // 3 * 4
+        if not bucket.layers and local > 2048:
+            cut = [p for p in pieces if p.group == b]
+            assert [p.row for p in cut] == list(range(len(cut))) and len(cut) == -(-local // 2048)
+            assert all(p.bytes_in <= 2 * 2048 + 8 for p in cut)  # two moments per piece
     host = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(opt_state) if x.ndim)
     assert sum(p.bytes_in for p in pieces) == sum(p.bytes_out for p in pieces) == host
     assert max(p.bytes_in for p in pieces) < host / 2  # no piece is the whole state

@@ -24,7 +24,7 @@ from vescale_jax.checkpoint import _integrity as _integrity
 from vescale_jax.layout._plan import Plan
 from vescale_jax.optim._logical_view import check_layout_groups
 from vescale_jax.relayout import _logical_leaves as _logical
-from vescale_jax.state._offloaded import Offload, Offloaded, offload, onload
+from vescale_jax.state._offloaded import Offload, Offloaded, full_shape, offload, onload
 from vescale_jax.state._sharded import PerDevice, ShardedParams
 
 __all__ = [
@@ -67,19 +67,19 @@ def _in_memory(tree: Any, kind: str) -> Any:
 def _shell(off: Offloaded, name: str) -> ShardedParams | PerDevice:
     """The device node an offloaded template holds, its children as ``ShapeDtypeStruct`` (no data moved)."""
     form, children = off.form, []
-    for parts, rows in zip(off.pieces, form.rows, strict=True):
-        if rows == -1:
+    for parts, split in zip(off.pieces, form.splits, strict=True):
+        if split == -1:
             children.append(parts[0])
             continue
         first = parts[0]
-        if not (hasattr(first, "shape") and hasattr(first, "dtype")) or (rows is not None and len(parts) != rows):
+        count = 1 if split is None else split.count
+        if not (hasattr(first, "shape") and hasattr(first, "dtype")) or len(parts) != count:
             raise ValueError(
                 f"vj.checkpoint: optimizer-state leaf {name!r} of the template is a vj.Offloaded whose pieces do "
-                f"not match its form ({len(parts)} pieces of {type(first).__name__}, {rows} rows expected); build "
+                f"not match its form ({len(parts)} pieces of {type(first).__name__}, {count} expected); build "
                 "the template with vj.init_opt_state(..., offload=vj.Offload()) or vj.offload(...)."
             )
-        shape = tuple(first.shape) if rows is None else (rows, *first.shape[1:])
-        children.append(jax.ShapeDtypeStruct(shape, np.dtype(first.dtype)))
+        children.append(jax.ShapeDtypeStruct(full_shape(parts, split), np.dtype(first.dtype)))
     if form.kind == "sharded":
         return ShardedParams(children, form.plan)
     return PerDevice(children[0], form.plan, form.layout)
@@ -87,7 +87,7 @@ def _shell(off: Offloaded, name: str) -> ShardedParams | PerDevice:
 
 def _policy(off: Offloaded) -> Offload:
     """The :class:`Offload` policy that re-creates ``off``'s form from its device node."""
-    return Offload(memory_kind=off.form.memory_kind, pieces="layer" if off.form.by_layer else "bucket")
+    return off.form.policy
 
 
 def nest(items: list[tuple[list[str], Any]]) -> dict[str, Any]:

@@ -2,9 +2,9 @@
 
 An offloaded :class:`ShardedParams` or :class:`PerDevice` keeps its children in host memory (``pinned_host`` by
 default) between steps, split into the pieces a ``vj.fsdp(offload=...)`` step streams one after the other: a
-stacked layer group's buffer ``(L, m·S)`` as ``L`` rows of ``(1, m·S)``, any other buffer whole. The rows of a
-layer group are separate arrays so that a step moves one row to the device and one back without slicing or
-concatenating in host memory.
+stacked layer group's buffer ``(L, m·S)`` as ``L`` rows of ``(1, m·S)``, a large flat buffer as column pieces
+(:class:`Split`), any other buffer whole. The pieces are separate arrays so that a step moves one piece to the
+device and one back without slicing or concatenating in host memory.
 """
 
 from __future__ import annotations
@@ -46,13 +46,17 @@ class Offload:
         is streamed whole (more device memory, and the update runs exactly as the step without offload compiles
         it). The results are the same operations on the same values either way; XLA:CPU's fusion emitters may
         round a fused ``x / (sqrt(y) + eps)`` on a layer's row differently from the same expression on the whole
-        buffer (one ulp on a few percent of elements; none with ``--xla_cpu_use_fusion_emitters=false``).
+        buffer (one ulp on a few percent of elements).
+      piece_bytes: with ``pieces="layer"``, a flat (not stacked) buffer whose share on a device exceeds this many
+        bytes is streamed in column pieces of at most about this size (each device's contiguous shard cut at the
+        same local offsets), so a large embedding's state does not come to the device whole. Default 4 MiB.
     """
 
     opt_state: bool = True
     params: bool = False
     memory_kind: str = "pinned_host"
     pieces: str = "layer"
+    piece_bytes: int = 4 * 2**20
 
     def __post_init__(self):
         for name in ("opt_state", "params"):
@@ -65,6 +69,8 @@ class Offload:
                 "would save nothing. Offload the optimizer state (vj.Offload(opt_state=True)), the larger part "
                 "with Adam (two moments per parameter)."
             )
+        if isinstance(self.piece_bytes, bool) or not isinstance(self.piece_bytes, int) or self.piece_bytes < 1:
+            raise ValueError(f"vj.Offload: piece_bytes must be a positive int, got {self.piece_bytes!r}.")
         if self.pieces not in ("layer", "bucket"):
             raise ValueError(f"vj.Offload: pieces must be 'layer' or 'bucket', got {self.pieces!r}.")
         if self.memory_kind not in _KINDS:
@@ -77,15 +83,70 @@ class Offload:
 
 
 @dataclasses.dataclass(frozen=True)
+class Split:
+    """How one buffer of global shape ``full`` is cut into the pieces a step streams.
+
+    ``"rows"``: a stacked layer group's ``(L, m·S)`` buffer as its ``L`` rows ``(1, m·S)``. ``"cols"``: a flat
+    ``(m·S,)`` buffer split over ``shards`` devices on dim 0, each device's contiguous ``(S,)`` shard cut at the
+    same local offsets ``bounds``: piece ``i`` is the ``(shards·(b_{i+1} − b_i),)`` array whose device ``k`` holds
+    local elements ``[b_i, b_{i+1})``. Either way an element-wise operation on piece ``i`` of every operand gives
+    piece ``i`` of its result, and no piece crosses a device: cutting and joining move nothing between devices.
+    """
+
+    kind: str
+    count: int
+    full: tuple[int, ...]
+    shards: int = 1
+    bounds: tuple[int, ...] = ()
+
+    def piece_shape(self, i: int) -> tuple[int, ...]:
+        if self.kind == "rows":
+            return (1, *self.full[1:])
+        return (self.shards * (self.bounds[i + 1] - self.bounds[i]),)
+
+    def fits(self, shape: Sequence[int]) -> bool:
+        """Whether a value of ``shape`` is cut the same way (for ``"rows"``: any shape with ``count`` rows)."""
+        if self.kind == "rows":
+            return len(shape) >= 1 and shape[0] == self.count
+        return tuple(shape) == self.full
+
+    def take(self, x: Any, i: int) -> Any:
+        """Piece ``i`` of ``x`` (a value that :meth:`fits`)."""
+        if self.kind == "rows":
+            return jax.lax.slice_in_dim(x, i, i + 1)
+        per = x.reshape(self.shards, -1)
+        return per[:, self.bounds[i] : self.bounds[i + 1]].reshape(-1)
+
+    def join(self, parts: Sequence[Any]) -> Any:
+        """The whole value from its pieces."""
+        if self.kind == "rows":
+            return jnp.concatenate(parts, axis=0)
+        return jnp.concatenate([p.reshape(self.shards, -1) for p in parts], axis=1).reshape(self.full)
+
+
+@dataclasses.dataclass(frozen=True)
 class _Form:
     """Static description of an offloaded node: its type, plan, layout and how each child is split."""
 
     kind: str  # "sharded" or "per_device"
     plan: Plan
     layout: Any
-    rows: tuple[int | None, ...]  # per child: number of row pieces, None for a whole piece, -1 for a non-array
+    splits: tuple[Any, ...]  # per child: a Split, None for one whole piece, -1 for a non-array child
     memory_kind: str
-    by_layer: bool = True  # stream a stacked child's rows one at a time where the update allows it
+    by_layer: bool = True  # stream a child piece by piece where the update allows it
+    piece_bytes: int = 4 * 2**20
+
+    @property
+    def policy(self) -> Offload:
+        """The :class:`Offload` policy that gives this form."""
+        return Offload(
+            memory_kind=self.memory_kind, pieces="layer" if self.by_layer else "bucket", piece_bytes=self.piece_bytes
+        )
+
+
+def full_shape(parts: Sequence[Any], split: Split | None) -> tuple[int, ...]:
+    """The global shape of the buffer cut into ``parts`` by ``split``."""
+    return tuple(parts[0].shape) if split is None else split.full
 
 
 @jax.tree_util.register_pytree_node_class
@@ -94,8 +155,9 @@ class Offloaded:
 
     Attributes:
       pieces: per child of the node (per bucket buffer of a ``ShardedParams``; the value of a ``PerDevice``), a
-        tuple of arrays in host memory: the ``L`` rows ``(1, m·S)`` of a stacked layer group's buffer, else the
-        whole buffer (a child that is not an array, such as a masked-out ``None``, is kept as it is).
+        tuple of arrays in host memory: the pieces of the child's :class:`Split` (the ``L`` rows ``(1, m·S)`` of a
+        stacked layer group's buffer, or column pieces of a large flat one), else the whole buffer (a child that is
+        not an array, such as a masked-out ``None``, is kept as it is).
       form: static: the node's type, plan and layout, and how each child is split.
 
     Sharding:
@@ -156,24 +218,45 @@ def device_sharding(node: ShardedParams | PerDevice, i: int, shape: Sequence[int
     return NamedSharding(mesh, P())
 
 
-def split_rows(node: ShardedParams | PerDevice, i: int, shape: Sequence[int]) -> int | None:
-    """How child ``i`` of ``node`` is split in host memory: ``L`` rows for a stacked layer group's bucket-shaped
-    buffer ``(L, m·S)``, else ``None`` (one whole piece)."""
-    if isinstance(node, ShardedParams):
-        bucket = node.plan.buckets[i]
-        if bucket.layers is not None and tuple(shape) == tuple(bucket.shape) and bucket.layers > 1:
-            return int(bucket.layers)
-    return None
+def split_of(
+    node: ShardedParams | PerDevice, i: int, shape: Sequence[int], dtype: Any, piece_bytes: int
+) -> Split | None:
+    """How child ``i`` of ``node`` is cut in host memory: a stacked layer group's bucket-shaped ``(L, m·S)`` buffer
+    into its rows; a flat bucket-shaped buffer whose per-device share exceeds ``piece_bytes`` into column pieces;
+    anything else (``PerDevice`` values, other shapes) whole (``None``)."""
+    if not isinstance(node, ShardedParams):
+        return None
+    bucket = node.plan.buckets[i]
+    if tuple(shape) != tuple(bucket.shape):
+        return None
+    if bucket.layers is not None:
+        return Split("rows", int(bucket.layers), tuple(shape)) if bucket.layers > 1 else None
+    spec = node.plan.partition_spec(bucket)
+    if len(shape) != 1 or len(spec) != 1 or spec[0] is None:
+        return None
+    axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+    shards = int(np.prod([node.plan.mesh.shape[a] for a in axes]))
+    local = shape[0] // shards
+    count = -(-local * np.dtype(dtype).itemsize // piece_bytes)
+    if count <= 1 or shape[0] % shards:
+        return None
+    count = min(count, local)
+    bounds = tuple(int(b) for b in np.linspace(0, local, count + 1).round().astype(int))
+    return Split("cols", count, tuple(shape), shards, bounds)
 
 
-def host_form(node: ShardedParams | PerDevice, memory_kind: str, *, by_layer: bool = True) -> _Form:
-    """The :class:`_Form` an offloaded ``node`` takes (from its children's shapes)."""
-    rows = []
+def host_form(node: ShardedParams | PerDevice, policy: Offload) -> _Form:
+    """The :class:`_Form` ``node`` takes when offloaded by ``policy`` (from its children's shapes)."""
+    by_layer = policy.pieces == "layer"
+    splits = []
     for i, x in enumerate(_children(node)):
-        rows.append((split_rows(node, i, x.shape) if by_layer else None) if _is_array(x) else -1)
+        if not _is_array(x):
+            splits.append(-1)
+        else:
+            splits.append(split_of(node, i, x.shape, x.dtype, policy.piece_bytes) if by_layer else None)
     kind = "sharded" if isinstance(node, ShardedParams) else "per_device"
     layout = node.layout if isinstance(node, PerDevice) else None
-    return _Form(kind, node.plan, layout, tuple(rows), memory_kind, by_layer)
+    return _Form(kind, node.plan, layout, tuple(splits), policy.memory_kind, by_layer, policy.piece_bytes)
 
 
 def empty_node(form: _Form, children: Sequence[Any]) -> ShardedParams | PerDevice:
@@ -184,32 +267,30 @@ def empty_node(form: _Form, children: Sequence[Any]) -> ShardedParams | PerDevic
 
 
 def _to_host(node: ShardedParams | PerDevice, policy: Offload) -> Offloaded:
-    memory_kind = policy.memory_kind
-    form = host_form(node, memory_kind, by_layer=policy.pieces == "layer")
+    form = host_form(node, policy)
     pieces = []
-    for i, (x, rows) in enumerate(zip(_children(node), form.rows, strict=True)):
-        if rows == -1:
+    for i, (x, split) in enumerate(zip(_children(node), form.splits, strict=True)):
+        if split == -1:
             pieces.append((x,))
             continue
-        host = device_sharding(node, i, x.shape).with_memory_kind(memory_kind)
-        parts = [x] if rows is None else [jax.lax.slice_in_dim(x, r, r + 1) for r in range(rows)]
+        host = device_sharding(node, i, x.shape).with_memory_kind(form.memory_kind)
+        parts = [x] if split is None else [split.take(x, r) for r in range(split.count)]
         pieces.append(tuple(jax.device_put(p, host) for p in parts))
     return Offloaded(pieces, form)
 
 
 def to_device(off: Offloaded) -> ShardedParams | PerDevice:
-    """The device node an :class:`Offloaded` holds (rows concatenated on the device)."""
+    """The device node an :class:`Offloaded` holds (pieces joined on the device)."""
     form = off.form
-    shell = empty_node(form, [None] * len(form.rows))
+    shell = empty_node(form, [None] * len(form.splits))
     children = []
-    for i, (parts, rows) in enumerate(zip(off.pieces, form.rows, strict=True)):
-        if rows == -1:
+    for i, (parts, split) in enumerate(zip(off.pieces, form.splits, strict=True)):
+        if split == -1:
             children.append(parts[0])
             continue
-        shape = parts[0].shape if rows is None else (rows, *parts[0].shape[1:])
-        dev = device_sharding(shell, i, shape)
+        dev = device_sharding(shell, i, full_shape(parts, split))
         moved = [jax.device_put(p, dev) for p in parts]
-        children.append(moved[0] if rows is None else jnp.concatenate(moved, axis=0))
+        children.append(moved[0] if split is None else split.join(moved))
     return empty_node(form, children)
 
 

@@ -166,12 +166,28 @@ def _zeroing(plan: Plan, todo: tuple[int, ...]) -> Callable[..., Any]:
     return jax.jit(jax.shard_map(local, mesh=plan.mesh, in_specs=specs, out_specs=specs, check_vma=False))
 
 
-def zero_piece(plan: Plan, bucket: int, x: jax.Array, *, full_shape: tuple[int, ...]) -> jax.Array:
-    """``x``, a piece of a global buffer of ``bucket`` (the whole buffer, or rows of a stacked one; the buffer has
-    ``full_shape``), with the padding set to exactly zero, as :func:`zero_padding` zeroes the whole buffer."""
+def zero_piece(
+    plan: Plan, bucket: int, x: jax.Array, *, full_shape: tuple[int, ...], local: tuple[int, int] | None = None
+) -> jax.Array:
+    """``x``, a piece of a global buffer of ``bucket`` (the whole buffer, rows of a stacked one, or with ``local``
+    the local elements ``[a, b)`` of every device's shard; the buffer has ``full_shape``), with the padding set to
+    exactly zero, as :func:`zero_padding` zeroes the whole buffer."""
     if tuple(full_shape) != plan.buckets[bucket].shape or not has_padding(plan, bucket):
         return x
-    return _zeroing(plan, (bucket,))(x)[0]
+    if local is None:
+        return _zeroing(plan, (bucket,))(x)[0]
+    return _zeroing_range(plan, bucket, *local)(x)
+
+
+@functools.lru_cache(maxsize=256)
+def _zeroing_range(plan: Plan, bucket: int, start: int, stop: int) -> Callable[..., Any]:
+    """The jitted zeroing of the local elements ``[start, stop)`` of each device's shard of ``bucket``."""
+
+    def local(x):
+        return from_bits(jnp.where(local_padding_mask(plan, bucket)[start:stop], as_bits(x, x.dtype), 0), x.dtype)
+
+    spec = plan.partition_spec(plan.buckets[bucket])
+    return jax.jit(jax.shard_map(local, mesh=plan.mesh, in_specs=(spec,), out_specs=spec, check_vma=False))
 
 
 def _is_sharded(x: Any) -> bool:

@@ -35,7 +35,7 @@ from vescale_jax._compat import (
     with_shape,
 )
 from vescale_jax.state._containers import PerDevice, ShardedParams
-from vescale_jax.state._offloaded import Offloaded, device_sharding, empty_node, is_offloaded
+from vescale_jax.state._offloaded import Offloaded, Split, device_sharding, empty_node, full_shape, is_offloaded
 from vescale_jax.state._padding import zero_piece
 from vescale_jax.step._jaxpr import read
 from vescale_jax.step._point_of_use import _inline
@@ -49,7 +49,8 @@ class Piece:
 
     Attributes:
       group: the bucket index (``len(plan.buckets) + i`` for the ``i``-th ``PerDevice``).
-      row: the layer row, or ``None`` for a whole buffer.
+      row: the piece of the buffer's split (a layer row, or a column piece of a flat buffer), or ``None`` for a
+        whole buffer.
       bytes_in: bytes per device brought to the device.
       bytes_out: bytes per device sent back to host memory.
     """
@@ -66,7 +67,7 @@ class _Slot:
 
     node: Offloaded
     child: int
-    rows: int | None
+    split: Split | None
     aval: jax.ShapeDtypeStruct
     group: int
 
@@ -84,17 +85,16 @@ def _device_form(host_state: Any) -> tuple[Any, list[_Slot]]:
         if not is_offloaded(off):
             return off
         form = off.form
-        shell = empty_node(form, [None] * len(form.rows))
+        shell = empty_node(form, [None] * len(form.splits))
         children = []
-        for i, (parts, rows) in enumerate(zip(off.pieces, form.rows, strict=True)):
-            if rows == -1:
+        for i, (parts, split) in enumerate(zip(off.pieces, form.splits, strict=True)):
+            if split == -1:
                 children.append(parts[0])
                 continue
-            first = parts[0]
-            shape = tuple(first.shape) if rows is None else (rows, *first.shape[1:])
-            aval = jax.ShapeDtypeStruct(shape, first.dtype, sharding=device_sharding(shell, i, shape))
+            shape = full_shape(parts, split)
+            aval = jax.ShapeDtypeStruct(shape, parts[0].dtype, sharding=device_sharding(shell, i, shape))
             group = i if form.kind == "sharded" else len(form.plan.buckets) + per_device
-            slot = _Slot(off, i, rows, aval, group)
+            slot = _Slot(off, i, split, aval, group)
             slots.append(slot)
             children.append(slot)
         if form.kind == "per_device":
@@ -115,17 +115,18 @@ def _gated(x: Any, gate: Sequence[Any]) -> Any:
     return jax.lax.optimization_barrier((x, *gate))[0] if gate else x
 
 
-def _rowwise(eqns: Sequence[Any], rows: int) -> bool:
-    """Whether every equation is element-wise over operands and results whose dim 0 is the ``rows`` layers."""
+def _pieceable(eqns: Sequence[Any], split: Split) -> bool:
+    """Whether every equation is element-wise over operands and results that ``split`` cuts alike (scalars
+    aside), so that running them on piece ``i`` of every operand gives piece ``i`` of every result."""
     for eqn in eqns:
-        if not (is_elementwise(eqn) or is_broadcast(eqn) or is_row_constraint(eqn)):
+        if not (is_elementwise(eqn) or is_broadcast(eqn) or (split.kind == "rows" and is_row_constraint(eqn))):
             return False
         ins = [v.aval for v in eqn.invars if not is_literal(v)]
         if is_broadcast(eqn) and any(a.shape for a in ins):
-            return False  # only scalars are broadcast (a broadcast of an array may move its rows)
-        if any(a.shape and a.shape[0] != rows for a in ins):
+            return False  # only scalars are broadcast (a broadcast of an array may move its elements)
+        if any(a.shape and not split.fits(a.shape) for a in ins):
             return False
-        if any(not v.aval.shape or v.aval.shape[0] != rows for v in eqn.outvars):
+        if any(not split.fits(v.aval.shape) for v in eqn.outvars):
             return False
     return True
 
@@ -210,7 +211,7 @@ def stream_offloaded(
                 seen.add(v)
                 ready.append(env[v])
 
-    rows_of: dict[Any, list[Any]] = {}  # values computed row by row
+    pieces_of: dict[Any, tuple[Split, list[Any]]] = {}  # values computed piece by piece
     stored: dict[int, list[Any]] = {}  # output index -> host pieces written
     out_of_var: dict[Any, list[int]] = {}
     for j, v in enumerate(jaxpr.outvars):
@@ -226,39 +227,48 @@ def stream_offloaded(
     def host_sharding(slot: _Slot) -> Any:
         return slot.sharding().with_memory_kind(slot.node.form.memory_kind)
 
-    def load(slot: _Slot, row: int | None, g: list[Any]) -> Any:
+    def load(slot: _Slot, i: int | None, g: list[Any]) -> Any:
         parts = slot.node.pieces[slot.child]
-        if row is not None:
-            return jax.device_put(_gated(parts[row], g), slot.sharding())
+        if i is not None:
+            return jax.device_put(_gated(parts[i], g), slot.sharding())
         moved = [jax.device_put(_gated(p, g), slot.sharding()) for p in parts]
-        return moved[0] if slot.rows is None else jax.numpy.concatenate(moved, axis=0)
+        return moved[0] if slot.split is None else slot.split.join(moved)
 
     def full(v: Any) -> Any:
         if is_literal(v):
             return v.val
         if v in env:
             return env[v]
-        if v in rows_of:
-            env[v] = jax.numpy.concatenate(rows_of.pop(v), axis=0)
+        if v in pieces_of:
+            split, parts = pieces_of.pop(v)
+            env[v] = split.join(parts)
             return env[v]
         slot = var_slot[v]  # the state of another bucket, read again
         env[v] = load(slot, None, gate())
         return env[v]
 
-    def store(j: int, value: Any, row: int | None) -> Any:
+    def store(j: int, value: Any, i: int | None = None) -> Any:
         slot = out_slot[j]
         if slot.node.form.kind == "sharded":
-            value = zero_piece(slot.node.plan, slot.child, value, full_shape=slot.aval.shape)
+            cols = i is not None and slot.split is not None and slot.split.kind == "cols"
+            local = slot.split.bounds[i : i + 2] if cols else None
+            value = zero_piece(slot.node.plan, slot.child, value, full_shape=slot.aval.shape, local=local)
         host = jax.device_put(value, host_sharding(slot))
         stored.setdefault(j, []).append(host)
         return host
 
-    def piece_bytes(these: Sequence[_Slot], outs: Sequence[int], row: int | None) -> Piece:
+    def store_whole(j: int, value: Any) -> list[Any]:
+        split = out_slot[j].split
+        if split is None:
+            return [store(j, value)]
+        return [store(j, split.take(value, i), i) for i in range(split.count)]
+
+    def piece_bytes(these: Sequence[_Slot], outs: Sequence[int], i: int | None) -> Piece:
         def size(s):
-            shape = s.aval.shape if row is None else (1, *s.aval.shape[1:])
+            shape = s.aval.shape if i is None else s.split.piece_shape(i)
             return _bytes(shape, s.aval.dtype, s.sharding())
 
-        return Piece(these[0].group if these else -1, row, sum(map(size, these)), sum(size(out_slot[j]) for j in outs))
+        return Piece(these[0].group if these else -1, i, sum(map(size, these)), sum(size(out_slot[j]) for j in outs))
 
     # 2. bucket by bucket, the operations that read its state
     for key in sorted({g for g in groups if g is not None}):
@@ -266,16 +276,15 @@ def stream_offloaded(
         mine = [v for v, s in var_slot.items() if s.group == key]
         read_vars = {v for e in eqns for v in e.invars if not is_literal(v)}
         foreign = [v for v in read_vars if v in var_slot and var_slot[v].group != key]
-        rows = {var_slot[v].rows for v in mine}
+        splits = {var_slot[v].split for v in mine}
         produced = {o for e in eqns for o in e.outvars}
         outs = [j for v in produced if v in out_of_var for j in out_of_var[v]]
         used = [v for v in mine if v in read_vars]
-        n = next(iter(rows)) if len(rows) == 1 else None
-        by_layer = all(var_slot[v].node.form.by_layer for v in mine)
-        if n is not None and by_layer and not foreign and _rowwise(eqns, n):
-            for r in range(n):
+        split = next(iter(splits)) if len(splits) == 1 else None
+        if split is not None and not foreign and _pieceable(eqns, split):
+            for i in range(split.count):
                 g = gate()
-                local = {v: load(var_slot[v], r, g) for v in used}
+                local = {v: load(var_slot[v], i, g) for v in used}
                 for eqn in eqns:
                     invals = []
                     for v in eqn.invars:
@@ -283,33 +292,27 @@ def stream_offloaded(
                             invals.append(v.val)
                         elif v in local:
                             invals.append(local[v])
-                        elif v in rows_of and len(rows_of[v]) > r:
-                            invals.append(rows_of[v][r])
+                        elif v in pieces_of and pieces_of[v][0] == split and len(pieces_of[v][1]) > i:
+                            invals.append(pieces_of[v][1][i])
                         else:
                             x = full(v)
-                            invals.append(x if not np.shape(x) else jax.lax.slice_in_dim(x, r, r + 1))
-                    e = with_shape(eqn, (1, *eqn.params["shape"][1:])) if is_broadcast(eqn) else eqn
+                            invals.append(x if not np.shape(x) else split.take(x, i))
+                    e = with_shape(eqn, split.piece_shape(i)) if is_broadcast(eqn) else eqn
                     for o, val in zip(eqn.outvars, bind_equation(e, invals), strict=True):
                         local[o] = val
                 for v in produced:
-                    rows_of.setdefault(v, []).append(local[v])
-                written = [store(j, local[jaxpr.outvars[j]], r) for j in outs]
+                    pieces_of.setdefault(v, (split, []))[1].append(local[v])
+                written = [store(j, local[jaxpr.outvars[j]], i) for j in outs]
                 after.append(written or [local[v] for v in produced])
                 if record is not None:
-                    record.append(piece_bytes([var_slot[v] for v in used], outs, r))
+                    record.append(piece_bytes([var_slot[v] for v in used], outs, i))
         else:
             g = gate()
             for v in used:
                 env[v] = load(var_slot[v], None, g)
             for eqn in eqns:
                 env.update(zip(eqn.outvars, bind_equation(eqn, [full(v) for v in eqn.invars]), strict=True))
-            written = []
-            for j in outs:
-                slot, value = out_slot[j], env[jaxpr.outvars[j]]
-                if slot.rows is None:
-                    written.append(store(j, value, None))
-                else:
-                    written += [store(j, jax.lax.slice_in_dim(value, r, r + 1), r) for r in range(slot.rows)]
+            written = [h for j in outs for h in store_whole(j, env[jaxpr.outvars[j]])]
             after.append(written or [env[v] for v in produced])
             if record is not None:
                 record.append(piece_bytes([var_slot[v] for v in used], outs, None))
@@ -328,12 +331,7 @@ def stream_offloaded(
         elif not is_literal(v) and var_slot.get(v) is slot:  # passed through unchanged
             leaves.append(slot.node.pieces[slot.child])
         else:
-            value = full(v)
-            if slot.rows is None:
-                store(j, value, None)
-            else:
-                for r in range(slot.rows):
-                    store(j, jax.lax.slice_in_dim(value, r, r + 1), r)
+            store_whole(j, full(v))
             leaves.append(tuple(stored[j]))
     return _rebuild(out_tree, leaves, host_state, out_slot)
 
@@ -347,7 +345,7 @@ def _rebuild(out_tree: Any, leaves: list[Any], host_state: Any, out_slot: dict[i
     def one(off, new):
         children = new.buffers if isinstance(new, ShardedParams) else (new.value,)
         return Offloaded(
-            [(c,) if rows == -1 else c[1] for c, rows in zip(children, off.form.rows, strict=True)], off.form
+            [(c,) if split == -1 else c[1] for c, split in zip(children, off.form.splits, strict=True)], off.form
         )
 
     kinds = (ShardedParams, PerDevice)
