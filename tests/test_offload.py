@@ -87,9 +87,10 @@ def test_adamw_ten_steps_bitwise(m):
 
 def test_layer_pieces_stream_one_layer_at_a_time():
     """With the default pieces, a stacked group's element-wise update is streamed row by row (L pieces of one
-    layer's state each) and a large flat bucket's in column pieces, every byte of state in and out once. The values are the same operations on the same
-    numbers; XLA:CPU's fusion emitters may round a fused ``x / (sqrt(y) + eps)`` on a row differently from the
-    whole buffer by one ulp, so after 10 steps they agree to float32 rounding."""
+    layer's state each) and a large flat bucket's in column pieces, every byte of state in and out once. The values
+    are the same operations on the same numbers; XLA:CPU's fusion emitters may round a fused
+    ``x / (sqrt(y) + eps)`` on a piece differently from the whole buffer by one ulp, so after 10 steps they agree
+    to float32 rounding."""
     plan = _plan(make_mesh(3, auto=True))
     tx = optax.adamw(1e-2, weight_decay=0.1)
     params, opt_state, losses, step, batch = _train(plan, tx, vj.Offload(piece_bytes=2048), 10)
