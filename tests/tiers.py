@@ -247,6 +247,8 @@ HEAVY: dict[str, tuple[str, ...]] = {
         "test_optimizers_bitwise[clipped_chain]",
         "test_hsdp_bitwise",
         "test_tensor_parallel_plan[layer]",
+        "test_accumulation_bitwise",
+        "test_optimizers_bitwise[adamw_8bit]",
     ),
 }
 
