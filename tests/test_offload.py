@@ -133,6 +133,10 @@ OPTIMIZERS = {
         dict(granularity=lambda path, leaf: vj.rows(4) if leaf.ndim >= 2 else vj.rows(1)),
         lambda plan: vj.optim.shampoo(1e-2, plan=plan, block_size=4),
     ),
+    "masks_and_segment_norms": (
+        {},
+        lambda plan: vj.optim.lamb(1e-2, weight_decay=0.1, mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)),
+    ),
     "clipped_chain": (
         {},
         lambda plan: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2, weight_decay=0.1)),
