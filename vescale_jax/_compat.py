@@ -1001,7 +1001,15 @@ def is_row_constraint(eqn: Any) -> bool:
 
     Verified on JAX 0.10.2 (``eqn.params["sharding"]`` a ``NamedSharding``). Used by ``step/_offload``.
     """
-    if primitive_name(eqn) != "sharding_constraint":
-        return False
-    spec = getattr(eqn.params.get("sharding"), "spec", None)
+    spec = constraint_spec(eqn)
     return spec is not None and (len(spec) == 0 or spec[0] is None)
+
+
+def constraint_spec(eqn: Any) -> Any:
+    """The ``PartitionSpec`` of a ``sharding_constraint`` equation, else ``None``.
+
+    Verified on JAX 0.10.2 (``eqn.params["sharding"]`` a ``NamedSharding``). Used by ``step/_offload``.
+    """
+    if primitive_name(eqn) != "sharding_constraint":
+        return None
+    return getattr(eqn.params.get("sharding"), "spec", None)

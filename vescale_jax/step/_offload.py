@@ -28,6 +28,7 @@ import numpy as np
 
 from vescale_jax._compat import (
     bind_equation,
+    constraint_spec,
     is_broadcast,
     is_elementwise,
     is_literal,
@@ -115,11 +116,20 @@ def _gated(x: Any, gate: Sequence[Any]) -> Any:
     return jax.lax.optimization_barrier((x, *gate))[0] if gate else x
 
 
+def _constrains_alike(eqn: Any, split: Split) -> bool:
+    """Whether ``eqn`` is a sharding constraint that holds for a piece as for the whole value: ``P(None, ...)`` on
+    rows; on column pieces of a flat buffer, a 1-D spec (each piece is sharded on dim 0 like the buffer)."""
+    spec = constraint_spec(eqn)
+    if spec is None:
+        return False
+    return is_row_constraint(eqn) if split.kind == "rows" else len(spec) <= 1
+
+
 def _pieceable(eqns: Sequence[Any], split: Split) -> bool:
     """Whether every equation is element-wise over operands and results that ``split`` cuts alike (scalars
     aside), so that running them on piece ``i`` of every operand gives piece ``i`` of every result."""
     for eqn in eqns:
-        if not (is_elementwise(eqn) or is_broadcast(eqn) or (split.kind == "rows" and is_row_constraint(eqn))):
+        if not (is_elementwise(eqn) or is_broadcast(eqn) or _constrains_alike(eqn, split)):
             return False
         ins = [v.aval for v in eqn.invars if not is_literal(v)]
         if is_broadcast(eqn) and any(a.shape for a in ins):
