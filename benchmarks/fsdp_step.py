@@ -443,11 +443,14 @@ def offload_paragraph(off, strong_peak: int) -> list[str]:
     """Markdown lines: the offload row's estimate, host bytes and transfers, with how each is obtained."""
     mem, pieces = off["memory"], off["pieces"]
     n_host, n_host_out, lowered_bytes = off["lowered_host"]
-    layers = sum(p.row is not None for p in pieces)
+    layers = sum(p.row is not None and p.group in off["stacked"] for p in pieces)
+    cols = sum(p.row is not None and p.group not in off["stacked"] for p in pieces)
 
     def name(p):
         group = off["groups"][p.group] if p.group < len(off["groups"]) else f"PerDevice {p.group}"
-        return group if p.row is None else f"{group} row {p.row}"
+        if p.row is None:
+            return group
+        return f"{group} row {p.row}" if p.group in off["stacked"] else f"{group} piece {p.row}"
 
     # where the window is reached: piece k and piece k + 1
     def term(k):
@@ -460,7 +463,8 @@ def offload_paragraph(off, strong_peak: int) -> list[str]:
         "vj.fsdp offload: `vj.fsdp(step, offload=vj.Offload())` with the state from `vj.init_opt_state(tx, params, "
         "offload=vj.Offload())`: AdamW's moments (fp32) in `pinned_host` memory between steps, streamed through "
         f"the update after the backward in {len(pieces)} pieces ({layers} layer rows of the stacked buckets, "
-        f"{len(pieces) - layers} whole buckets), piece k+2 loaded only after piece k is stored. XLA:CPU drops "
+        f"{cols} column pieces of flat buckets over {off['piece_bytes'] // 2**20} MiB per device and moment, "
+        f"{len(pieces) - layers - cols} whole buckets), piece k+2 loaded only after piece k is stored. XLA:CPU drops "
         "memory kinds (it counts the host arguments and outputs as ordinary ones, and the transfers vanish), so the "
         "device peak is an **estimate from the CPU compile**: memory.peak − H + W = "
         f"{mem.peak / MiB:.2f} − {off['host'] / MiB:.2f} + {off['window'] / MiB:.2f} = "
@@ -667,6 +671,8 @@ def offload_row(cfg: GPTConfig, mesh, tx, batch, *, time_steps: int) -> dict:
         opt_bytes=opt_bytes,
         pieces=pieces,
         groups=[b.name for b in plan.buckets],
+        stacked={i for i, b in enumerate(plan.buckets) if b.layers},
+        piece_bytes=vj.Offload().piece_bytes,
         window=window,
         estimate=row["memory"].peak - host + window,
         moved_in=sum(moves.get("device", [])),
