@@ -24,7 +24,7 @@ from vescale_jax.checkpoint import _integrity as _integrity
 from vescale_jax.layout._plan import Plan
 from vescale_jax.optim._logical_view import check_layout_groups
 from vescale_jax.relayout import _logical_leaves as _logical
-from vescale_jax.state._offloaded import Offload, Offloaded, full_shape, offload, onload
+from vescale_jax.state._offloaded import Offload, Offloaded, empty_node, full_shape, offload, onload
 from vescale_jax.state._sharded import PerDevice, ShardedParams
 
 __all__ = [
@@ -80,9 +80,7 @@ def _shell(off: Offloaded, name: str) -> ShardedParams | PerDevice:
                 "the template with vj.init_opt_state(..., offload=vj.Offload()) or vj.offload(...)."
             )
         children.append(jax.ShapeDtypeStruct(full_shape(parts, split), np.dtype(first.dtype)))
-    if form.kind == "sharded":
-        return ShardedParams(children, form.plan)
-    return PerDevice(children[0], form.plan, form.layout)
+    return empty_node(form, children)
 
 
 def _policy(off: Offloaded) -> Offload:

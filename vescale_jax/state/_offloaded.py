@@ -10,7 +10,7 @@ device and one back without slicing or concatenating in host memory.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -279,19 +279,28 @@ def _to_host(node: ShardedParams | PerDevice, policy: Offload) -> Offloaded:
     return Offloaded(pieces, form)
 
 
-def to_device(off: Offloaded) -> ShardedParams | PerDevice:
-    """The device node an :class:`Offloaded` holds (pieces joined on the device)."""
+def device_node(off: Offloaded, child: Callable[[int, tuple[Any, ...], Split | None, NamedSharding], Any]) -> Any:
+    """The device node of ``off``'s form whose array children are ``child(i, pieces, split, sharding)`` (the
+    device ``NamedSharding`` of child ``i``'s whole buffer); children that are not arrays are kept."""
     form = off.form
     shell = empty_node(form, [None] * len(form.splits))
     children = []
     for i, (parts, split) in enumerate(zip(off.pieces, form.splits, strict=True)):
         if split == -1:
             children.append(parts[0])
-            continue
-        dev = device_sharding(shell, i, full_shape(parts, split))
-        moved = [jax.device_put(p, dev) for p in parts]
-        children.append(moved[0] if split is None else split.join(moved))
+        else:
+            children.append(child(i, parts, split, device_sharding(shell, i, full_shape(parts, split))))
     return empty_node(form, children)
+
+
+def to_device(off: Offloaded) -> ShardedParams | PerDevice:
+    """The device node an :class:`Offloaded` holds (pieces joined on the device)."""
+
+    def child(i, parts, split, sharding):
+        moved = [jax.device_put(p, sharding) for p in parts]
+        return moved[0] if split is None else split.join(moved)
+
+    return device_node(off, child)
 
 
 def offload(tree: Any, offload: Offload | None = None) -> Any:

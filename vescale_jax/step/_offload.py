@@ -36,7 +36,7 @@ from vescale_jax._compat import (
     with_shape,
 )
 from vescale_jax.state._containers import PerDevice, ShardedParams
-from vescale_jax.state._offloaded import Offloaded, Split, device_sharding, empty_node, full_shape, is_offloaded
+from vescale_jax.state._offloaded import Offloaded, Split, device_node, full_shape, is_offloaded
 from vescale_jax.state._padding import zero_piece
 from vescale_jax.step._jaxpr import read
 from vescale_jax.step._point_of_use import _inline
@@ -76,9 +76,8 @@ class _Slot:
         return self.aval.sharding
 
 
-def _device_form(host_state: Any) -> tuple[Any, list[_Slot]]:
+def _device_form(host_state: Any) -> Any:
     """The state with each :class:`Offloaded` node as its device node whose offloaded children are ``_Slot``s."""
-    slots: list[_Slot] = []
     per_device = 0
 
     def one(off):
@@ -86,24 +85,16 @@ def _device_form(host_state: Any) -> tuple[Any, list[_Slot]]:
         if not is_offloaded(off):
             return off
         form = off.form
-        shell = empty_node(form, [None] * len(form.splits))
-        children = []
-        for i, (parts, split) in enumerate(zip(off.pieces, form.splits, strict=True)):
-            if split == -1:
-                children.append(parts[0])
-                continue
-            shape = full_shape(parts, split)
-            aval = jax.ShapeDtypeStruct(shape, parts[0].dtype, sharding=device_sharding(shell, i, shape))
-            group = i if form.kind == "sharded" else len(form.plan.buckets) + per_device
-            slot = _Slot(off, i, split, aval, group)
-            slots.append(slot)
-            children.append(slot)
-        if form.kind == "per_device":
-            per_device += 1
-            return PerDevice(children[0], form.plan, form.layout)
-        return ShardedParams(children, form.plan)
+        group0 = 0 if form.kind == "sharded" else len(form.plan.buckets) + per_device
+        per_device += form.kind == "per_device"
 
-    return jax.tree.map(one, host_state, is_leaf=is_offloaded), slots
+        def slot(i, parts, split, sharding):
+            aval = jax.ShapeDtypeStruct(full_shape(parts, split), parts[0].dtype, sharding=sharding)
+            return _Slot(off, i, split, aval, group0 + i)
+
+        return device_node(off, slot)
+
+    return jax.tree.map(one, host_state, is_leaf=is_offloaded)
 
 
 def _bytes(aval_shape: Sequence[int], dtype: Any, sharding: Any) -> int:
@@ -163,7 +154,7 @@ def stream_offloaded(
       ``inner``'s outputs with the new state's nodes offloaded like the input's.
     """
     params, host_state, *others = args
-    dev_state, _slots = _device_form(host_state)
+    dev_state = _device_form(host_state)
     flat, in_tree = jax.tree.flatten((params, dev_state, *others))
     slot_at = {k: x for k, x in enumerate(flat) if isinstance(x, _Slot)}
     avals = [x.aval if isinstance(x, _Slot) else x for x in flat]
