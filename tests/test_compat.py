@@ -585,6 +585,31 @@ def test_distributed_job_before_initialize():
     )
 
 
+def test_coordination_client_is_a_key_value_store():
+    assert _compat.coordination_client() is None, broke(
+        "coordination_client", "global_state.client is None before jax.distributed.initialize", "distributed (Watchdog)"
+    )
+    # A one-process job on a free loopback port, in a fresh interpreter: set (and overwrite) keys, read a prefix.
+    code = (
+        "import socket, jax, vescale_jax._compat as c\n"
+        "s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"
+        "jax.distributed.initialize(f'127.0.0.1:{port}', 1, 0)\n"
+        "k = c.coordination_client()\n"
+        "k.key_value_set('vj_pin/0', 'a', allow_overwrite=True)\n"
+        "k.key_value_set('vj_pin/0', 'b', allow_overwrite=True)\n"
+        "k.key_value_set('vj_pin/1', 'c', allow_overwrite=True)\n"
+        "print(sorted(k.key_value_dir_get('vj_pin/')))\n"
+    )
+    env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "[('vj_pin/0', 'b'), ('vj_pin/1', 'c')]", broke(
+        "coordination_client",
+        "after jax.distributed.initialize it has key_value_set(key, value, allow_overwrite=True) and "
+        f"key_value_dir_get(prefix) -> [(full key, value)] (got {out.stdout!r}, stderr {out.stderr[-2000:]!r})",
+        "distributed (Watchdog: each process's progress and heartbeat)",
+    )
+
+
 # ----------------------------------------------------------------------------------------------------------
 # optax
 

@@ -27,7 +27,7 @@ Sections:
   :data:`PSUM_PRIMITIVES` (:func:`summed_axes`), :data:`AXIS_INDEX` (:func:`indexed_axes`),
   :data:`OPAQUE_BODY_PRIMITIVES` (left out by :func:`nested_jaxprs`), :func:`equation_source`.
 * the process's JAX runtime: :func:`backends_are_initialized`, :func:`cluster_types`,
-  :func:`distributed_job`.
+  :func:`distributed_job`, :func:`coordination_client`.
 * optax: :func:`is_params_placeholder`, the Muon internals (:data:`MUON_NS_COEFFS_PRESETS`,
   :data:`MUON_DEFAULT_NS_COEFFS`, :data:`MUON_PRECONDITIONINGS`, :func:`muon_orthogonalize`,
   :func:`muon_normalize_axes`), and the modules that define optax's per-leaf mapping transformations
@@ -90,6 +90,7 @@ __all__ = [
     "cluster_types",
     "cond_branches",
     "convert_dtype",
+    "coordination_client",
     "distributed_job",
     "draw_bit_width",
     "draw_shape",
@@ -803,6 +804,21 @@ def distributed_job() -> tuple[str | None, int, int]:
     from jax._src.distributed import global_state
 
     return global_state.coordinator_address, int(global_state.num_processes or 1), int(global_state.process_id or 0)
+
+
+def coordination_client() -> Any | None:
+    """This process's client of JAX's coordination service (its key-value store), or ``None`` before
+    ``jax.distributed.initialize`` (and in a job that never called it).
+
+    Verified on JAX 0.10.2: ``jax._src.distributed.global_state.client``, a ``DistributedRuntimeClient`` with
+    ``key_value_set(key, value, allow_overwrite=...)`` and ``key_value_dir_get(prefix)`` (a list of
+    ``(key, value)`` string pairs, keys in full); its calls are RPCs to process 0, which hang while process 0 is
+    stopped and raise once it is gone. JAX publishes no key-value store. Used by ``distributed`` (the step
+    watchdog publishes each process's progress and reads its peers').
+    """
+    from jax._src.distributed import global_state
+
+    return getattr(global_state, "client", None)
 
 
 # ----------------------------------------------------------------------------------------------------------
