@@ -18,6 +18,10 @@ For tests on one machine, pass everything explicitly (CPU devices, gloo collecti
 
     distributed.initialize(coordinator_address="127.0.0.1:12345", num_processes=2, process_id=i,
                            local_device_count=4)
+
+A step that hangs (a stuck or stopped peer, a deadlock) is reported rather than waited on forever by
+:class:`Watchdog`: every thread's stack, which processes have not finished the step and whether they are alive,
+then the process exits non-zero.
 """
 
 from __future__ import annotations
@@ -36,8 +40,10 @@ import numpy as np
 from vescale_jax._compat import backends_are_initialized, cluster_types, distributed_job
 from vescale_jax.distributed._lost import report_lost_coordinator
 from vescale_jax.distributed._rendezvous import rendezvous
+from vescale_jax.distributed._watchdog import Watchdog
 
 __all__ = [
+    "Watchdog",
     "assert_same_plan",
     "detect_cluster",
     "initialize",
