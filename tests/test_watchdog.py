@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import pytest
 from test_multihost import ROOT, Worker, _stop, child_env, free_port, launch
@@ -115,6 +116,20 @@ def test_healthy_loop_never_fires(monkeypatch):
             raise KeyError("boom")
     assert exits == [] and out.getvalue() == ""
     assert not [t for t in threading.enumerate() if t.name in ("vj-watchdog", "vj-watchdog-heartbeat")]  # ended
+
+
+def test_time_the_process_spent_stopped_is_not_the_steps(monkeypatch):
+    # The process's clock jumps 100 s during a step, as when the whole process was stopped (SIGSTOP / SIGCONT, a
+    # suspended machine): the monitor wakes 100 s late and takes the gap off the step's time instead of firing.
+    exits, jump, real = [], [0.0], time.monotonic
+    monkeypatch.setattr(_watchdog, "_exit", exits.append)
+    monkeypatch.setattr(_watchdog, "time", types.SimpleNamespace(monotonic=lambda: real() + jump[0], sleep=time.sleep))
+    out = io.StringIO()
+    with vj.distributed.Watchdog(timeout_s=30.0, heartbeat_s=0.01, stream=out) as wd, wd.step(0):
+        time.sleep(0.05)
+        jump[0] = 100.0
+        time.sleep(0.2)  # the monitor wakes (every 0.01 s) and sees the gap
+    assert exits == [] and out.getvalue() == ""
 
 
 STUCK = """

@@ -102,7 +102,8 @@ class Watchdog:
     finished the step and whether those that have not are alive (then their own watchdogs print their stacks)
     or not responding (stopped, swapped out, hung in the OS), or that the coordinator (process 0) died or does
     not respond. Then the process exits with ``exit_code``. Time outside :meth:`step` is not watched (put
-    evaluation or checkpointing inside a step, with its own ``timeout_s``, to watch it).
+    evaluation or checkpointing inside a step, with its own ``timeout_s``, to watch it). Enter it after
+    :func:`vj.distributed.initialize`: it reads the job (process index and count, the coordinator) on entering.
 
     JAX's own heartbeat (``heartbeat_timeout_s`` of :func:`vj.distributed.initialize`, 30 s by default) ends every
     process of the job when one stops answering at all (killed, stopped); a peer that is alive but stuck is not
