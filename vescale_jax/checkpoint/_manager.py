@@ -37,6 +37,7 @@ import orbax.checkpoint as ocp
 from vescale_jax.checkpoint import _integrity as _integrity
 from vescale_jax.checkpoint import _read_errors as _read_errors
 from vescale_jax.checkpoint import _storable as _stored
+from vescale_jax.checkpoint._preemption import Preemption
 from vescale_jax.checkpoint._storable import abstract_logical, logical_tree
 from vescale_jax.layout._plan import Plan
 from vescale_jax.state._sharded import ShardedParams
@@ -141,7 +142,25 @@ class Manager:
       max_to_keep: keep at most this many finished steps (``None``: all).
       async_save: return from :meth:`save` once the arrays are copied to host and write in the background
         (call :meth:`wait` before reading the directory; :meth:`save` waits for the previous one).
-      save_interval_steps: Orbax's ``should_save`` interval (``force=True`` overrides it).
+      save_interval_steps: the interval of :meth:`should_save` (``force=True`` overrides it).
+      overwrite: let the first save delete what the directory holds that is not this run's: steps another run
+        (or an earlier launch of this one) wrote, other than the step :meth:`restore` resumed from and those
+        before it, and any step at or after the one being saved. Without it such a save raises (the
+        directory is another run's, or saving step 40 beside an old step 60 would leave the old one "latest").
+      catch_sigterm: in a single-process job, let :meth:`reached_preemption` catch ``SIGTERM`` (a multi-process
+        job's notice comes through JAX's coordination service either way).
+
+    A training loop asks :meth:`should_save` and :meth:`reached_preemption` after every step::
+
+        mngr.prepare(params=params, opt_state=opt_state)    # compile the save's conversion before timing
+        for step in range(first, last + 1):
+            params, opt_state, metrics = train_step(params, opt_state, batch)
+            preempted = mngr.reached_preemption(step)        # same step on every process after a SIGTERM
+            if preempted or mngr.should_save(step) or step == last:
+                mngr.save(step, params=params, opt_state=opt_state, force=True)
+            if preempted:
+                mngr.wait()                                  # the save is complete: exit 0 within the grace
+                break
 
     Sharding:
       Save and restore are collective: every process calls them with the same arguments. Each writes and reads
@@ -155,8 +174,17 @@ class Manager:
         max_to_keep: int | None = None,
         async_save: bool = False,
         save_interval_steps: int = 1,
+        overwrite: bool = False,
+        catch_sigterm: bool = True,
     ):
         self.directory = os.path.abspath(os.fspath(directory))
+        self.overwrite = bool(overwrite)
+        self._interval = int(save_interval_steps)
+        if self._interval < 1:
+            raise ValueError(f"Manager: save_interval_steps must be >= 1, got {save_interval_steps!r}.")
+        self._preemption = Preemption(catch_sigterm=catch_sigterm)
+        self._resumed_from: int | None = None  # the step restore() read: it and earlier steps are this run's
+        self._saved: set[int] = set()  # steps this Manager saved
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             enable_async_checkpointing=async_save,
@@ -185,6 +213,31 @@ class Manager:
 
     def close(self) -> None:
         self._mngr.close()
+        self._preemption.close()
+
+    # -- when to save
+    def reached_preemption(self, step: int) -> bool:
+        """True at the step every process saves before a preemption; ask after every step, on every process.
+
+        After ``SIGTERM`` (or JAX's preemption notice) reaches any process, the job's processes agree through
+        JAX's coordination service on one step that all of them finish: this returns True there, on each of
+        them. Save that step, :meth:`wait`, and end the run (exit status 0) within the scheduler's grace period.
+        A single-process job catches ``SIGTERM`` itself from the first call on (unless ``catch_sigterm=False``)
+        and answers True at the first step boundary after it.
+
+        Args:
+          step: the step just finished; the same number on every process (a resumed job starts every process
+            at the same step).
+        """
+        return self._preemption.reached(step)
+
+    def should_save(self, step: int) -> bool:
+        """Whether to save ``step``: every ``save_interval_steps`` steps, and at the preemption step.
+
+        Args:
+          step: the step just finished.
+        """
+        return step % self._interval == 0 or self._preemption.reached(step)
 
     def __enter__(self) -> Manager:
         return self
@@ -221,8 +274,9 @@ class Manager:
                 f"Manager.save: params must be vj.ShardedParams, got {type(params).__name__}; "
                 "use ocp.StandardCheckpointer for a plain tree."
             )
-        if not force and not self._mngr.should_save(step):
+        if not force and not self.should_save(step):
             return False
+        self._claim(step)
         logical, param_sums = _stored.logical_and_sums(params)
         items: dict[str, Any] = {_PARAMS: ocp.args.StandardSave(_stored.storable(logical))}
         sums = {_PARAMS: param_sums}
@@ -239,7 +293,62 @@ class Manager:
         }
         items[_VJ] = ocp.args.JsonSave(description)
         items[_META] = ocp.args.JsonSave(dict(metadata or {}))
-        return self._mngr.save(step, args=ocp.args.Composite(**items), force=force)
+        started = self._mngr.save(step, args=ocp.args.Composite(**items), force=True)
+        if started:
+            self._saved.add(int(step))
+        return started
+
+    def _foreign(self, step: int) -> list[int]:
+        """Finished steps of the directory that are not this run's before ``step``: another run's, or any at or
+        after ``step``."""
+
+        def ours(s: int) -> bool:
+            return s < step and (s in self._saved or (self._resumed_from is not None and s <= self._resumed_from))
+
+        return sorted(s for s in self._mngr.all_steps() if not ours(s))
+
+    def check_directory(self, step: int) -> None:
+        """Raises now what :meth:`save` of ``step`` would raise about the directory's steps (see ``overwrite``).
+
+        Call it before training so a run that would be refused at its first save stops at once.
+
+        Args:
+          step: the first step this run will save.
+
+        Raises:
+          ValueError: the directory holds another run's steps, or steps at or after ``step``, and ``overwrite``
+            is off; the message lists them and the fixes.
+        """
+        foreign = self._foreign(step)
+        if foreign and not self.overwrite:
+            later = [s for s in foreign if s >= step]
+            why = f"steps {foreign}" + (f" ({later} at or after step {step})" if later else "")
+            raise ValueError(
+                f"vj.checkpoint.Manager: not saving step {step} into {self.directory}: it holds {why}, which this "
+                "Manager did not restore from or save; a save here would mix two runs (and a later old step would "
+                "stay the latest). Resume from it (Manager.restore, then save the next steps), save into another "
+                "directory, or pass overwrite=True to delete those steps first."
+            )
+
+    def _claim(self, step: int) -> None:
+        """Before saving ``step``: refuses, or with ``overwrite`` deletes, the steps :meth:`_foreign` names."""
+        self.check_directory(step)
+        foreign = self._foreign(step)
+        if foreign:
+            self._mngr.wait_until_finished()
+            for s in foreign:
+                self._mngr.delete(s)
+
+    def prepare(self, *, params: ShardedParams, opt_state: Any = None) -> None:
+        """Compiles what a :meth:`save` of this state (and a restore into its plan) runs, writing nothing.
+
+        Call it before a timed loop so the first save costs what later ones do.
+
+        Args:
+          params: the sharded parameters (or their ``jax.eval_shape``).
+          opt_state: the optimizer state over them, or ``None``.
+        """
+        _stored.prepare(params, opt_state)
 
     # -- restore
     def _description(self, step: int) -> dict[str, Any]:
@@ -303,6 +412,7 @@ class Manager:
         """
         step = self._step(step)
         desc = self._description(step)
+        self._resumed_from = step
         where = os.path.join(self.directory, str(step))
         try:
             metadata = self._mngr.item_metadata(step)
