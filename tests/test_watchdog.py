@@ -3,7 +3,7 @@ doing, then ends the process; a healthy loop never sees it.
 
 In-process tests check the timeout rule, the options, a healthy loop and the peer report (against a fake
 coordination service); a subprocess checks a stuck single-process step; two loopback jobs (2 processes x 4 CPU
-devices, tests/watchdog_worker.py) check a stopped peer and a killed coordinator. Deadlines are hang guards,
+devices, tests/watchdog_worker.py) check a stopped peer, a stopped coordinator and a killed coordinator. Deadlines are hang guards,
 and the clocks of the loopback tests start at the event (the stop, the kill), not at launch.
 """
 
@@ -274,24 +274,30 @@ def wait_exit(worker: Worker) -> tuple[int, str, float]:
     return rc, "\n".join(line for _, line in worker.lines), time.monotonic() - t0
 
 
-def test_stopped_peer_is_reported_not_responding():
+@pytest.mark.parametrize("stopped", [1, 0], ids=["peer", "coordinator"])
+def test_stopped_process_is_reported(stopped):
     # JAX's heartbeat (120 s) is far above the watchdog's timeout (floor_s=10 s): the watchdog reports first.
     workers = start_job(floor_s=10.0, jax_heartbeat_s=120)
+    survivor = 1 - stopped
     try:
         wait_for_step(workers, 3)
-        os.kill(workers[1].popen.pid, signal.SIGSTOP)
-        rc, out, seconds = wait_exit(workers[0])
+        os.kill(workers[stopped].popen.pid, signal.SIGSTOP)
+        rc, out, seconds = wait_exit(workers[survivor])
     finally:
-        if workers[1].popen.poll() is None:
-            os.kill(workers[1].popen.pid, signal.SIGCONT)
+        if workers[stopped].popen.poll() is None:
+            os.kill(workers[stopped].popen.pid, signal.SIGCONT)
         _stop(workers)
     assert rc == 75, (rc, out[-3000:])
-    assert "vj.distributed.Watchdog: process 0 of 2 is stuck: step " in out, out[-3000:]
+    assert f"vj.distributed.Watchdog: process {survivor} of 2 is stuck: step " in out, out[-3000:]
     assert "past its timeout of 10.0 s (floor_s" in out, out[-3000:]  # the median rule, not the first steps'
-    assert "watchdog_worker.py" in out  # process 0's stacks: its main thread waits on the step's result
-    assert "process 1: has not finished step" in out and "not responding: its heartbeat did not advance" in out, out
-    assert "stopped (SIGSTOP)" in out
-    print(f"process 0 reported the stopped process 1 and exited {seconds:.1f} s after the stop")
+    assert "watchdog_worker.py" in out  # the survivor's stacks: its main thread waits on the step's result
+    if stopped == 1:  # process 0 reads the store it serves itself: process 1's heartbeat stood still
+        assert "process 1: has not finished step" in out and "not responding: its heartbeat did not advance" in out
+        assert "stopped (SIGSTOP)" in out, out[-3000:]
+    else:  # the store is on the stopped process 0: it accepts connections but does not answer
+        address = f"127.0.0.1:{workers[0].popen.args[3]}"
+        assert f"process 0 (the coordinator, {address}) does not respond" in out, out[-3000:]
+    print(f"process {survivor} reported the stopped process {stopped} and exited {seconds:.1f} s after the stop")
 
 
 def test_killed_coordinator_is_reported():
