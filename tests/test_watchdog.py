@@ -2,9 +2,10 @@
 doing, then ends the process; a healthy loop never sees it.
 
 In-process tests check the timeout rule, the options, a healthy loop and the peer report (against a fake
-coordination service); a subprocess checks a stuck single-process step; two loopback jobs (2 processes x 4 CPU
-devices, tests/watchdog_worker.py) check a stopped peer, a stopped coordinator and a killed coordinator. Deadlines are hang guards,
-and the clocks of the loopback tests start at the event (the stop, the kill), not at launch.
+coordination service); a subprocess checks a stuck single-process step; three loopback jobs (2 processes x 4
+CPU devices, tests/watchdog_worker.py) check a stopped peer, a stopped coordinator and a killed coordinator.
+Deadlines are hang guards, and the clocks of the loopback tests start at the event (the stop, the kill), not at
+launch.
 """
 
 from __future__ import annotations
