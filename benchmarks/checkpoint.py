@@ -1,11 +1,13 @@
-"""Checkpoint benchmarks: save time against plain Orbax, and peak host memory of save / restore per process.
+"""Checkpoint benchmarks: save and restore time against plain Orbax, and peak host memory per process.
 
-    python benchmarks/checkpoint.py time [--mib 600] [--repeats 3]
+    python benchmarks/checkpoint.py time [--mib 600] [--repeats 3] [--bound 1.25]
     python benchmarks/checkpoint.py memory [--processes 4] [--devices 2] [--mib 256]
 
 ``time`` (8 simulated CPU devices, one process): a params + Adam state of about ``--mib`` MiB saved with
-``vj.checkpoint.Manager`` (bucket -> logical conversion, checksums, Orbax write) against plain
-``ocp.StandardCheckpointer`` saving the same state as an unsharded tree on one device, same run; medians.
+``vj.checkpoint.Manager`` (bucket -> logical conversion, checksums, Orbax write) and restored into its plan
+(Orbax read, logical -> bucket conversion, checksums), against plain ``ocp.StandardCheckpointer`` saving the
+same state as an unsharded tree on one device and restoring it onto that device; each round runs the four side
+by side; medians after a compiling round. ``--bound B`` exits non-zero if either ratio vj / plain exceeds ``B``.
 
 ``memory`` (``--processes`` processes x ``--devices`` CPU devices on loopback): every process samples its own
 resident set size every 2 ms while the job saves a ``--mib`` MiB parameter tree and restores it into another
@@ -90,7 +92,8 @@ def init_fn(shapes):
 
 
 # ------------------------------------------------------------------------------------------------------ time
-def bench_time(args) -> None:
+def bench_time(args) -> int:
+    """Save and restore, vj against plain Orbax, side by side in each round; returns the exit status."""
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     import jax
     import numpy as np
@@ -105,6 +108,7 @@ def bench_time(args) -> None:
     params = vj.init_sharded(init_fn(shapes), plan, jax.random.key(0))
     adam, *rest = vj.init_opt_state(optax.adam(1e-3), params)
     state = (adam._replace(mu=jax.tree.map(lambda x: x * 0.5, params), nu=jax.tree.map(lambda x: x * x, params)), *rest)
+    template = jax.eval_shape(lambda: state)
     total = 3 * sum(b.nbytes for b in plan.buckets) / MIB
     # The unsharded tree a plain Flax job would hold, on one device (built through the host, leaf by leaf).
     one = jax.devices()[0]
@@ -113,38 +117,67 @@ def bench_time(args) -> None:
         for name, sp in (("params", params), ("mu", state[0].mu), ("nu", state[0].nu))
     }
     plain_tree["count"] = jax.device_put(np.asarray(state[0].count), one)
+    on_one = jax.sharding.SingleDeviceSharding(one)
+    plain_target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on_one), plain_tree)
     jax.block_until_ready((params, state, plain_tree))
     root = tempfile.mkdtemp(prefix="vj_ckpt_bench_")
-    vj_times, plain_times = [], []
-    try:
-        for r in range(args.repeats + 1):  # the first round compiles the conversion
-            mngr = vj.checkpoint.Manager(os.path.join(root, f"vj{r}"))
-            t = time.perf_counter()
+    times: dict[str, list[float]] = {"vj save": [], "plain save": [], "vj restore": [], "plain restore": []}
+
+    def timed(key, fn):
+        t = time.perf_counter()
+        out = fn()
+        jax.block_until_ready(out)
+        times[key].append(time.perf_counter() - t)
+        return out
+
+    def vj_save(directory):
+        with vj.checkpoint.Manager(directory) as mngr:
             mngr.save(1, params=params, opt_state=state)
             mngr.wait()
-            vj_times.append(time.perf_counter() - t)
-            mngr.close()
-            ckptr = ocp.StandardCheckpointer()
-            t = time.perf_counter()
-            ckptr.save(os.path.join(root, f"plain{r}"), plain_tree)
-            ckptr.wait_until_finished()
-            plain_times.append(time.perf_counter() - t)
-            shutil.rmtree(os.path.join(root, f"vj{r}"))
-            shutil.rmtree(os.path.join(root, f"plain{r}"))
+
+    def vj_restore(directory):
+        with vj.checkpoint.Manager(directory) as mngr:
+            r = mngr.restore(params=plan, opt_state=template)
+        return r.params, r.opt_state
+
+    def plain_save(directory):
+        ckptr = ocp.StandardCheckpointer()
+        ckptr.save(directory, plain_tree)
+        ckptr.wait_until_finished()
+
+    try:
+        for r in range(args.repeats + 1):  # the first round compiles the conversions
+            vj_dir, plain_dir = os.path.join(root, f"vj{r}"), os.path.join(root, f"plain{r}")
+            timed("vj save", lambda d=vj_dir: vj_save(d))
+            timed("plain save", lambda d=plain_dir: plain_save(d))
+            restored = timed("vj restore", lambda d=vj_dir: vj_restore(d))
+            del restored
+            restored = timed("plain restore", lambda d=plain_dir: ocp.StandardCheckpointer().restore(d, plain_target))
+            del restored
+            shutil.rmtree(vj_dir)
+            shutil.rmtree(plain_dir)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    vj_s, plain_s = float(np.median(vj_times[1:])), float(np.median(plain_times[1:]))
+    med = {k: float(np.median(v[1:])) for k, v in times.items()}
+    ratios = {what: med[f"vj {what}"] / med[f"plain {what}"] for what in ("save", "restore")}
     print(
         f"state {total:.0f} MiB (params + Adam mu, nu) on {jax.device_count()} {jax.devices()[0].platform} "
         f"devices, {len(plan.leaves)} leaves in {len(plan.buckets)} buckets; median of {args.repeats}"
     )
-    print("| save | seconds | MiB/s |\n|---|---|---|")
-    print(f"| vj.checkpoint.Manager (sharded, logical) | {vj_s:.2f} | {total / vj_s:.0f} |")
-    print(f"| plain Orbax, unsharded tree on one device | {plain_s:.2f} | {total / plain_s:.0f} |")
-    print(
-        f"ratio vj / plain: {vj_s / plain_s:.2f} (first, compiling round: vj {vj_times[0]:.2f} s, plain "
-        f"{plain_times[0]:.2f} s)"
-    )
+    print("| | save s | save MiB/s | restore s | restore MiB/s |\n|---|---|---|---|---|")
+    for who, label in (("vj", "vj.checkpoint.Manager (sharded, logical)"), ("plain", "plain Orbax, unsharded tree")):
+        sv, rs = med[f"{who} save"], med[f"{who} restore"]
+        print(f"| {label} | {sv:.2f} | {total / sv:.0f} | {rs:.2f} | {total / rs:.0f} |")
+    first = ", ".join(f"{k} {v[0]:.2f} s" for k, v in times.items())
+    print(f"ratio vj / plain: save {ratios['save']:.2f}, restore {ratios['restore']:.2f}")
+    print(f"first, compiling round: {first}")
+    if args.bound is not None:
+        over = [f"{k} {v:.2f}" for k, v in ratios.items() if v > args.bound]
+        if over:
+            print(f"FAIL: ratio above the bound {args.bound}: {', '.join(over)}")
+            return 1
+        print(f"ok: both ratios within the bound {args.bound}")
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------------- memory
@@ -275,12 +308,15 @@ def main() -> None:
     t = sub.add_parser("time")
     t.add_argument("--mib", type=float, default=600)
     t.add_argument("--repeats", type=int, default=3)
+    t.add_argument("--bound", type=float, default=None, help="exit non-zero if vj / plain exceeds this (either)")
     mem = sub.add_parser("memory")
     mem.add_argument("--processes", type=int, default=4)
     mem.add_argument("--devices", type=int, default=2)
     mem.add_argument("--mib", type=float, default=256)
     args = p.parse_args()
-    bench_time(args) if args.what == "time" else bench_memory(args)
+    if args.what == "time":
+        sys.exit(bench_time(args))
+    bench_memory(args)
 
 
 if __name__ == "__main__":

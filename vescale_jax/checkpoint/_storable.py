@@ -36,6 +36,7 @@ __all__ = [
     "opt_state_items",
     "opt_state_target",
     "pack",
+    "prepare",
     "rebuild_state",
     "storable",
 ]
@@ -365,6 +366,43 @@ def rebuild_state(
         out.append(built if off is None else offload(built, _policy(off)))
     _integrity.compare(_integrity.checksums(nest(others)), expected, item=OPT, where=where)
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _dtypes(node: ShardedParams) -> tuple[str, ...]:
+    return tuple(np.dtype(b.dtype).name for b in node.buffers)
+
+
+def prepare(params: ShardedParams, opt_state: Any = None) -> None:
+    """Compiles, ahead of time, the conversions a save of this state and a restore into its plans run.
+
+    Every ``ShardedParams`` (``params`` and the parameter-shaped nodes of ``opt_state``, offloaded ones included)
+    gets its bucket -> logical and logical -> bucket executables compiled and cached by plan and dtype; the
+    checksums of the other optimizer-state leaves (counts, scalars, ``PerDevice`` values) are computed once,
+    which compiles them for the save. Nothing is written and no bucket is converted, so a training loop can pay
+    the compile before its timed steps. A ``PerDevice`` layout's own ``to_logical`` / ``from_logical`` compile
+    on their first use.
+
+    Args:
+      params: the sharded parameters (real or abstract: only their plan and dtypes are read).
+      opt_state: the optimizer state over them, or ``None``.
+    """
+    _logical.compile_conversions(params.plan, _dtypes(params))
+    if opt_state is None:
+        return
+    flat, _ = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=is_node)
+    others = []
+    for path, node in flat:
+        parts, name = [_name(k) for k in path], _raw_path(path)
+        if isinstance(node, Offloaded):
+            node = _shell(node, name)
+        if isinstance(node, ShardedParams):
+            _logical.compile_conversions(node.plan, _dtypes(node))
+        elif isinstance(node, PerDevice):
+            if getattr(node, "layout", None) is None and isinstance(node.value, jax.Array):
+                others.append((parts, node.value))
+        elif isinstance(node, jax.Array):
+            others.append((parts, node))
+    _integrity.checksums(nest(others))
 
 
 def first_plan(tree: Any) -> Plan:

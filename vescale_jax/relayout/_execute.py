@@ -182,21 +182,32 @@ def permute_rounds(x: jax.Array, out: jax.Array, moves: Moves, *, axis: Any) -> 
     """
     k = jax.lax.axis_index(axis)
     schedule = rounds(moves)
-    most = max([max(w) for *_, w, _ in schedule if w] + [0])
-    x = jnp.pad(x, (0, most))
+    m = moves.num_devices
+    # A local column every device copies at its full width needs no mask and never clamps (its runs lie inside
+    # both buffers); the others are masked, and the buffers padded so that a full-width slice never clamps.
+    exact = [_exact_columns(pairs, send, recv, widths, m) for pairs, send, recv, widths, _ in schedule]
+    loose = [
+        w for (*_, widths, _), ex in zip(schedule, exact, strict=True) for w, e in zip(widths, ex, strict=True) if not e
+    ]
+    most = max([*loose, 0])
     size = out.shape[0]
-    out = jnp.pad(out, (0, most))  # writes of a full width never clamp
+    if most:
+        x = jnp.pad(x, (0, most))
+        out = jnp.pad(out, (0, most))  # writes of a full width never clamp
 
-    def put(buf, v, at, n, w):
+    def put(buf, v, at, n, w, exact=False):
+        if exact:
+            return jax.lax.dynamic_update_slice(buf, v.astype(buf.dtype), (at,))
         keep = jax.lax.dynamic_slice(buf, (at,), (w,))
         return jax.lax.dynamic_update_slice(buf, jnp.where(jnp.arange(w) < n, v.astype(buf.dtype), keep), (at,))
 
-    for pairs, send, recv, widths, width in schedule:
+    for (pairs, send, recv, widths, width), ex in zip(schedule, exact, strict=True):
         send, recv = jnp.asarray(send.astype(np.int32))[:, k], jnp.asarray(recv.astype(np.int32))[:, k]
         if all(s == d for s, d in pairs):  # pieces that stay: copied straight from x to out
             for i, w in enumerate(widths):
                 if w:
-                    out = put(out, jax.lax.dynamic_slice(x, (send[0, i],), (w,)), recv[1, i], recv[3, i], w)
+                    piece = jax.lax.dynamic_slice(x, (send[0, i],), (w,))
+                    out = put(out, piece, recv[1, i], recv[3, i], w, ex[i])
             continue
         msg = jnp.zeros((max(width, sum(widths)),), x.dtype)  # segment i ends before sum(widths[:i + 1])
         for i, w in enumerate(widths):
@@ -206,4 +217,11 @@ def permute_rounds(x: jax.Array, out: jax.Array, moves: Moves, *, axis: Any) -> 
         for i, w in enumerate(widths):
             if w:
                 out = put(out, jax.lax.dynamic_slice(msg, (recv[2, i],), (w,)), recv[1, i], recv[3, i], w)
-    return out[:size]
+    return out[:size] if most else out
+
+
+def _exact_columns(pairs, send: np.ndarray, recv: np.ndarray, widths, m: int) -> list[bool]:
+    """Per segment column of a local round: whether all ``m`` devices copy a run of the column's full width."""
+    if len(pairs) != m or not all(s == d for s, d in pairs):
+        return [False] * len(widths)
+    return [bool(w) and bool((send[3, :, i] == w).all() and (recv[3, :, i] == w).all()) for i, w in enumerate(widths)]

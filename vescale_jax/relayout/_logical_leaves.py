@@ -1,26 +1,36 @@
-"""Flat buckets <-> logical leaves, evenly sharded, one all-to-all per leaf and no gathered bucket.
+"""Flat buckets <-> logical leaves, evenly sharded, compiled once per plan, never a gathered bucket.
 
 A checkpoint stores every leaf at its logical shape. Turning a bucket into its leaves with ``jit(unpack,
 out_shardings=...)`` makes XLA all-gather the whole bucket on every device and slice; this module instead moves
-each device's ragged range of a leaf straight to the devices that own it under an even *storage sharding*, by
-one (padded) all-to-all per leaf inside ``shard_map``.
+each device's ragged range of a leaf straight to the devices that own it under an even *storage sharding*,
+inside ``shard_map``, and computes each leaf's checksums on the way.
 
 Storage sharding of a leaf (per layer for a stacked leaf): the plan's ``m`` devices are viewed as a mesh of
 ``m``'s prime factors (ascending); a leaf dim ``D`` is split over the longest prefix of those factors whose
 product ``g`` divides ``D`` (the dim with the largest ``g`` wins, then the larger dim). ``g == m`` for any dim
 divisible by ``m``; a leaf with no dim sharing a factor with ``m`` is replicated (``g == 1``). Each device then
 holds ``size / g`` elements of the leaf. Both sides are placements of the relayout engine
-(:mod:`vescale_jax.relayout._moves`: the ragged ranges, and per storage block its ``A`` rows of ``R`` elements),
-moved by its padded all-to-all (:func:`vescale_jax.relayout._execute.all_to_all`); the block rows of one device
-pair are ``P`` apart on the ragged side, so its run tables compress them into at most three periodic runs per
-pair, whatever the leaf size.
+(:mod:`vescale_jax.relayout._moves`: the ragged ranges, and per storage block its ``A`` rows of ``R`` elements).
 
-Transient memory per device: each leaf's all-to-all send and receive buffers, ``m * W`` elements each, where
-``W`` is the largest piece one device sends another (``W <= size / g``), so at most twice one leaf (one layer
-of it: stacked leaves are converted layer by layer, one collective per layer in a static sequence, none inside a
-loop) and about ``2 * size / m`` for a leaf spread over all devices. The outputs (the logical leaves, or the
-packed buckets) are one more copy of the device's share. (XLA keeps the unrolled layers' index tables live, so
-the compiled temp is larger than this; see docs/checkpoint.md.)
+How a leaf (one layer of it) moves, chosen per leaf from its runs: a leaf whose storage blocks are contiguous
+(split on its first dim, or few rows) has few runs per device pair, mostly one that stays on its device; it moves
+by collective-permute rounds (:func:`vescale_jax.relayout._execute.permute_rounds`: a local copy, then one small
+permute per round for the pieces that cross a shard boundary). A strided storage block (split on a later dim,
+many rows per device) moves by one padded all-to-all (:func:`vescale_jax.relayout._execute.all_to_all`); the
+block rows of one device pair are ``P`` apart on the ragged side, so its run tables compress them into at most
+three periodic runs per pair, whatever the leaf size.
+
+Executables (:func:`compile_conversions`): one per bucket and direction, compiled ahead of time and cached by
+plan and dtype, so a second save or restore under the same plan compiles nothing. A stacked bucket whose every
+leaf stays on its devices (each device's range is its storage block, e.g. a one-leaf bucket split on dim 0) is
+converted in one call, all layers at once, by local copies. Any other stacked bucket runs one call per layer, its
+outputs donated and written in place, so the transient memory per device is one layer's moved pieces (about twice
+its share of the layer), whatever the layer count. No collective runs inside a loop (XLA:CPU's in-process
+rendezvous intermittently aborts on one there). Checksums are reduced per device where each block lands (one
+pass per leaf, a variadic reduction) and summed on the host.
+
+``_to_logical_fn`` / ``_from_logical_fn`` are the former single-executable form (one all-to-all per leaf and
+layer, unrolled); the conversions no longer run them, tests inspect their collectives and lowering.
 
 A leaf stored tile-major (``vj.tiles``, see :mod:`vescale_jax.layout._tiles`) takes a simpler, costlier path: its
 ragged ranges are all-gathered (the leaf's storage order is not a row-major range, so the closed-form ranks
@@ -30,9 +40,9 @@ tiled leaf (one layer of it) every device then receives and holds the whole leaf
 of transient memory and ``size`` elements received instead of ``size / m``; the stored form is the same.
 
 Leaves split over tensor / expert mesh axes (a *grouped* bucket, ``vj.plan(..., tp=...)``; see
-:mod:`vescale_jax.layout._tp`) take the same all-to-all, generalised rather than reassembled: every TP/EP group holds
+:mod:`vescale_jax.layout._tp`) take the same moves, generalised rather than reassembled: every TP/EP group holds
 its own shards of the leaves in one shared layout, so the route tables above are those of the leaf's TP shard
-(its local shape), and the all-to-all runs over the FSDP factor axes only, within each group. The stored leaf
+(its local shape), and the moves run over the FSDP factor axes only, within each group. The stored leaf
 is still the whole logical leaf at its full shape (the stored form does not depend on the TP split): its
 storage sharding is the leaf's TP split (its ``LeafSpec.tp`` axes, major) composed with the even storage split
 of its TP shard (the factor axes, minor), so device ``(group, k)`` stores block ``k`` of its group's shard and
@@ -52,12 +62,13 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from vescale_jax._cache import plan_cache
 from vescale_jax.layout import _tiles as tiles
 from vescale_jax.layout._plan import Bucket, Plan
-from vescale_jax.relayout._execute import all_to_all
+from vescale_jax.relayout._execute import _exact_columns, all_to_all, permute_rounds, rounds
 from vescale_jax.relayout._moves import Moves, Placement, plan_moves
 
-__all__ = ["LeafStorage", "from_logical", "leaf_storage", "storage_mesh", "to_logical"]
+__all__ = ["LeafStorage", "compile_conversions", "from_logical", "leaf_storage", "storage_mesh", "to_logical"]
 
 _PREFIX = "vj_ckpt_"
 
@@ -297,21 +308,49 @@ def _box_starts(plan: Plan, i: int, st: LeafStorage, rt: _Route, k: jax.Array) -
     return starts
 
 
+def _runs_of(box: Sequence[int], dims: Sequence[int]) -> list[tuple[int, int]]:
+    """A box of a row-major array of shape ``dims`` as ``(size, stride)`` per merged dim: a dim merges with the
+    dims after it while those span their whole extent (the box is contiguous there)."""
+    out: list[tuple[int, int]] = []
+    stride, whole = 1, False  # whole: every dim of the current run is taken at its full extent
+    for n, extent in zip(reversed(box), reversed(dims), strict=True):
+        if whole:
+            out[-1] = (out[-1][0] * n, out[-1][1])
+        else:
+            out.append((n, stride))
+        whole = n == extent
+        stride *= extent
+    return out[::-1]
+
+
 def _partial_sums(blk: jax.Array, full: tuple[int, ...], starts: Sequence[jax.Array], layer: jax.Array) -> jax.Array:
     """The two checksums of this device's box of one layer: ``blk`` is ``(1, *box)``, at per-dim ``starts`` of a
     per-layer leaf of shape ``full``; ``layer`` its index. The weights are the word indices of the whole leaf, as
-    :func:`vescale_jax.checkpoint._integrity.checksums` computes them (uint32 arithmetic)."""
+    :func:`vescale_jax.checkpoint._integrity.checksums` computes them (uint32 arithmetic).
+
+    With ``first`` the index of the box's first word and ``i`` a word's offset from it, ``sum w (2 index + 1)`` is
+    ``(2 first + 1) sum w + 2 sum w i``: both sums in one pass (a variadic reduction), the offsets from one iota
+    per run of contiguous dims.
+    """
     box = tuple(blk.shape[1:])
     w = words(blk[0])
     nw = w.shape[-1] if w.ndim == len(box) + 1 else 1
-    w = jnp.reshape(w, (*box, nw))
     u32 = jnp.uint32
-    flat = jnp.full(w.shape, layer, u32)
-    for d, n in enumerate(full):
-        flat = flat * u32(n % 2**32) + (starts[d] + jax.lax.broadcasted_iota(u32, w.shape, d))
-    flat = flat * u32(nw) + jax.lax.broadcasted_iota(u32, w.shape, len(box))
-    weight = flat * u32(2) + u32(1)
-    return jnp.stack([jnp.sum(w, dtype=u32), jnp.sum(w * weight, dtype=u32)])
+    dims = (*full, nw)
+    strides = [math.prod(dims[d + 1 :]) % 2**32 for d in range(len(dims))]
+    first = layer * u32(math.prod(dims) % 2**32)
+    for d, start in enumerate(starts):
+        first = first + start * u32(strides[d])
+    runs = _runs_of((*box, nw), dims)
+    w = jnp.reshape(w, tuple(n for n, _ in runs))
+    offset = jnp.zeros(w.shape, u32)
+    for d, (_, stride) in enumerate(runs):
+        offset = offset + jax.lax.broadcasted_iota(u32, w.shape, d) * u32(stride % 2**32)
+    zero = u32(0)
+    total, moment = jax.lax.reduce(
+        (w, w * offset), (zero, zero), lambda a, b: (a[0] + b[0], a[1] + b[1]), tuple(range(w.ndim))
+    )
+    return jnp.stack([total, total * (first * u32(2) + u32(1)) + moment * u32(2)])
 
 
 def _block_sums(
@@ -446,6 +485,244 @@ def _from_logical_fn(plan: Plan, dtypes: tuple[str, ...] | None = None):
     return jax.jit(mapped), [NamedSharding(mesh, s) for s in in_specs]
 
 
+# ------------------------------------------------------------------------ per-bucket executables, layer by layer
+_FEW_RUNS = 8
+"""Runs per device pair up to which a leaf moves by collective-permute rounds instead of a padded all-to-all."""
+
+
+def _by_permutes(moves: Moves) -> bool:
+    """Whether ``moves`` go by :func:`permute_rounds`: few runs per pair (contiguous storage blocks, pieces that
+    mostly stay on their device). A padded all-to-all sizes every message by the largest pair, ``m`` times a
+    device's piece when pieces barely move; strided blocks (many rows per pair) take the all-to-all."""
+    if not len(moves):
+        return True
+    m = moves.num_devices
+    return int(np.bincount(moves.src * m + moves.dst).max()) <= _FEW_RUNS
+
+
+def _layer_out(row: jax.Array, rt: _Route, st: LeafStorage, gran: Any, k: jax.Array, axes: tuple[str, ...]):
+    """One layer of one leaf: this device's bucket row ``(S,)`` -> its storage block ``(n / g,)``."""
+    if gran is not None:
+        return _tiled_out(row[None], rt, st, gran, k, axes)[0]
+    if _by_permutes(rt.to_blocks):
+        return permute_rounds(row, jnp.zeros((rt.block_size,), row.dtype), rt.to_blocks, axis=axes)
+    return all_to_all(row[None], rt.to_blocks, axis=axes, size=rt.block_size)[0]
+
+
+def _layer_in(block: jax.Array, out: jax.Array, rt: _Route, st: LeafStorage, gran: Any, k, axes):
+    """One layer of one leaf: this device's storage block ``(n / g,)`` -> its range written into ``out``."""
+    if gran is not None:
+        return _tiled_in(block[None], out[None], rt, st, gran, k, axes)[0]
+    if _by_permutes(rt.to_ranges):
+        return permute_rounds(block, out, rt.to_ranges, axis=axes)
+    return all_to_all(block[None], rt.to_ranges, axis=axes, size=out.shape[-1], out=out[None])[0]
+
+
+def _replica_axes(plan: Plan, bucket: Bucket) -> tuple[str, ...]:
+    """Storage-mesh axes over which a bucket's devices hold the same data (HSDP replicas): counted once."""
+    return tuple(a for a in storage_mesh(plan).axis_names if a not in (*bucket.groups, *_factor_axes(plan)))
+
+
+def _own_sums(
+    blk: jax.Array, plan: Plan, bucket: Bucket, i: int, st: LeafStorage, rt: _Route, k: jax.Array, layer
+) -> jax.Array:
+    """This device's share ``(2,)`` of leaf ``i``'s checksums over its storage block ``blk`` (zero on all but one
+    replica of the block); summed over every device they are the leaf's checksums. ``blk`` is one layer (of
+    index ``layer``) for a stacked leaf, or every layer at once where ``layer`` is ``None``."""
+    shape = plan.leaves[i].shape
+    starts = _box_starts(plan, i, st, rt, k)
+    if bucket.layers is None:
+        sums = _partial_sums(blk[None], shape, starts, jnp.uint32(0))
+    elif layer is None:
+        sums = _partial_sums(blk[None], shape, [jnp.uint32(0), *starts], jnp.uint32(0))
+    else:
+        sums = _partial_sums(blk[None], shape[1:], starts, layer.astype(jnp.uint32))
+    mine = (k % rt.r) == 0
+    for a in _replica_axes(plan, bucket):
+        mine = mine & (jax.lax.axis_index(a) == 0)
+    return jnp.where(mine, sums, jnp.zeros_like(sums))
+
+
+def _stays(moves: Moves) -> bool:
+    """Whether every run of ``moves`` stays on its device and each device copies one run per column at the
+    column's full width: the move is then an unmasked local copy, the same for every layer (no collective)."""
+    if not len(moves):
+        return True
+    if (moves.src != moves.dst).any():
+        return False
+    return all(all(_exact_columns(*r[:4], moves.num_devices)) for r in rounds(moves))
+
+
+def _whole(bucket: Bucket, routes: Sequence[_Route], direction: str) -> bool:
+    """Whether a stacked bucket converts every layer at once (each leaf's move :func:`_stays`, none tiled):
+    a local copy per leaf, no temporary beyond the outputs."""
+    tiled = bool(bucket.storage) and any(g is not None for g in bucket.storage)
+    return bucket.layers is not None and not tiled and all(_stays(getattr(rt, direction)) for rt in routes)
+
+
+class _BucketIO:
+    """Shapes and shardings of one bucket's conversion on the storage mesh.
+
+    Attributes:
+      buffer: the bucket buffer's ``ShapeDtypeStruct`` (storage-mesh sharding).
+      leaves: its leaves' ``ShapeDtypeStruct`` s (storage shardings).
+      sums: per-device checksum shares ``(devices, leaves, 2)`` uint32, one row per device.
+      layer: the layer index argument (a replicated int32 scalar).
+    """
+
+    def __init__(self, plan: Plan, b: int, dtype: str):
+        mesh, axes = storage_mesh(plan), _factor_axes(plan)
+        bucket = plan.buckets[b]
+        lead = () if bucket.layers is None else (bucket.layers,)
+        size = bucket.num_groups * plan.num_devices * bucket.layout.shard_size
+        self.buffer = jax.ShapeDtypeStruct(
+            (*lead, size), np.dtype(dtype), sharding=NamedSharding(mesh, _bucket_spec(plan, bucket, axes))
+        )
+        self.leaves = tuple(
+            jax.ShapeDtypeStruct(plan.leaves[i].shape, np.dtype(dtype), sharding=leaf_sharding(plan, i))
+            for i in bucket.leaves
+        )
+        every = tuple(mesh.axis_names)
+        self.sums = jax.ShapeDtypeStruct(
+            (mesh.size, len(bucket.leaves), 2), np.dtype(np.uint32), sharding=NamedSharding(mesh, P(every))
+        )
+        self.layer = jax.ShapeDtypeStruct((), np.dtype(np.int32), sharding=NamedSharding(mesh, P()))
+
+
+@plan_cache
+def _out_executables(plan: Plan, b: int, dtype: str) -> tuple[Any, Any]:
+    """Bucket ``b`` -> its logical leaves, compiled: ``(start, step)``.
+
+    A stacked bucket converts one layer per call: ``start()`` makes the zero leaves and checksum shares,
+    ``step(buffer, leaves, sums, layer)`` writes layer ``layer`` of every leaf in place (``leaves`` and ``sums``
+    donated) and adds its checksums; ``start`` is ``None`` and ``step(buffer) -> (leaves, sums)`` otherwise.
+
+    Sharding:
+      Inside ``shard_map`` over the storage mesh; per call each device holds one layer's bucket row, the moved
+      pieces (collective-permute rounds, or a padded all-to-all for strided storage blocks) and its blocks.
+    """
+    mesh, axes, io = storage_mesh(plan), _factor_axes(plan), _BucketIO(plan, b, dtype)
+    bucket, storages = plan.buckets[b], _bucket_storages(plan, b)
+    routes = [_Route(bucket, j, st, plan.num_devices) for j, st in enumerate(storages)]
+    stacked, whole = bucket.layers is not None, _whole(bucket, routes, "to_blocks")
+
+    def local(buf, *rest):
+        outs, sums, layer = rest if stacked and not whole else ((), None, None)
+        k = jax.lax.axis_index(axes)
+        row = jax.lax.dynamic_index_in_dim(buf, layer, 0, keepdims=False) if layer is not None else buf
+        new, parts = [], []
+        for j, (i, st, rt) in enumerate(zip(bucket.leaves, storages, routes, strict=True)):
+            gran = bucket.storage[j] if bucket.storage else None
+            if not rt.n:
+                new.append(jnp.zeros((*row.shape[:-1], *_local_shape(st)), buf.dtype))
+                parts.append(jnp.zeros((2,), jnp.uint32))
+                continue
+            if whole:  # every layer at once: the same local copy per layer
+                blk = jax.vmap(lambda r, rt=rt, st=st: _layer_out(r, rt, st, None, k, axes))(row)
+            else:
+                blk = _layer_out(row, rt, st, gran, k, axes)
+            blk = jnp.reshape(blk, (*row.shape[:-1], *_local_shape(st)))
+            parts.append(_own_sums(blk, plan, bucket, i, st, rt, k, layer))
+            if layer is not None:
+                blk = jax.lax.dynamic_update_index_in_dim(outs[j], blk, layer, 0)
+            new.append(blk)
+        share = jnp.stack(parts)[None] if parts else jnp.zeros((1, 0, 2), jnp.uint32)
+        return tuple(new), share if sums is None else sums + share
+
+    leaf_specs = tuple(x.sharding.spec for x in io.leaves)
+    sums_spec = io.sums.sharding.spec
+    if whole or not stacked:
+        fn = jax.shard_map(
+            local, mesh=mesh, in_specs=(io.buffer.sharding.spec,), out_specs=(leaf_specs, sums_spec), check_vma=False
+        )
+        return None, jax.jit(fn).lower(io.buffer).compile()
+    in_specs = (io.buffer.sharding.spec, leaf_specs, sums_spec, P())
+    fn = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(leaf_specs, sums_spec), check_vma=False)
+    step = jax.jit(fn, donate_argnums=(1, 2)).lower(io.buffer, io.leaves, io.sums, io.layer).compile()
+    return _zeros(io.leaves, io.sums), step
+
+
+@plan_cache
+def _in_executables(plan: Plan, b: int, dtype: str) -> tuple[Any, Any]:
+    """Logical leaves -> bucket ``b``'s buffer, compiled: ``(start, step)`` as in :func:`_out_executables`.
+
+    A stacked bucket: ``start()`` makes the zero buffer and checksum shares, ``step(leaves, buffer, sums,
+    layer)`` writes layer ``layer`` of the buffer in place (``buffer`` and ``sums`` donated) and adds the
+    checksums of that layer of every leaf; otherwise ``step(leaves) -> (buffer, sums)``.
+    """
+    mesh, axes, io = storage_mesh(plan), _factor_axes(plan), _BucketIO(plan, b, dtype)
+    bucket, storages = plan.buckets[b], _bucket_storages(plan, b)
+    routes = [_Route(bucket, j, st, plan.num_devices) for j, st in enumerate(storages)]
+    stacked, S = bucket.layers is not None, bucket.layout.shard_size
+    whole = _whole(bucket, routes, "to_ranges")
+    pad = 0 if whole else max([rt.local_max for rt in routes], default=0)
+
+    def local(leaves, *rest):
+        buf, sums, layer = rest if stacked and not whole else (None, None, None)
+        k = jax.lax.axis_index(axes)
+        lead = (bucket.layers,) if whole else ()
+        out = jnp.zeros((*lead, S + pad), io.buffer.dtype)
+        parts = []
+        for j, (i, st, rt) in enumerate(zip(bucket.leaves, storages, routes, strict=True)):
+            blk = leaves[j] if layer is None else jax.lax.dynamic_index_in_dim(leaves[j], layer, 0, keepdims=False)
+            if not rt.n:
+                parts.append(jnp.zeros((2,), jnp.uint32))
+                continue
+            parts.append(_own_sums(blk, plan, bucket, i, st, rt, k, layer))
+            gran = bucket.storage[j] if bucket.storage else None
+            if whole:  # every layer at once: the same local copy per layer
+                rows = jnp.reshape(blk, (*lead, -1))
+                out = jax.vmap(lambda r, o, rt=rt, st=st: _layer_in(r, o, rt, st, None, k, axes))(rows, out)
+            else:
+                out = _layer_in(jnp.reshape(blk, (-1,)), out, rt, st, gran, k, axes)
+        share = jnp.stack(parts)[None] if parts else jnp.zeros((1, 0, 2), jnp.uint32)
+        if layer is None:
+            return out[..., :S], share
+        return jax.lax.dynamic_update_index_in_dim(buf, out[:S], layer, 0), sums + share
+
+    leaf_specs = tuple(x.sharding.spec for x in io.leaves)
+    buf_spec, sums_spec = io.buffer.sharding.spec, io.sums.sharding.spec
+    if whole or not stacked:
+        fn = jax.shard_map(local, mesh=mesh, in_specs=(leaf_specs,), out_specs=(buf_spec, sums_spec), check_vma=False)
+        return None, jax.jit(fn).lower(io.leaves).compile()
+    in_specs = (leaf_specs, buf_spec, sums_spec, P())
+    fn = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(buf_spec, sums_spec), check_vma=False)
+    step = jax.jit(fn, donate_argnums=(1, 2)).lower(io.leaves, io.buffer, io.sums, io.layer).compile()
+    return _zeros(io.buffer, io.sums), step
+
+
+def _zeros(*targets: Any) -> Any:
+    """A compiled function returning zero arrays of ``targets``' shapes, dtypes and shardings."""
+    shardings = jax.tree.map(lambda t: t.sharding, targets)
+    fn = jax.jit(lambda: jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), targets), out_shardings=shardings)
+    return fn.lower().compile()
+
+
+def _layer_indices(plan: Plan, layers: int) -> list[jax.Array]:
+    """The replicated int32 scalars ``0 .. layers - 1`` a stacked bucket's ``step`` takes."""
+    sharding = NamedSharding(storage_mesh(plan), P())
+    return [jax.device_put(np.int32(i), sharding) for i in range(layers)]
+
+
+def _total(shares: Sequence[Any]) -> np.ndarray:
+    """The checksums ``(leaves, 2)`` from per-device shares ``(devices, leaves, 2)`` (uint32 wrap-around)."""
+    return np.sum(np.asarray(shares, np.uint32), axis=0, dtype=np.uint32)
+
+
+def _bucket_dtypes(plan: Plan, dtypes: Sequence[str] | None) -> tuple[str, ...]:
+    if dtypes is None:
+        return tuple(np.dtype(b.dtype).name for b in plan.buckets)
+    return tuple(np.dtype(d).name for d in dtypes)
+
+
+def compile_conversions(plan: Plan, dtypes: Sequence[str] | None = None) -> None:
+    """Compiles (ahead of time, cached by plan) every executable :func:`to_logical` and :func:`from_logical`
+    run for ``plan`` with bucket dtypes ``dtypes`` (default the plan's); runs nothing."""
+    for b, dtype in enumerate(_bucket_dtypes(plan, dtypes)):
+        _out_executables(plan, b, dtype)
+        _in_executables(plan, b, dtype)
+
+
 def _relabel(x: jax.Array, sharding: NamedSharding) -> jax.Array:
     """``x`` under an equivalent sharding on another mesh of the same devices, without copying when possible."""
     if isinstance(x, jax.Array) and x.sharding.devices_indices_map(x.shape) == sharding.devices_indices_map(x.shape):
@@ -466,13 +743,36 @@ def to_logical(buffers: Sequence[jax.Array], plan: Plan) -> tuple[list[jax.Array
       (``(num_leaves, 2)`` uint32, as :func:`vescale_jax.checkpoint._integrity.checksums` computes them).
 
     Sharding:
-      One ``shard_map`` moves every leaf by one all-to-all (over the plan's axis, within each TP/EP group for a
-      grouped bucket); no device receives a leaf element it will not store, and no bucket is gathered.
+      One compiled executable per bucket, cached by plan and dtype (:func:`compile_conversions`); a stacked
+      bucket converted one layer per call, in place. Every leaf moves by collective-permute rounds (an
+      all-to-all for strided storage blocks) over the plan's axis, within each TP/EP group for a grouped
+      bucket; no device receives a leaf element it will not store, and no bucket is gathered.
     """
-    fn, in_shardings = _to_logical_fn(plan)
-    # Same devices, same layout: relabelling onto the storage mesh moves no data.
-    outs, sums = fn(*[_relabel(b, s) for b, s in zip(buffers, in_shardings, strict=True)])
-    return list(outs), np.asarray(jax.device_get(sums))
+    leaves: list[Any] = [None] * len(plan.leaves)
+    shares = []
+    for b, bucket in enumerate(plan.buckets):
+        start, step = _out_executables(plan, b, np.dtype(buffers[b].dtype).name)
+        # Same devices, same layout: relabelling onto the storage mesh moves no data.
+        buf = _relabel(buffers[b], NamedSharding(storage_mesh(plan), _bucket_spec(plan, bucket, _factor_axes(plan))))
+        if start is None:
+            outs, sums = step(buf)
+        else:
+            outs, sums = start()
+            for layer in _layer_indices(plan, bucket.layers):
+                outs, sums = step(buf, outs, sums, layer)
+        for i, x in zip(bucket.leaves, outs, strict=True):
+            leaves[i] = x
+        shares.append(sums)
+    return leaves, _gather_sums(plan, shares)
+
+
+def _gather_sums(plan: Plan, shares: Sequence[jax.Array]) -> np.ndarray:
+    """Per-bucket checksum shares -> ``(num_leaves, 2)`` in the plan's leaf order."""
+    out = np.zeros((len(plan.leaves), 2), np.uint32)
+    for bucket, share in zip(plan.buckets, jax.device_get(list(shares)), strict=True):
+        if bucket.leaves:
+            out[list(bucket.leaves)] = _total(share)
+    return out
 
 
 def logical_shardings(plan: Plan) -> list[NamedSharding]:
@@ -490,14 +790,27 @@ def from_logical(leaves: Sequence[jax.Array], plan: Plan) -> tuple[tuple[jax.Arr
     Returns:
       ``(buffers, sums)``: one buffer per bucket with ``plan.shardings()`` (padding zero), and the input
       leaves' checksums as in :func:`to_logical`.
+
+    Sharding:
+      As :func:`to_logical`, the other way: one executable per bucket, a stacked bucket one layer per call.
     """
     # A parameter-shaped optimizer state may hold another dtype than the params (e.g. bf16 momentum): each
     # bucket takes its leaves' dtype.
     dtypes = tuple(np.dtype(leaves[b.leaves[0]].dtype).name if b.leaves else b.dtype for b in plan.buckets)
-    fn, in_shardings = _from_logical_fn(plan, dtypes)
-    bufs, sums = fn(*[_relabel(x, s) for x, s in zip(leaves, in_shardings, strict=True)])
+    bufs, shares = [], []
+    for b, bucket in enumerate(plan.buckets):
+        start, step = _in_executables(plan, b, dtypes[b])
+        mine = tuple(_relabel(leaves[i], leaf_sharding(plan, i)) for i in bucket.leaves)
+        if start is None:
+            buf, sums = step(mine)
+        else:
+            buf, sums = start()
+            for layer in _layer_indices(plan, bucket.layers):
+                buf, sums = step(mine, buf, sums, layer)
+        bufs.append(buf)
+        shares.append(sums)
     out = tuple(_relabel(b, s) for b, s in zip(bufs, plan.shardings(), strict=True))
-    return out, np.asarray(jax.device_get(sums))
+    return out, _gather_sums(plan, shares)
 
 
 def words(x: jax.Array) -> jax.Array:
