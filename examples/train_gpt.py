@@ -14,6 +14,14 @@ latest finished step (on any device count), ``--stop-after N`` ends the run afte
     python examples/train_gpt.py --checkpoint-dir /tmp/gpt --stop-after 100
     python examples/train_gpt.py --checkpoint-dir /tmp/gpt --resume      # steps 101..250, same losses
 
+``--resume`` without a directory holding a finished step is an error (``--resume-if-exists`` starts afresh
+instead); a directory holding another run's steps is refused before training unless ``--overwrite``. On
+``SIGTERM`` (a scheduler's preemption notice, sent to any process) every process saves the same step and the run
+exits 0; the next launch with ``--resume`` goes on from it. The save's conversion is compiled before the timed
+loop, and the first save's time and the later saves' are printed apart from s/step. A step that does not finish
+within the watchdog's timeout (``--watchdog-s``, default: a multiple of the median step time) prints every
+thread's stack and which processes are behind, and ends the process with a non-zero status.
+
 As a multi-process job (a cluster's launcher, or processes on one machine) add the coordinator flags; each
 process feeds only its rows of every batch:
 
@@ -151,6 +159,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         help="with --bf16's dtypes, gather the matrices as FP8 codes with one fp32 scale per 128x128 tile "
         "(planned tile-major with vj.tiles(128, 128))",
     )
+    p.add_argument(
+        "--watchdog-s",
+        type=float,
+        help="end the run (stacks printed, non-zero status) when a step takes longer than this; default: "
+        "vj.distributed.Watchdog's (a multiple of the median step time, with a floor)",
+    )
     p.add_argument("--coordinator", help="host:port of process 0, for a multi-process job")
     p.add_argument("--num-processes", type=int)
     p.add_argument("--process-id", type=int)
@@ -159,9 +173,19 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     p.add_argument("--save-every", type=int, default=50, help="steps between checkpoints (and the last step)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
     p.add_argument(
+        "--resume-if-exists",
+        action="store_true",
+        help="like --resume, but start afresh when --checkpoint-dir holds no finished step",
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="let the first save delete another run's steps in --checkpoint-dir"
+    )
+    p.add_argument(
         "--stop-after", type=int, help="end the run after this step (a simulated kill; --steps still sets the schedule)"
     )
     args = p.parse_args(argv)
+    if (args.resume or args.resume_if_exists) and not args.checkpoint_dir:
+        p.error("--resume needs --checkpoint-dir (the directory a previous run saved into)")
 
     vj.distributed.initialize(
         coordinator_address=args.coordinator,
@@ -169,6 +193,21 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         process_id=args.process_id,
         local_device_count=args.local_devices,
     )
+    mngr, first = None, 1
+    if args.checkpoint_dir:  # checked before any work: a wrong directory ends the run at once
+        hint = "; check the path, or pass --resume-if-exists to start afresh when there is nothing to resume"
+        if args.resume and not os.path.isdir(args.checkpoint_dir):  # before the Manager creates it
+            p.error(f"--resume: {args.checkpoint_dir} does not exist{hint}")
+        mngr = vj.checkpoint.Manager(args.checkpoint_dir, max_to_keep=2, async_save=True, overwrite=args.overwrite)
+        if args.resume and mngr.latest_step() is None:
+            mngr.close()
+            p.error(f"--resume: {args.checkpoint_dir} holds no finished checkpoint{hint}")
+        if not ((args.resume or args.resume_if_exists) and mngr.latest_step() is not None):
+            try:  # a fresh run: a directory holding another run's steps is refused now, not at the first save
+                mngr.check_directory(1)
+            except ValueError as e:
+                mngr.close()
+                p.error(f"{e} (the flag: --overwrite)")
     lead = jax.process_index() == 0
     devices = jax.devices()
     mesh = jax.make_mesh((len(devices),), ("fsdp",))
@@ -244,16 +283,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     params = vj.init_sharded(lambda key: init_params(cfg, key), plan, jax.random.key(args.seed))
     offload = vj.Offload() if args.offload else None
     opt_state = vj.init_opt_state(tx, params, offload=offload)
-    mngr, first = None, 1
-    if args.checkpoint_dir:
-        mngr = vj.checkpoint.Manager(args.checkpoint_dir, max_to_keep=2, async_save=True)
-        if args.resume and mngr.latest_step() is not None:  # into this run's plan, whatever the device count
-            target = jax.eval_shape(tx.init, params)  # the state's form: offloaded with --offload, whatever was saved
-            restored = mngr.restore(params=plan, opt_state=jax.eval_shape(vj.offload, target) if offload else target)
-            params, opt_state, first = restored.params, restored.opt_state, restored.step + 1
-            train_rng.bit_generator.state = restored.metadata["train_rng"]
-            if lead:
-                print(f"resumed from step {restored.step} of {args.checkpoint_dir}")
+    if mngr is not None and mngr.latest_step() is not None and (args.resume or args.resume_if_exists):
+        # into this run's plan, whatever the device count
+        target = jax.eval_shape(tx.init, params)  # the state's form: offloaded with --offload, whatever was saved
+        restored = mngr.restore(params=plan, opt_state=jax.eval_shape(vj.offload, target) if offload else target)
+        params, opt_state, first = restored.params, restored.opt_state, restored.step + 1
+        train_rng.bit_generator.state = restored.metadata["train_rng"]
+        if lead:
+            print(f"resumed from step {restored.step} of {args.checkpoint_dir}")
 
     precision = None
     if args.bf16 or args.fp8_gather:
@@ -284,39 +321,73 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         return loss_fn(vj.flax.nnx_apply(graphdef, params, batch["x"]), batch["y"])
 
     losses, t0, tokens, history = [], None, 0, []
+    save_s: list[float] = []  # wall time of each save call (async: until the arrays are on the host)
+    timed_save_s = 0.0  # of the saves after the first step's (inside the timed part of the loop)
 
     def local(batch):
         return {k: v[rows] for k, v in batch.items()}
 
+    if mngr is not None:
+        t = time.perf_counter()
+        mngr.prepare(params=params, opt_state=opt_state)  # compile the save's conversion before the timed loop
+        if lead:
+            print(f"checkpoint conversion compiled in {time.perf_counter() - t:.2f} s")
+
     last = min(args.steps, args.stop_after or args.steps)
-    for step in range(first, last + 1):
-        params, opt_state, metrics = train_step(params, opt_state, local(next(train)))
-        if args.log_json:
-            history.append((step, metrics["loss"]))  # a device scalar: read at the end, no extra sync per step
-        if mngr is not None and (step % args.save_every == 0 or step == last):
-            mngr.save(
-                step,
-                params=params,
-                opt_state=opt_state,
-                force=True,
-                metadata={"train_rng": train_rng.bit_generator.state, "argv": sys.argv[1:]},
-            )
-        if step == first:
-            losses.append(float(metrics["loss"]))
-            t0 = time.perf_counter()  # after the compile
-            continue
-        tokens += args.batch * args.seq
-        if step % 10 == 0 or step == last:
-            losses.append(float(metrics["loss"]))
-            if lead:
-                progress(step, args.steps, losses[-1], tokens / (time.perf_counter() - t0))
-        else:
-            losses.append(float("nan"))
+    preempted = None
+    watchdog = vj.distributed.Watchdog(args.watchdog_s)
+    with watchdog:
+        for step in range(first, last + 1):
+            with watchdog.step(step):
+                params, opt_state, metrics = train_step(params, opt_state, local(next(train)))
+                jax.block_until_ready(metrics["loss"])  # the step has finished (what the watchdog times)
+            loss = float(metrics["loss"]) if step == first or step % 10 == 0 or step == last else None
+            if args.log_json:
+                history.append((step, metrics["loss"]))  # a device scalar: read at the end
+            if mngr is not None:
+                if mngr.reached_preemption(step):  # SIGTERM reached some process: all save this step
+                    preempted = step
+                if preempted or step % args.save_every == 0 or step == last:
+                    t = time.perf_counter()
+                    mngr.save(
+                        step,
+                        params=params,
+                        opt_state=opt_state,
+                        force=True,
+                        metadata={"train_rng": train_rng.bit_generator.state, "argv": sys.argv[1:]},
+                    )
+                    save_s.append(time.perf_counter() - t)
+                    timed_save_s += save_s[-1] if step > first else 0.0
+            if preempted:
+                break
+            if step == first:
+                losses.append(loss)
+                t0 = time.perf_counter()  # after the compile
+                continue
+            tokens += args.batch * args.seq
+            losses.append(float("nan") if loss is None else loss)
+            if loss is not None and lead:
+                seconds = time.perf_counter() - t0 - timed_save_s
+                progress(step, args.steps, loss, tokens / seconds)
     jax.block_until_ready(params)
     if mngr is not None:
+        t = time.perf_counter()
         mngr.wait()
         mngr.close()
-    seconds_per_step = (time.perf_counter() - t0) / max(last - first, 1)
+        wait_s = time.perf_counter() - t
+    if preempted:
+        if args.log_json and lead:
+            with open(args.log_json, "w") as f:
+                json.dump({"optimizer": args.optimizer, "train": {i: float(x) for i, x in history}}, f, indent=0)
+        if lead:
+            sys.stderr.write("\n")
+            print(
+                f"preempted: saved step {preempted} to {args.checkpoint_dir} and stopped; resume with --resume "
+                "(exit status 0)"
+            )
+        return {"preempted_at": preempted}
+    steps_timed = max(last - first, 1)
+    seconds_per_step = (time.perf_counter() - t0 - timed_save_s) / steps_timed
     val_loss = float(np.mean([float(eval_step(params, None, local(next(val)))) for _ in range(4)]))
     if args.log_json and lead:
         with open(args.log_json, "w") as f:
@@ -337,7 +408,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     print(
         f"first loss {losses[0]:.3f}, last loss {losses[-1]:.3f}, validation loss {val_loss:.3f} "
         f"(uniform over 256 bytes: {np.log(256):.3f}); {seconds_per_step:.3f} s/step after the compile"
+        + (", saves excluded" if timed_save_s else "")
     )
+    if mngr is not None and lead:
+        later = save_s[1:]
+        print(
+            f"checkpoints: first save {save_s[0]:.2f} s"
+            + (f", later saves median {np.median(later):.2f} s ({len(later)})" if later else "")
+            + f", final wait for the writes {wait_s:.2f} s"
+            if save_s
+            else "checkpoints: none saved"
+        )
 
     if args.plot:
         import matplotlib

@@ -14,6 +14,7 @@ import time
 
 import jax
 import numpy as np
+import optax
 import pytest
 from test_multihost import HARD_TIMEOUT_S, free_port, launch, run_workers
 
@@ -40,8 +41,8 @@ def test_sigterm_in_one_process_names_the_next_step(tmp_path):
     before = signal.getsignal(signal.SIGTERM)
     mngr = vj.checkpoint.Manager(tmp_path / "ck", save_interval_steps=5)
     try:
+        assert signal.getsignal(signal.SIGTERM) is not before  # caught from the Manager's creation on
         assert not mngr.reached_preemption(1) and not mngr.should_save(1)
-        assert signal.getsignal(signal.SIGTERM) is not before  # caught from the first question on
         os.kill(os.getpid(), signal.SIGTERM)  # the handler runs before the next bytecode: the process lives
         assert mngr.reached_preemption(2) and mngr.should_save(2)  # the first boundary after the notice
         assert not mngr.reached_preemption(3) and not mngr.should_save(3)
@@ -102,6 +103,48 @@ def test_saving_an_earlier_step_than_ones_own_is_refused(small, tmp_path):
         mngr.save(10, params=params)
         with pytest.raises(ValueError, match=r"\[10\] at or after step 5"):
             mngr.save(5, params=params)
+
+
+def test_prepare_compiles_the_save_before_it(tmp_path):
+    shapes = {"w": jax.ShapeDtypeStruct((9, 3), np.float32), "v": jax.ShapeDtypeStruct((11,), np.float32)}
+    plan = vj.plan(shapes, jax.make_mesh((jax.device_count(),), ("fsdp",)))  # a plan of its own: nothing cached
+    params = vj.init_sharded(
+        lambda k: {"w": jax.random.normal(k, (9, 3)), "v": jax.numpy.ones(11)}, plan, jax.random.key(0)
+    )
+    with jax.numpy_dtype_promotion("standard"):
+        state = vj.init_opt_state(optax.adam(1e-3), params)
+    with vj.checkpoint.Manager(tmp_path / "ck") as mngr:
+        mngr.prepare(params=params, opt_state=state)
+        assert mngr.all_steps() == []  # nothing written
+        compiles: list[str] = []
+        with jax.log_compiles(True), _capture_compiles(compiles):
+            mngr.save(1, params=params, opt_state=state)
+            mngr.wait()
+        assert not compiles, compiles
+
+
+class _capture_compiles:
+    """Collects the names of computations JAX compiles (``jax.log_compiles`` writes them to its logger)."""
+
+    def __init__(self, out: list[str]):
+        import logging
+
+        self.out, self.handler = out, logging.Handler()
+        self.handler.emit = lambda record: (
+            self.out.append(record.getMessage()) if "Finished XLA compilation" in record.getMessage() else None
+        )
+        self.logger = logging.getLogger("jax")
+
+    def __enter__(self):
+        import logging
+
+        self.level = self.logger.level
+        self.logger.setLevel(logging.DEBUG)
+        self.logger.addHandler(self.handler)
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self.handler)
+        self.logger.setLevel(self.level)
 
 
 # -------------------------------------------------------------------------------------------- multi-process

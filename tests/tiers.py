@@ -17,6 +17,9 @@ from __future__ import annotations
 import re
 
 FAST: dict[str, tuple[str, ...]] = {
+    # Preemption and one run per checkpoint directory.
+    "test_preemption.py": ("test_sigterm_in_one_process_names_the_next_step", "test_another_runs_steps_are_refused"),
+    "test_train_gpt_checkpoints.py": ("test_resume_needs_a_directory_with_a_finished_step",),
     # The layer order and the census parser.
     "test_structure.py": ("test_no_import_cycle", "test_no_import_goes_up_a_layer"),
     # Planner and layouts (pure).

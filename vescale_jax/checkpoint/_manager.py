@@ -147,8 +147,9 @@ class Manager:
         (or an earlier launch of this one) wrote, other than the step :meth:`restore` resumed from and those
         before it, and any step at or after the one being saved. Without it such a save raises (the
         directory is another run's, or saving step 40 beside an old step 60 would leave the old one "latest").
-      catch_sigterm: in a single-process job, let :meth:`reached_preemption` catch ``SIGTERM`` (a multi-process
-        job's notice comes through JAX's coordination service either way).
+      catch_sigterm: in a single-process job, catch ``SIGTERM`` from the Manager's creation (in the main thread)
+        until :meth:`close`, for :meth:`reached_preemption` (a multi-process job's notice comes through JAX's
+        coordination service either way).
 
     A training loop asks :meth:`should_save` and :meth:`reached_preemption` after every step::
 
@@ -222,8 +223,8 @@ class Manager:
         After ``SIGTERM`` (or JAX's preemption notice) reaches any process, the job's processes agree through
         JAX's coordination service on one step that all of them finish: this returns True there, on each of
         them. Save that step, :meth:`wait`, and end the run (exit status 0) within the scheduler's grace period.
-        A single-process job catches ``SIGTERM`` itself from the first call on (unless ``catch_sigterm=False``)
-        and answers True at the first step boundary after it.
+        A single-process job catches ``SIGTERM`` itself from the Manager's creation on (unless
+        ``catch_sigterm=False``) and answers True at the first step boundary after it.
 
         Args:
           step: the step just finished; the same number on every process (a resumed job starts every process

@@ -5,8 +5,8 @@ the signal (``jax.distributed.initialize`` starts its preemption notifier) and i
 a step every process reaches after the notice: the largest step any process has started, plus one.
 :func:`jax.experimental.multihost_utils.reached_preemption_sync_point` is true at that step on every process, so
 they all save the same step. A single-process job has no coordination service; :class:`Preemption` catches
-``SIGTERM`` itself (a Python handler, installed from the main thread) and answers true at the first step
-boundary after it.
+``SIGTERM`` itself (a Python handler, installed when it is created in the main thread) and answers true at the
+first step boundary after it.
 
 Either way the loop asks at every step, on every process, with the same step numbers, and starts every process
 from the same step (a resumed job does).
@@ -28,21 +28,21 @@ class Preemption:
     """Answers, at each step boundary, whether this is the step to save before a preemption.
 
     Args:
-      catch_sigterm: in a single-process job, catch ``SIGTERM`` from the first call of :meth:`reached` on (in the
-        main thread; :meth:`close` puts the previous handler back); False leaves the signal's handler as it is, so
-        only a multi-process job's notice (JAX's) is seen.
+      catch_sigterm: in a single-process job, catch ``SIGTERM`` from now on (when created in the main thread;
+        :meth:`close` puts the previous handler back); False leaves the signal's handler as it is, so only a
+        multi-process job's notice (JAX's) is seen.
     """
 
     def __init__(self, *, catch_sigterm: bool = True):
-        self._catch = catch_sigterm
         self._notice = threading.Event()
         self._at: int | None = None
         self._previous: Any = None
         self._installed = False
-
-    def _install(self) -> None:
-        """Catches ``SIGTERM`` from the first question on (before it, the signal ends the process as usual)."""
-        if self._catch and not self._installed and threading.current_thread() is threading.main_thread():
+        if (
+            catch_sigterm
+            and not jax.distributed.is_initialized()
+            and threading.current_thread() is threading.main_thread()
+        ):
             self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
             self._installed = True
 
@@ -65,7 +65,6 @@ class Preemption:
         """
         if jax.distributed.is_initialized():
             return bool(multihost_utils.reached_preemption_sync_point(int(step)))
-        self._install()
         if self._at is None and self._notice.is_set():
             self._at = int(step)
         return self._at == int(step)
