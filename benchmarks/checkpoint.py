@@ -1,6 +1,7 @@
 """Checkpoint benchmarks: save and restore time against plain Orbax, and peak host memory per process.
 
     python benchmarks/checkpoint.py time [--mib 600] [--repeats 3] [--bound 1.25]
+    python benchmarks/checkpoint.py temp [--mib 64]
     python benchmarks/checkpoint.py memory [--processes 4] [--devices 2] [--mib 256]
 
 ``time`` (8 simulated CPU devices, one process): a params + Adam state of about ``--mib`` MiB saved with
@@ -8,6 +9,9 @@
 (Orbax read, logical -> bucket conversion, checksums), against plain ``ocp.StandardCheckpointer`` saving the
 same state as an unsharded tree on one device and restoring it onto that device; each round runs the four side
 by side; medians after a compiling round. ``--bound B`` exits non-zero if either ratio vj / plain exceeds ``B``.
+
+``temp``: the per-device XLA figures (``compiled.memory_analysis()``) of every conversion executable of a
+``--mib`` MiB parameter tree on 8 simulated devices, beside the one-layer bound.
 
 ``memory`` (``--processes`` processes x ``--devices`` CPU devices on loopback): every process samples its own
 resident set size every 2 ms while the job saves a ``--mib`` MiB parameter tree and restores it into another
@@ -180,6 +184,42 @@ def bench_time(args) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------------------------------ temp
+def bench_temp(args) -> None:
+    """Per-device XLA figures of every conversion executable (``compiled.memory_analysis()``), static."""
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    import jax
+    import numpy as np
+
+    import vescale_jax as vj
+    from vescale_jax.relayout import _logical_leaves as logical
+
+    mesh = jax.make_mesh((jax.device_count(),), ("fsdp",))
+    plan = vj.plan(model_shapes(args.mib), mesh, stacked=("blocks",))
+    m = plan.num_devices
+    share = sum(b.nbytes for b in plan.buckets) / m / MIB
+    rows = [b.num_groups * m * b.layout.shard_size * np.dtype(b.dtype).itemsize for b in plan.buckets]
+    print(
+        f"model {share * m:.1f} MiB on {m} devices (share {share:.2f} MiB per device); bound: one layer of a "
+        f"stacked bucket across all devices (a whole unstacked bucket), the largest: {max(rows) / MIB:.2f} MiB"
+    )
+    print("| bucket | layers | direction | calls | argument MiB | output MiB | alias MiB | temp MiB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for b, bucket in enumerate(plan.buckets):
+        for name, build in (
+            ("bucket -> logical", logical._out_executables),
+            ("logical -> bucket", logical._in_executables),
+        ):
+            start, step = build(plan, b, bucket.dtype)
+            calls = 1 if start is None else bucket.layers
+            a = step.memory_analysis()
+            print(
+                f"| {bucket.name} | {bucket.layers or '-'} | {name} | {calls} | {a.argument_size_in_bytes / MIB:.2f} "
+                f"| {a.output_size_in_bytes / MIB:.2f} | {a.alias_size_in_bytes / MIB:.2f} "
+                f"| {a.temp_size_in_bytes / MIB:.3f} |"
+            )
+
+
 # ---------------------------------------------------------------------------------------------------- memory
 def memory_worker(pid: int, n: int, port: int, devices: int, mib: float, directory: str) -> None:
     from vescale_jax import distributed
@@ -309,6 +349,8 @@ def main() -> None:
     t.add_argument("--mib", type=float, default=600)
     t.add_argument("--repeats", type=int, default=3)
     t.add_argument("--bound", type=float, default=None, help="exit non-zero if vj / plain exceeds this (either)")
+    tmp = sub.add_parser("temp")
+    tmp.add_argument("--mib", type=float, default=64)
     mem = sub.add_parser("memory")
     mem.add_argument("--processes", type=int, default=4)
     mem.add_argument("--devices", type=int, default=2)
@@ -316,7 +358,7 @@ def main() -> None:
     args = p.parse_args()
     if args.what == "time":
         sys.exit(bench_time(args))
-    bench_memory(args)
+    bench_temp(args) if args.what == "temp" else bench_memory(args)
 
 
 if __name__ == "__main__":

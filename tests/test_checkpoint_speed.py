@@ -23,8 +23,9 @@ jax.monitoring.register_event_duration_secs_listener(
 
 
 def stacked_tree(seed: int = 0, layers: int = 6, even: bool = False, scale: int = 1):
-    """A stacked group whose leaves do not line up with the shards (every way a leaf moves: local copies,
-    collective-permute rounds, strided all-to-alls), a single-leaf group that does, and a ragged embedding.
+    """A stacked group whose leaves do not line up with the shards (local copies and collective-permute rounds
+    for contiguous storage blocks, row windows for strided ones), a single-leaf group that does line up, one of
+    long strided rows, and a ragged embedding.
     ``even``: every leaf has a dim divisible by 8, so no storage block is replicated (Orbax then slices no
     replica: it compiles nothing of its own either). ``scale`` multiplies every dim but the layers'."""
     rng = np.random.default_rng(seed)
@@ -35,12 +36,14 @@ def stacked_tree(seed: int = 0, layers: int = 6, even: bool = False, scale: int 
         "embed": f32(1, rows, 12)[0],
         "blocks": {"w": f32(layers, *w), "u": f32(layers, *u), "b": f32(layers, b)},
         "aligned": {"w": f32(layers, 32, 16)},  # split on dim 0: each device's range is its storage block
+        # Strided blocks of two rows, each longer than two shards: permute rounds.
+        "wide": {"w": rng.standard_normal((layers, 2, 64 * scale), np.float32)},
     }
 
 
 def plan_of(tree, m: int, granularity=None):
     units = lambda path, leaf: vj.plan_path(path).split("/")[0]
-    return vj.plan(tree, make_mesh(m), stacked=("blocks", "aligned"), units=units, granularity=granularity)
+    return vj.plan(tree, make_mesh(m), stacked=("blocks", "aligned", "wide"), units=units, granularity=granularity)
 
 
 def state_of(tree, plan, seed: int):
@@ -112,18 +115,32 @@ def test_conversion_temp_is_at_most_one_layer(granularity):
                     continue
                 temp = compiled.memory_analysis().temp_size_in_bytes
                 assert temp <= bound, (direction.__name__, bucket.name, temp, bound)
-    # Every way a leaf moves is covered: a bucket converted whole, one layer by layer, a strided all-to-all.
+    # Every way a leaf moves is covered: a bucket converted whole, one layer by layer, row windows, all-to-all.
     stays = [_logical._whole(b, _routes(plan, i), "to_blocks") for i, b in enumerate(plan.buckets)]
     stacked = [b.layers is not None for b in plan.buckets]
     assert any(s and w for s, w in zip(stacked, stays, strict=True))
     assert any(s and not w for s, w in zip(stacked, stays, strict=True))
     routes = [rt for b in range(len(plan.buckets)) for rt in _routes(plan, b) if rt.n]
-    assert any(not _logical._by_permutes(rt.to_blocks) for rt in routes)
+    strided = [rt for rt in routes if not _logical._by_permutes(rt.to_blocks)]
+    assert any(_logical._window(rt) is not None for rt in strided)  # row windows
 
 
 def _routes(plan, b):
     storages = _logical._bucket_storages(plan, b)
     return [_logical._Route(plan.buckets[b], j, st, plan.num_devices) for j, st in enumerate(storages)]
+
+
+@pytest.fixture
+def all_to_all_only(monkeypatch):
+    """Every strided leaf by the padded all-to-all (the path of many long rows, which needs more than 16 devices),
+    the conversions compiled afresh before and after."""
+    monkeypatch.setattr(_logical, "_FEW_RUNS", 0)
+    monkeypatch.setattr(_logical, "_window", lambda rt: None)
+    for cached in (_logical._out_executables, _logical._in_executables):
+        cached.cache_clear()
+    yield
+    for cached in (_logical._out_executables, _logical._in_executables):
+        cached.cache_clear()
 
 
 @pytest.mark.parametrize("m", [3, 8])
@@ -140,3 +157,8 @@ def test_conversion_round_trip_is_bitwise_with_checksums(m):
     np.testing.assert_array_equal(back, sums)
     for x, y in zip(bufs, sp.buffers, strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.usefixtures("all_to_all_only")
+def test_the_all_to_all_path_round_trips_bitwise():
+    test_conversion_round_trip_is_bitwise_with_checksums(8)

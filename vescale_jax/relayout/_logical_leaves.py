@@ -500,12 +500,91 @@ def _by_permutes(moves: Moves) -> bool:
     return int(np.bincount(moves.src * m + moves.dst).max()) <= _FEW_RUNS
 
 
+def _window(rt: _Route) -> tuple[np.ndarray, int] | None:
+    """Per device the first leaf row (of ``P`` elements) its range touches, and ``H``, the most rows a range
+    touches; ``None`` unless the storage blocks are strided (``A > 1`` rows) and ``H`` rows hold at most about
+    twice a shard (rows no longer than a shard), so a window of ``H`` whole rows costs no more than a range."""
+    if not rt.R or rt.block_size // rt.R <= 1:
+        return None
+    some = rt.ends > rt.starts
+    first = np.where(some, rt.starts // rt.P, 0)
+    rows = int(np.where(some, -(-rt.ends // rt.P) - first, 0).max(initial=0))
+    if not rows or rows * rt.P > 2 * rt.S + rt.P:  # a range touches up to S + 2 P elements of rows
+        return None
+    return first, rows
+
+
+def _in_window(rt: _Route, first: np.ndarray, rows: int, k: jax.Array, col0: Any = 0) -> jax.Array:
+    """``(rows, P)`` (or ``(rows, R)`` from column ``col0``) mask of the leaf elements in device ``k``'s range,
+    over the window of ``rows`` rows from its first row."""
+    width = rt.P if isinstance(col0, int) and col0 == 0 else rt.R
+    i32 = jnp.int32
+    index = (_t(first)[k] + jax.lax.broadcasted_iota(i32, (rows, width), 0)) * i32(rt.P) + col0
+    index = index + jax.lax.broadcasted_iota(i32, (rows, width), 1)
+    return (index >= _t(rt.starts)[k]) & (index < _t(rt.ends)[k])
+
+
+def _exchange(msgs: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """``msgs[d]`` to device ``d`` by one all-to-all; returns ``got[s]``, from device ``s``. The messages travel
+    as rows of one row-major ``(m, H * R)`` array (XLA:CPU's all-to-all wants every split part alike laid out)."""
+    flat = jnp.reshape(msgs, (msgs.shape[0], -1))
+    return jnp.reshape(jax.lax.all_to_all(flat, axes, 0, 0, tiled=False), msgs.shape)
+
+
+def _window_out(row: jax.Array, rt: _Route, k: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """:func:`_layer_out` of a strided leaf with short rows: each device cuts the whole rows its range touches
+    into the ``g`` column blocks, one all-to-all of ``(m, H, R)`` sends each block to its storage devices, and
+    each device places the rows it got from every source (whose first row is static) in its block."""
+    first, rows = _window(rt)
+    P, R, g, r, m = rt.P, rt.R, rt.g, rt.r, rt.m
+    blocks = rt.block_size // R
+    padded = jnp.pad(row, (P, rows * P))
+    start = _t(rt.o + first * P - np.arange(m) * rt.S + P)[k]
+    win = jnp.reshape(jax.lax.dynamic_slice_in_dim(padded, start, rows * P), (rows, P))
+    win = jnp.where(_in_window(rt, first, rows, k), win, jnp.zeros((), row.dtype))
+    msgs = jnp.swapaxes(jnp.reshape(win, (rows, g, R)), 0, 1)  # (g, H, R): block b for its devices
+    if r > 1:
+        msgs = jnp.repeat(msgs, r, axis=0)  # device d stores block d // r
+    got = _exchange(msgs, axes)  # [s]: from device s
+    col0 = (k // r) * R
+    out = jnp.zeros((blocks + rows, R), row.dtype)
+    for s in range(m):
+        if rt.ends[s] <= rt.starts[s]:
+            continue
+        a = int(first[s])
+        mine = _in_window(rt, np.full(m, a), rows, jnp.int32(s), col0)
+        out = out.at[a : a + rows].set(jnp.where(mine, got[s], out[a : a + rows]))
+    return jnp.reshape(out[:blocks], (-1,))
+
+
+def _window_in(block: jax.Array, out: jax.Array, rt: _Route, k: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """:func:`_layer_in` of a strided leaf with short rows: each device sends every device the rows of its block
+    that device's range touches, one all-to-all; each takes one replica of every block and writes its range."""
+    first, rows = _window(rt)
+    P, R, g, r, m = rt.P, rt.R, rt.g, rt.r, rt.m
+    blk = jnp.pad(jnp.reshape(block, (-1, R)), ((0, rows), (0, 0)))
+    msgs = jnp.stack([blk[int(a) : int(a) + rows] for a in first])  # (m, H, R): for device d, its rows
+    got = _exchange(msgs, axes)
+    # From one replica of each block: device b * r + k % r (the replicas spread the reads).
+    parts = jnp.take(got, jnp.arange(g, dtype=jnp.int32) * r + k % r, axis=0)  # (g, H, R)
+    win = jnp.reshape(jnp.swapaxes(parts, 0, 1), (rows, P))
+    size = out.shape[-1]
+    padded = jnp.pad(out, (P, rows * P))
+    start = _t(rt.o + first * P - np.arange(m) * rt.S + P)[k]
+    cur = jnp.reshape(jax.lax.dynamic_slice_in_dim(padded, start, rows * P), (rows, P))
+    new = jnp.where(_in_window(rt, first, rows, k), win.astype(out.dtype), cur)
+    padded = jax.lax.dynamic_update_slice_in_dim(padded, jnp.reshape(new, (-1,)), start, 0)
+    return padded[P : P + size]
+
+
 def _layer_out(row: jax.Array, rt: _Route, st: LeafStorage, gran: Any, k: jax.Array, axes: tuple[str, ...]):
     """One layer of one leaf: this device's bucket row ``(S,)`` -> its storage block ``(n / g,)``."""
     if gran is not None:
         return _tiled_out(row[None], rt, st, gran, k, axes)[0]
     if _by_permutes(rt.to_blocks):
         return permute_rounds(row, jnp.zeros((rt.block_size,), row.dtype), rt.to_blocks, axis=axes)
+    if _window(rt) is not None:
+        return _window_out(row, rt, k, axes)
     return all_to_all(row[None], rt.to_blocks, axis=axes, size=rt.block_size)[0]
 
 
@@ -515,6 +594,8 @@ def _layer_in(block: jax.Array, out: jax.Array, rt: _Route, st: LeafStorage, gra
         return _tiled_in(block[None], out[None], rt, st, gran, k, axes)[0]
     if _by_permutes(rt.to_ranges):
         return permute_rounds(block, out, rt.to_ranges, axis=axes)
+    if _window(rt) is not None:
+        return _window_in(block, out, rt, k, axes)
     return all_to_all(block[None], rt.to_ranges, axis=axes, size=out.shape[-1], out=out[None])[0]
 
 
