@@ -377,14 +377,15 @@ def prepare(params: ShardedParams, opt_state: Any = None) -> None:
 
     Every ``ShardedParams`` (``params`` and the parameter-shaped nodes of ``opt_state``, offloaded ones included)
     gets its bucket -> logical and logical -> bucket executables compiled and cached by plan and dtype; the
-    checksums of the other optimizer-state leaves (counts, scalars, ``PerDevice`` values) are computed once,
-    which compiles them for the save. Nothing is written and no bucket is converted, so a training loop can pay
-    the compile before its timed steps. A ``PerDevice`` layout's own ``to_logical`` / ``from_logical`` compile
-    on their first use.
+    checksums of the other optimizer-state leaves (counts, scalars, ``PerDevice`` values without a layout) are
+    computed once where they are concrete arrays, which compiles them for the save. Nothing is written and no
+    bucket is converted, so a training loop can pay the compile before its timed steps. Not covered: a
+    ``PerDevice`` layout's own ``to_logical`` / ``from_logical`` and Orbax's own work (its replica slicing of
+    replicated storage blocks), which compile on their first use.
 
     Args:
-      params: the sharded parameters (real or abstract: only their plan and dtypes are read).
-      opt_state: the optimizer state over them, or ``None``.
+      params: the sharded parameters (real or abstract, ``jax.eval_shape``: only their plan and dtypes are read).
+      opt_state: the optimizer state over them (real or abstract), or ``None``.
     """
     _logical.compile_conversions(params.plan, _dtypes(params))
     if opt_state is None:
