@@ -116,7 +116,7 @@ def test_conversion_temp_is_at_most_one_layer(granularity):
                 temp = compiled.memory_analysis().temp_size_in_bytes
                 assert temp <= bound, (direction.__name__, bucket.name, temp, bound)
     # Every way a leaf moves is covered: a bucket converted whole, one layer by layer, row windows, all-to-all.
-    stays = [_logical._whole(b, _routes(plan, i), "to_blocks") for i, b in enumerate(plan.buckets)]
+    stays = [_logical._whole(plan, b, _routes(plan, i), "to_blocks") for i, b in enumerate(plan.buckets)]
     stacked = [b.layers is not None for b in plan.buckets]
     assert any(s and w for s, w in zip(stacked, stays, strict=True))
     assert any(s and not w for s, w in zip(stacked, stays, strict=True))

@@ -23,11 +23,12 @@ three periodic runs per pair, whatever the leaf size.
 Executables (:func:`compile_conversions`): one per bucket and direction, compiled ahead of time and cached by
 plan and dtype, so a second save or restore under the same plan compiles nothing. A stacked bucket whose every
 leaf stays on its devices (each device's range is its storage block, e.g. a one-leaf bucket split on dim 0) is
-converted in one call, all layers at once, by local copies. Any other stacked bucket runs one call per layer, its
+converted in one call, all layers at once, by local copies, and so is a stacked bucket no larger than the plan's
+largest layer (one call instead of one per layer). Any other stacked bucket runs one call per layer, its
 outputs donated and written in place, so the transient memory per device is one layer's moved pieces (about twice
 its share of the layer), whatever the layer count. No collective runs inside a loop (XLA:CPU's in-process
 rendezvous intermittently aborts on one there). Checksums are reduced per device where each block lands (one
-pass per leaf, a variadic reduction) and summed on the host.
+pass per leaf, a variadic reduction) and summed over the devices in the same executable.
 
 ``_to_logical_fn`` / ``_from_logical_fn`` are the former single-executable form (one all-to-all per leaf and
 layer, unrolled); the conversions no longer run them, tests inspect their collectives and lowering.
@@ -634,11 +635,29 @@ def _stays(moves: Moves) -> bool:
     return all(all(_exact_columns(*r[:4], moves.num_devices)) for r in rounds(moves))
 
 
-def _whole(bucket: Bucket, routes: Sequence[_Route], direction: str) -> bool:
-    """Whether a stacked bucket converts every layer at once (each leaf's move :func:`_stays`, none tiled):
-    a local copy per leaf, no temporary beyond the outputs."""
+def _row_bytes(plan: Plan, bucket: Bucket) -> int:
+    """Bytes of one layer of ``bucket`` across all devices (the whole bucket if it is not stacked)."""
+    return bucket.num_groups * plan.num_devices * bucket.layout.shard_size * np.dtype(bucket.dtype).itemsize
+
+
+def _whole(plan: Plan, bucket: Bucket, routes: Sequence[_Route], direction: str) -> bool:
+    """Whether a stacked bucket converts every layer at once (none of its leaves tiled): when each leaf's move
+    :func:`_stays` (a local copy per leaf, no temporary beyond the outputs), or when the whole bucket is no
+    larger than the plan's largest layer (a small bucket: one call instead of one per layer, its transient
+    memory still within one layer's)."""
     tiled = bool(bucket.storage) and any(g is not None for g in bucket.storage)
-    return bucket.layers is not None and not tiled and all(_stays(getattr(rt, direction)) for rt in routes)
+    if bucket.layers is None or tiled:
+        return False
+    small = bucket.layers * _row_bytes(plan, bucket) <= max(_row_bytes(plan, b) for b in plan.buckets)
+    return small or all(_stays(getattr(rt, direction)) for rt in routes)
+
+
+def _summed(parts: Sequence[jax.Array], mesh: jax.sharding.Mesh) -> jax.Array:
+    """Inside ``shard_map``: this device's checksum shares ``(leaves, 2)`` summed over every device (``psum``):
+    each stored block counts once (:func:`_own_sums` zeroes the other replicas)."""
+    if not parts:
+        return jnp.zeros((0, 2), jnp.uint32)
+    return jax.lax.psum(jnp.stack(parts), tuple(mesh.axis_names))
 
 
 class _BucketIO:
@@ -647,7 +666,7 @@ class _BucketIO:
     Attributes:
       buffer: the bucket buffer's ``ShapeDtypeStruct`` (storage-mesh sharding).
       leaves: its leaves' ``ShapeDtypeStruct`` s (storage shardings).
-      sums: per-device checksum shares ``(devices, leaves, 2)`` uint32, one row per device.
+      sums: the checksums ``(leaves, 2)`` uint32, replicated (every device's share summed in the executable).
       layer: the layer index argument (a replicated int32 scalar).
     """
 
@@ -663,9 +682,8 @@ class _BucketIO:
             jax.ShapeDtypeStruct(plan.leaves[i].shape, np.dtype(dtype), sharding=leaf_sharding(plan, i))
             for i in bucket.leaves
         )
-        every = tuple(mesh.axis_names)
         self.sums = jax.ShapeDtypeStruct(
-            (mesh.size, len(bucket.leaves), 2), np.dtype(np.uint32), sharding=NamedSharding(mesh, P(every))
+            (len(bucket.leaves), 2), np.dtype(np.uint32), sharding=NamedSharding(mesh, P())
         )
         self.layer = jax.ShapeDtypeStruct((), np.dtype(np.int32), sharding=NamedSharding(mesh, P()))
 
@@ -685,7 +703,7 @@ def _out_executables(plan: Plan, b: int, dtype: str) -> tuple[Any, Any]:
     mesh, axes, io = storage_mesh(plan), _factor_axes(plan), _BucketIO(plan, b, dtype)
     bucket, storages = plan.buckets[b], _bucket_storages(plan, b)
     routes = [_Route(bucket, j, st, plan.num_devices) for j, st in enumerate(storages)]
-    stacked, whole = bucket.layers is not None, _whole(bucket, routes, "to_blocks")
+    stacked, whole = bucket.layers is not None, _whole(plan, bucket, routes, "to_blocks")
 
     def local(buf, *rest):
         outs, sums, layer = rest if stacked and not whole else ((), None, None)
@@ -698,7 +716,7 @@ def _out_executables(plan: Plan, b: int, dtype: str) -> tuple[Any, Any]:
                 new.append(jnp.zeros((*row.shape[:-1], *_local_shape(st)), buf.dtype))
                 parts.append(jnp.zeros((2,), jnp.uint32))
                 continue
-            if whole:  # every layer at once: the same local copy per layer
+            if whole:  # every layer at once, the same move per layer
                 blk = jax.vmap(lambda r, rt=rt, st=st: _layer_out(r, rt, st, None, k, axes))(row)
             else:
                 blk = _layer_out(row, rt, st, gran, k, axes)
@@ -707,7 +725,7 @@ def _out_executables(plan: Plan, b: int, dtype: str) -> tuple[Any, Any]:
             if layer is not None:
                 blk = jax.lax.dynamic_update_index_in_dim(outs[j], blk, layer, 0)
             new.append(blk)
-        share = jnp.stack(parts)[None] if parts else jnp.zeros((1, 0, 2), jnp.uint32)
+        share = _summed(parts, mesh)
         return tuple(new), share if sums is None else sums + share
 
     leaf_specs = tuple(x.sharding.spec for x in io.leaves)
@@ -735,7 +753,7 @@ def _in_executables(plan: Plan, b: int, dtype: str) -> tuple[Any, Any]:
     bucket, storages = plan.buckets[b], _bucket_storages(plan, b)
     routes = [_Route(bucket, j, st, plan.num_devices) for j, st in enumerate(storages)]
     stacked, S = bucket.layers is not None, bucket.layout.shard_size
-    whole = _whole(bucket, routes, "to_ranges")
+    whole = _whole(plan, bucket, routes, "to_ranges")
     pad = 0 if whole else max([rt.local_max for rt in routes], default=0)
 
     def local(leaves, *rest):
@@ -751,12 +769,12 @@ def _in_executables(plan: Plan, b: int, dtype: str) -> tuple[Any, Any]:
                 continue
             parts.append(_own_sums(blk, plan, bucket, i, st, rt, k, layer))
             gran = bucket.storage[j] if bucket.storage else None
-            if whole:  # every layer at once: the same local copy per layer
+            if whole:  # every layer at once, the same move per layer
                 rows = jnp.reshape(blk, (*lead, -1))
                 out = jax.vmap(lambda r, o, rt=rt, st=st: _layer_in(r, o, rt, st, None, k, axes))(rows, out)
             else:
                 out = _layer_in(jnp.reshape(blk, (-1,)), out, rt, st, gran, k, axes)
-        share = jnp.stack(parts)[None] if parts else jnp.zeros((1, 0, 2), jnp.uint32)
+        share = _summed(parts, mesh)
         if layer is None:
             return out[..., :S], share
         return jax.lax.dynamic_update_index_in_dim(buf, out[:S], layer, 0), sums + share
@@ -779,15 +797,20 @@ def _zeros(*targets: Any) -> Any:
     return fn.lower().compile()
 
 
+def _one_at_a_time(results: Any) -> Any:
+    """``results`` once computed: a conversion's next executable is launched only after this one has finished.
+
+    Launched asynchronously, consecutive executables whose collectives span every device may run at once on
+    XLA:CPU's simulated devices, and their in-process rendezvous then waits on threads held by the other one
+    (an abort after 40 s, seen on a GPT-like tree); one at a time, each collective's participants all arrive.
+    """
+    return jax.block_until_ready(results)
+
+
 def _layer_indices(plan: Plan, layers: int) -> list[jax.Array]:
     """The replicated int32 scalars ``0 .. layers - 1`` a stacked bucket's ``step`` takes."""
     sharding = NamedSharding(storage_mesh(plan), P())
     return [jax.device_put(np.int32(i), sharding) for i in range(layers)]
-
-
-def _total(shares: Sequence[Any]) -> np.ndarray:
-    """The checksums ``(leaves, 2)`` from per-device shares ``(devices, leaves, 2)`` (uint32 wrap-around)."""
-    return np.sum(np.asarray(shares, np.uint32), axis=0, dtype=np.uint32)
 
 
 def _bucket_dtypes(plan: Plan, dtypes: Sequence[str] | None) -> tuple[str, ...]:
@@ -836,11 +859,11 @@ def to_logical(buffers: Sequence[jax.Array], plan: Plan) -> tuple[list[jax.Array
         # Same devices, same layout: relabelling onto the storage mesh moves no data.
         buf = _relabel(buffers[b], NamedSharding(storage_mesh(plan), _bucket_spec(plan, bucket, _factor_axes(plan))))
         if start is None:
-            outs, sums = step(buf)
+            outs, sums = _one_at_a_time(step(buf))
         else:
             outs, sums = start()
             for layer in _layer_indices(plan, bucket.layers):
-                outs, sums = step(buf, outs, sums, layer)
+                outs, sums = _one_at_a_time(step(buf, outs, sums, layer))
         for i, x in zip(bucket.leaves, outs, strict=True):
             leaves[i] = x
         shares.append(sums)
@@ -848,11 +871,11 @@ def to_logical(buffers: Sequence[jax.Array], plan: Plan) -> tuple[list[jax.Array
 
 
 def _gather_sums(plan: Plan, shares: Sequence[jax.Array]) -> np.ndarray:
-    """Per-bucket checksum shares -> ``(num_leaves, 2)`` in the plan's leaf order."""
+    """Per-bucket checksums (replicated arrays) -> ``(num_leaves, 2)`` in the plan's leaf order."""
     out = np.zeros((len(plan.leaves), 2), np.uint32)
     for bucket, share in zip(plan.buckets, jax.device_get(list(shares)), strict=True):
         if bucket.leaves:
-            out[list(bucket.leaves)] = _total(share)
+            out[list(bucket.leaves)] = np.asarray(share, np.uint32)
     return out
 
 
@@ -883,11 +906,11 @@ def from_logical(leaves: Sequence[jax.Array], plan: Plan) -> tuple[tuple[jax.Arr
         start, step = _in_executables(plan, b, dtypes[b])
         mine = tuple(_relabel(leaves[i], leaf_sharding(plan, i)) for i in bucket.leaves)
         if start is None:
-            buf, sums = step(mine)
+            buf, sums = _one_at_a_time(step(mine))
         else:
             buf, sums = start()
             for layer in _layer_indices(plan, bucket.layers):
-                buf, sums = step(mine, buf, sums, layer)
+                buf, sums = _one_at_a_time(step(mine, buf, sums, layer))
         bufs.append(buf)
         shares.append(sums)
     out = tuple(_relabel(b, s) for b, s in zip(bufs, plan.shardings(), strict=True))
