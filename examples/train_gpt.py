@@ -375,10 +375,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         mngr.wait()
         mngr.close()
         wait_s = time.perf_counter() - t
-    if preempted:
+
+    def write_log(**extra: float) -> None:
+        """The ``--log-json`` file (process 0): the losses so far, and what else the run measured."""
         if args.log_json and lead:
+            train = {i: float(x) for i, x in history}
+            log = {"optimizer": args.optimizer, "argv": sys.argv[1:] if argv is None else argv, "train": train}
             with open(args.log_json, "w") as f:
-                json.dump({"optimizer": args.optimizer, "train": {i: float(x) for i, x in history}}, f, indent=0)
+                json.dump({**log, **extra}, f, indent=0)
+
+    if preempted:
+        write_log()
         if lead:
             sys.stderr.write("\n")
             print(
@@ -389,19 +396,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     steps_timed = max(last - first, 1)
     seconds_per_step = (time.perf_counter() - t0 - timed_save_s) / steps_timed
     val_loss = float(np.mean([float(eval_step(params, None, local(next(val)))) for _ in range(4)]))
-    if args.log_json and lead:
-        with open(args.log_json, "w") as f:
-            json.dump(
-                {
-                    "optimizer": args.optimizer,
-                    "argv": sys.argv[1:] if argv is None else argv,
-                    "train": {i: float(x) for i, x in history},
-                    "val_loss": val_loss,
-                    "s_per_step": seconds_per_step,
-                },
-                f,
-                indent=0,
-            )
+    write_log(val_loss=val_loss, s_per_step=seconds_per_step)
     if not lead:
         return {"first_loss": losses[0], "last_loss": losses[-1], "val_loss": val_loss}
     sys.stderr.write("\n")

@@ -320,7 +320,9 @@ class Manager:
           ValueError: the directory holds another run's steps, or steps at or after ``step``, and ``overwrite``
             is off; the message lists them and the fixes.
         """
-        foreign = self._foreign(step)
+        self._refuse(step, self._foreign(step))
+
+    def _refuse(self, step: int, foreign: list[int]) -> None:
         if foreign and not self.overwrite:
             later = [s for s in foreign if s >= step]
             why = f"steps {foreign}" + (f" ({later} at or after step {step})" if later else "")
@@ -333,8 +335,8 @@ class Manager:
 
     def _claim(self, step: int) -> None:
         """Before saving ``step``: refuses, or with ``overwrite`` deletes, the steps :meth:`_foreign` names."""
-        self.check_directory(step)
         foreign = self._foreign(step)
+        self._refuse(step, foreign)
         if foreign:
             self._mngr.wait_until_finished()
             for s in foreign:
@@ -413,7 +415,6 @@ class Manager:
         """
         step = self._step(step)
         desc = self._description(step)
-        self._resumed_from = step
         where = os.path.join(self.directory, str(step))
         try:
             metadata = self._mngr.item_metadata(step)
@@ -453,4 +454,5 @@ class Manager:
         sums = desc["checksums"]
         sp = _stored.pack(out[_PARAMS], plan, sums[_PARAMS], where=where) if plan is not None else None
         state = _stored.rebuild_state(opt_state, out[_OPT], rebuild, sums[_OPT], where) if rebuild is not None else None
+        self._resumed_from = step  # read and checked: it and earlier steps are this run's
         return Restored(step, sp, state, dict(out[_META] or {}))

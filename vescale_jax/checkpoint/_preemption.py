@@ -49,11 +49,6 @@ class Preemption:
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         self._notice.set()
 
-    @property
-    def noticed(self) -> bool:
-        """Whether this process has seen a single-process ``SIGTERM`` (a multi-process notice is JAX's)."""
-        return self._notice.is_set()
-
     def reached(self, step: int) -> bool:
         """True at the step every process saves before it is preempted; call it at every step, on every process.
 

@@ -858,16 +858,23 @@ def to_logical(buffers: Sequence[jax.Array], plan: Plan) -> tuple[list[jax.Array
         start, step = _out_executables(plan, b, np.dtype(buffers[b].dtype).name)
         # Same devices, same layout: relabelling onto the storage mesh moves no data.
         buf = _relabel(buffers[b], NamedSharding(storage_mesh(plan), _bucket_spec(plan, bucket, _factor_axes(plan))))
-        if start is None:
-            outs, sums = _one_at_a_time(step(buf))
-        else:
-            outs, sums = start()
-            for layer in _layer_indices(plan, bucket.layers):
-                outs, sums = _one_at_a_time(step(buf, outs, sums, layer))
+        outs, sums = _run(plan, bucket, start, step, buf)
         for i, x in zip(bucket.leaves, outs, strict=True):
             leaves[i] = x
         shares.append(sums)
     return leaves, _gather_sums(plan, shares)
+
+
+def _run(plan: Plan, bucket: Any, start: Any, step: Any, source: Any) -> tuple[Any, jax.Array]:
+    """Runs one bucket's conversion (either direction): ``step(source)`` in one call when ``start`` is None,
+    else ``start()``'s zero outputs and checksums filled one layer per ``step(source, outs, sums, layer)`` call,
+    each finished before the next launches."""
+    if start is None:
+        return _one_at_a_time(step(source))
+    outs, sums = start()
+    for layer in _layer_indices(plan, bucket.layers):
+        outs, sums = _one_at_a_time(step(source, outs, sums, layer))
+    return outs, sums
 
 
 def _gather_sums(plan: Plan, shares: Sequence[jax.Array]) -> np.ndarray:
@@ -905,12 +912,7 @@ def from_logical(leaves: Sequence[jax.Array], plan: Plan) -> tuple[tuple[jax.Arr
     for b, bucket in enumerate(plan.buckets):
         start, step = _in_executables(plan, b, dtypes[b])
         mine = tuple(_relabel(leaves[i], leaf_sharding(plan, i)) for i in bucket.leaves)
-        if start is None:
-            buf, sums = _one_at_a_time(step(mine))
-        else:
-            buf, sums = start()
-            for layer in _layer_indices(plan, bucket.layers):
-                buf, sums = _one_at_a_time(step(mine, buf, sums, layer))
+        buf, sums = _run(plan, bucket, start, step, mine)
         bufs.append(buf)
         shares.append(sums)
     out = tuple(_relabel(b, s) for b, s in zip(bufs, plan.shardings(), strict=True))
