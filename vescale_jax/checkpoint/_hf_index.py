@@ -17,6 +17,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from vescale_jax.checkpoint._hf_mapping import Entry, Mapping, MergeDims, Split, SplitDim, Transpose, compile_pattern
@@ -301,9 +302,11 @@ def bind(
 def _widening(src: np.dtype, dst: np.dtype) -> bool:
     if src == dst:
         return True
-    if src.kind == "f" and dst.kind == "f":
-        # a float widens to a float with more exponent and mantissa bits (bf16 -> f32, f16 -> f32, f32 -> f64)
-        return dst.itemsize > src.itemsize and not (src.itemsize == 2 and dst.itemsize == 2)
+    floating = lambda d: jnp.issubdtype(d, jnp.floating)
+    if floating(src) and floating(dst):
+        # a float widens to one with at least its mantissa and exponent range (bf16 -> f32, f16 -> f32, f32 -> f64)
+        a, b = jnp.finfo(src), jnp.finfo(dst)
+        return b.nmant >= a.nmant and b.maxexp >= a.maxexp and b.minexp <= a.minexp
     if src.kind in "iu" and dst.kind in "iu":
         return np.can_cast(src, dst, "safe")
     return src.kind == "b" and dst.kind in "iub"

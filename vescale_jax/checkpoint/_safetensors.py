@@ -215,6 +215,14 @@ def load_safetensors(
     return ShardedParams(buffers, plan)
 
 
+def _file_dtype(dtype: Any, path: str) -> np.dtype:
+    """``dtype`` (a dtype, or a callable ``path -> dtype``) for the leaf at ``path``."""
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        return np.dtype(dtype(path))
+
+
 def _tensors_to_write(bounds: Sequence[Bound], dtype: Any, cast: str) -> tuple[dict, dict[int, set[str]]]:
     """``{name: (shape, file dtype)}`` and, per leaf, the tensors it writes (a tied tensor by its first leaf)."""
     tensors: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
@@ -223,7 +231,7 @@ def _tensors_to_write(bounds: Sequence[Bound], dtype: Any, cast: str) -> tuple[d
     writes: dict[int, set[str]] = {}
     for bd in bounds:
         npat = len(bd.entry.tensors)
-        target = bd.dtype if dtype is None else np.dtype(dtype(bd.path) if callable(dtype) else dtype)
+        target = bd.dtype if dtype is None else _file_dtype(dtype, bd.path)
         check_cast(bd.dtype, target, cast, f"save_safetensors: leaf {bd.path!r} {bd.shape}")
         mine = writes.setdefault(bd.leaf, set())
         for j, name in enumerate(bd.names):
