@@ -112,3 +112,61 @@ def test_a_large_table_is_alive_only_around_its_use():
     # rest (activations, logits); gathered up front it was 3.2 to 3.9 tables on 1, 2, 3 and 8 devices
     m = plan.num_devices
     assert mem.temp < table * (1.5 + 2 / m), mem
+
+
+def test_a_tied_bucket_gets_a_segment_per_use_when_the_layers_between_are_at_least_its_size():
+    def f(e, w1, w2, x):
+        h = x @ e.T  # the lookup (as a matmul)
+        h = jnp.tanh(h @ w1) @ w2  # the layers
+        return h @ e  # the tied head
+
+    e, w1, w2, x = jnp.ones((6, 4)), jnp.ones((6, 6)), jnp.ones((6, 6)), jnp.ones((2, 4))
+    jaxpr = jax.make_jaxpr(f)(e, w1, w2, x).jaxpr
+    ve, v1, v2, _ = jaxpr.invars
+    segs, _ = _segments(jaxpr, {ve: 0, v1: 1, v2: 2}, {0: "embed", 1: "layers/0", 2: "layers/1"})
+    assert [s.buckets for s in segs] == [(0,), (1,), (2,), (0,)]  # the table twice, around the layers
+    # an interlude smaller than the table (one 4x4 layer of 16 elements against 24) keeps one segment over both
+    jaxpr = jax.make_jaxpr(lambda e, w, x: jnp.tanh((x @ e.T)[:, :4] @ w) @ e[:4])(e, jnp.ones((4, 4)), x).jaxpr
+    ve, vw, _ = jaxpr.invars
+    segs, _ = _segments(jaxpr, {ve: 0, vw: 1}, {0: "embed", 1: "layer"})
+    assert len(segs) == 1 and set(segs[0].buckets) == {0, 1}
+
+
+def test_a_stacked_group_between_two_uses_splits_a_tied_bucket():
+    # A stacked layer group's buffer has no segment of its own, but its reads mark where the layers run.
+    def f(e, stack, x):
+        h = x @ e.T
+        h = jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), h, stack)[0]
+        return h @ e
+
+    e, stack, x = jnp.ones((6, 4)), jnp.ones((3, 6, 6)), jnp.ones((2, 4))
+    jaxpr = jax.make_jaxpr(f)(e, stack, x).jaxpr
+    ve, vs, _ = jaxpr.invars
+    segs, _ = _segments(jaxpr, {ve: 0}, {0: "embed"})
+    assert len(segs) == 1  # nothing marks the layers: one segment over both uses
+    segs, _ = _segments(jaxpr, {ve: 0}, {0: "embed"}, marks={vs: ("blocks", 3 * 6 * 6 * 4)})
+    assert [s.buckets for s in segs] == [(0,), (0,)]
+
+
+@pytest.mark.parametrize("m", [1, 3], ids=lambda m: f"m{m}")
+def test_a_tied_table_gathered_twice_gives_the_unsharded_gradients(m):
+    rng = np.random.default_rng(0)
+    tree = {"embed": jnp.asarray(rng.standard_normal((V, D)) * 0.3, jnp.float32)}
+    tree["layers"] = [{"w": jnp.asarray(rng.standard_normal((D, D)) * 0.3, jnp.float32)} for _ in range(3)]
+
+    def net(p, tokens):
+        x = p["embed"][tokens]
+        for layer in p["layers"]:
+            x = jnp.tanh(x @ layer["w"])
+        return x @ p["embed"].T
+
+    plan = vj.plan(tree, make_mesh(m))
+    assert {b.unit for b in plan.buckets} == {"embed", "layers/0", "layers/1", "layers/2"}
+    tokens = data()
+
+    @vj.fsdp(plan=plan)
+    def step(sp, opt, tokens):
+        return jax.grad(lambda q: loss(vj.apply(net, q, tokens), tokens))(sp), opt
+
+    want = jax.grad(lambda q: loss(net(q, tokens), tokens))(tree)
+    assert_trees_close(vj.unshard(step(vj.shard(tree, plan), None, tokens)[0]), want, rtol=1e-5)

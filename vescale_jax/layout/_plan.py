@@ -261,7 +261,28 @@ class Plan:
             f"{len(self.buckets)} buckets, {len(self.leaves)} leaves over {m} devices on axis {self.axis!r}{tp}: "
             f"{total / m / 2**20:.2f} MiB per device, padding {self.padding_fraction:.3%}"
         )
+        lines.extend(_units_lines([b.unit for b in self.buckets]))
         return "\n".join(lines)
+
+
+def _units_lines(units: Sequence[str]) -> list[str]:
+    """The summary's account of the units: each list of repeated layers (one unit per layer) and the rest."""
+    units = list(dict.fromkeys(units))
+    layers: dict[str, list[int]] = {}
+    rest = []
+    for u in units:
+        head, _, last = u.rpartition("/")
+        if head and last.isdigit():
+            layers.setdefault(head, []).append(int(last))
+        else:
+            rest.append(u)
+    if not layers:
+        return []
+    out = [f"units: one per repeated layer of {head}/0..{max(ks)} ({len(ks)} layers)" for head, ks in layers.items()]
+    if rest:
+        shown = ", ".join(rest[:8]) + (f", ... ({len(rest)} in all)" if len(rest) > 8 else "")
+        out.append(f"other units: {shown}")
+    return out
 
 
 def mesh_size(mesh: jax.sharding.Mesh, axis: str | Sequence[str]) -> int:

@@ -1,7 +1,8 @@
 """Tree-level planning: a pytree of parameters -> a :class:`~vescale_jax.Plan` of flat buckets.
 
-Leaves are grouped into *units* (by default one per top-level module; Linen's ``"params"`` collection key is
-skipped), each unit split by dtype into *buckets*, and every bucket laid out by :func:`plan_bucket`. A unit
+Leaves are grouped into *units* (by default one per repeated layer module and one per other module beside
+them, see :func:`~vescale_jax.layout._paths.default_units`), each unit split by dtype into *buckets*, and every
+bucket laid out by :func:`plan_bucket`. A unit
 named in ``stacked`` is a scanned layer group: its leaves share a leading layer dim ``L``, the planner lays
 out one layer, and the bucket's buffer has shape ``(L, m*S)``.
 
@@ -20,7 +21,8 @@ import numpy as np
 
 from vescale_jax.layout._checks import check_granularity_factory, check_x64
 from vescale_jax.layout._granularity import Granularity, element
-from vescale_jax.layout._paths import KeyPath, default_unit, path_str
+from vescale_jax.layout._paths import KeyPath, path_str
+from vescale_jax.layout._paths import unit_names as default_unit_names
 from vescale_jax.layout._plan import Bucket, LeafSpec, Plan, mesh_size
 from vescale_jax.layout._planner import plan_bucket
 from vescale_jax.layout._tiles import is_tiled
@@ -113,8 +115,10 @@ def plan(
       granularity: ``vj.element()`` (default), ``vj.rows(k)``, ``vj.tiles(bh, bw)`` (tile-major storage),
         ``vj.whole()`` or a callable
         ``(key_path, leaf) -> Granularity`` choosing per leaf.
-      units: callable ``(key_path, leaf) -> unit name`` grouping leaves into buckets; default one unit per
-        top-level module (see :func:`default_unit`). Dtypes are never mixed in a bucket.
+      units: callable ``(key_path, leaf) -> unit name`` grouping leaves into buckets; default
+        :func:`default_units`: one unit per repeated layer module wherever it sits (``model/layers/3``), one per
+        other module beside them, one per top-level module in a tree without repeated modules. Dtypes are never
+        mixed in a bucket.
       stacked: unit names (or a predicate on the unit name) that are scanned layer groups; their leaves share
         a leading layer dim and get a per-layer layout and a buffer of shape ``(L, m*S)``.
       align_bytes: offsets and ``S`` are multiples of ``align_bytes // itemsize`` elements.
@@ -152,7 +156,6 @@ def plan(
     m = mesh_size(mesh, axis)
     axis = axis if isinstance(axis, str) else tuple(axis)
     granularity = element() if granularity is None else granularity
-    unit_of = default_unit if units is None else units
     if isinstance(stacked, str):  # a single unit name, not its letters
         stacked = (stacked,)
     is_stacked = stacked if callable(stacked) else (lambda name, names=frozenset(stacked): name in names)
@@ -160,6 +163,7 @@ def plan(
         raise ValueError(f"vj.plan: align_bytes must be a positive integer, got {align_bytes!r}")
 
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+    defaults = default_unit_names([p for p, _ in flat]) if units is None else None
     tp_specs = _tp_specs(tp, flat)
     sizes = dict(mesh.shape)
     fsdp_axes = (axis,) if isinstance(axis, str) else axis
@@ -168,7 +172,7 @@ def plan(
     logical: list[tuple[tuple[int, ...], DimAxes]] = []
     for index, (path, leaf) in enumerate(flat):
         shape, dtype = _leaf_shape_dtype(path, leaf)
-        unit = str(_call_user(unit_of, "units", path, leaf) if units is not None else unit_of(path, leaf))
+        unit = str(_call_user(units, "units", path, leaf)) if defaults is None else defaults[index]
         g = _resolve_granularity(granularity, path, leaf)
         dims = normalize(
             tp_specs[index], shape, sizes, drop=fsdp_axes, path=path_str(path), stacked=bool(is_stacked(unit))
@@ -188,7 +192,7 @@ def plan(
             raise ValueError(
                 f"vj.plan: stacked={tuple(stacked)!r} names {unknown[0]!r}, which is not a unit of this tree; "
                 f"the units are {unit_names[:12]}{' ...' if len(unit_names) > 12 else ''} (one per top-level "
-                "module by default, or as units= groups them)."
+                "module, or per repeated layer, by default; or as units= groups them)."
             )
 
     if split not in _SPLITS:
