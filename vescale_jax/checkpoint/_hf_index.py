@@ -371,13 +371,40 @@ def read_indices(
     return out if out is not None else np.empty(t.shape, bound.dtype)
 
 
+def chunks(bound: Bound, lo: int, hi: int):
+    """The leaf's flat indices ``[lo, hi)`` in chunks of at most :data:`CHUNK` (int64 arrays).
+
+    A leaf whose ops keep the tensor's element order (no :class:`Transpose`) goes in flat order: each chunk is one
+    run of the tensor. A transposed leaf goes in column bands (the range viewed as rows of its last dim, a band
+    of columns over all its rows at a time): a band's columns are rows of the tensor, so each of them is one long
+    run, as long as the range has rows, instead of runs of ``CHUNK / row length`` elements.
+    """
+    shape = bound.shape
+    cols = shape[-1] if shape else 1
+    transposed = any(op[0] == "T" and list(op[1]) != sorted(op[1]) for op, _ in bound.chain)
+    if not transposed or cols <= 1 or hi - lo <= CHUNK:
+        for a in range(lo, hi, CHUNK):
+            yield np.arange(a, min(hi, a + CHUNK), dtype=np.int64)
+        return
+    r0, r1 = lo // cols, (hi - 1) // cols + 1  # rows the range touches
+    rb = min(r1 - r0, CHUNK)
+    w = max(1, CHUNK // rb)
+    for ra in range(r0, r1, rb):
+        rows = np.arange(ra, min(r1, ra + rb), dtype=np.int64)[:, None] * cols
+        for j in range(0, cols, w):
+            # column-major inside the band: a plain 2-D transpose's tensor indices come out sorted
+            t = (rows.T + np.arange(j, min(cols, j + w), dtype=np.int64)[:, None]).reshape(-1)
+            t = t[(t >= lo) & (t < hi)]
+            if t.size:
+                yield t
+
+
 def read_range(
     bound: Bound, lo: int, hi: int, out: np.ndarray, ckpt: Checkpoint, reader: Reader, cast: Callable
 ) -> None:
     """Fills ``out`` (1-D, ``hi - lo`` elements) with the leaf's flat elements ``[lo, hi)``, chunk by chunk."""
-    for a in range(lo, hi, CHUNK):
-        b = min(hi, a + CHUNK)
-        out[a - lo : b - lo] = read_indices(bound, np.arange(a, b, dtype=np.int64), ckpt, reader, cast)
+    for t in chunks(bound, lo, hi):
+        out[t - lo] = read_indices(bound, t, ckpt, reader, cast)
 
 
 def write_indices(
@@ -411,6 +438,5 @@ def write_range(
     bound: Bound, lo: int, values: np.ndarray, files: dict[str, tuple[str, int]], dtypes: dict, writer: Writer
 ) -> None:
     """Writes the leaf's flat elements ``[lo, lo + values.size)`` (``values`` 1-D), chunk by chunk."""
-    for a in range(0, values.size, CHUNK):
-        b = min(values.size, a + CHUNK)
-        write_indices(bound, np.arange(lo + a, lo + b, dtype=np.int64), values[a:b], files, dtypes, writer)
+    for t in chunks(bound, lo, lo + values.size):
+        write_indices(bound, t, values[t - lo], files, dtypes, writer)
