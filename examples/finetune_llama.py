@@ -278,8 +278,8 @@ def train(args: argparse.Namespace, directory: str) -> dict[str, Any]:
     # Each device reads its own ranges of the files, straight into its shard of the flat buffers.
     mapping = vj.checkpoint.llama_mapping(tied=cfg.tie_word_embeddings)
     t, stats = time.perf_counter(), {}
-    # cast="any": the plan is float32 (master weights), so every cast here widens (bf16 or f16 files -> f32).
-    params = vj.checkpoint.load_safetensors(directory, plan, mapping=mapping, stats=stats, cast="any")
+    # The plan is float32 (master weights): bf16 or f16 files widen into it.
+    params = vj.checkpoint.load_safetensors(directory, plan, mapping=mapping, stats=stats)
     jax.block_until_ready(params)
     load_s = time.perf_counter() - t
     read = stats["bytes_read"]
