@@ -2,6 +2,8 @@
 default plan: one bucket per layer found in Hugging Face's nested trees, the tied embedding gathered at each use,
 and the run equal to the same model trained unsharded."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -154,3 +156,26 @@ def test_tied_embedding_is_gathered_at_each_use_not_held_across_the_model():
     tied = _temp(gpt2(layers=6, vocab=1000, width=256, tied=True), 8)
     untied = _temp(gpt2(layers=6, vocab=1000, width=256, tied=False), 8)
     assert tied <= 1.2 * untied, (tied / 2**20, untied / 2**20)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_module_dtype_decides_the_matmul_dtype_under_mixed_precision(dtype):
+    # Gathers carry bf16 either way; a Flax module with dtype=float32 (transformers' default) casts the leaves
+    # back and multiplies in fp32, dtype=bfloat16 multiplies in bf16 (params stay fp32): as docs/scale.md says.
+    model = transformers.FlaxGPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=97, n_positions=16, n_embd=32, n_layer=2, n_head=4),
+        seed=0,
+        dtype=getattr(jnp, dtype),
+    )
+    assert {x.dtype for x in jax.tree.leaves(model.params)} == {jnp.dtype(jnp.float32)}
+    plan = vj.plan({"params": model.params}, make_mesh(2))
+
+    @vj.fsdp(precision=vj.MixedPrecision(compute_dtype=jnp.bfloat16))
+    def step(p, o, data):
+        out = vj.flax.linen_apply(model.module, p, *data, deterministic=True, return_dict=False)[0]
+        return p, o, out
+
+    text = step.lower(vj.shard({"params": model.params}, plan), None, batch(97)).as_text()
+    dots = re.findall(r"stablehlo.dot_general[^\n]*", text)
+    kinds = {re.findall(r"tensor<[^>]*x(\w+)>", d)[0] for d in dots}
+    assert dots and kinds == {"f32" if dtype == "float32" else "bf16"}, kinds
