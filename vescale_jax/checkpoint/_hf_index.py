@@ -3,9 +3,9 @@
 :func:`bind` matches each leaf of a plan to its :class:`~vescale_jax.checkpoint._hf_mapping.Entry` and infers,
 from the leaf's shape and the entry's ops run backwards, the shapes of the tensors it comes from; a
 :class:`Bound` leaf then maps any chunk of its flat (row-major) element indices to ``(tensor, flat index in that
-tensor)`` by index arithmetic (numpy), the ops inverted. :func:`read_range` and :func:`write_range` move a
-contiguous range of a leaf's elements from or to the files in chunks of at most :data:`CHUNK` elements: the
-source indices of a chunk are sorted, grouped into contiguous runs (reads coalesce gaps of a few elements) and
+tensor)`` by index arithmetic (numpy), the ops inverted. :func:`read_indices` and :func:`write_indices` move one
+chunk of at most :data:`CHUNK` of a leaf's elements (:func:`chunks` cuts a range into them) from or to the files:
+the source indices of a chunk are sorted, grouped into contiguous runs (reads coalesce gaps of a few elements) and
 read with ``preadv`` / written with ``pwrite``, so host memory never scales with a tensor.
 """
 
@@ -24,7 +24,7 @@ from vescale_jax.checkpoint._hf_mapping import Entry, Mapping, MergeDims, Split,
 from vescale_jax.checkpoint._safetensors_files import Checkpoint, Reader, Writer
 from vescale_jax.layout._plan import Plan
 
-__all__ = ["CHUNK", "Bound", "bind", "check_cast", "near", "read_indices", "read_range", "write_range"]
+__all__ = ["CHUNK", "Bound", "bind", "check_cast", "chunks", "near", "read_indices", "write_indices"]
 
 CHUNK = 1 << 18  # leaf elements per chunk: index arrays of a few MiB
 GAP = 8  # a read merges runs at most this many elements apart
@@ -371,16 +371,19 @@ def read_indices(
     return out if out is not None else np.empty(t.shape, bound.dtype)
 
 
-def chunks(bound: Bound, lo: int, hi: int):
+def chunks(bound: Bound, lo: int, hi: int, cols: int | None = None):
     """The leaf's flat indices ``[lo, hi)`` in chunks of at most :data:`CHUNK` (int64 arrays).
+
+    ``cols`` is the length of the rows the indices count in (default the leaf's last dim; a TP/EP shard's own last
+    dim when ``lo``, ``hi`` count in the shard).
 
     A leaf whose ops keep the tensor's element order (no :class:`Transpose`) goes in flat order: each chunk is one
     run of the tensor. A transposed leaf goes in column bands (the range viewed as rows of its last dim, a band
     of columns over all its rows at a time): a band's columns are rows of the tensor, so each of them is one long
     run, as long as the range has rows, instead of runs of ``CHUNK / row length`` elements.
     """
-    shape = bound.shape
-    cols = shape[-1] if shape else 1
+    if cols is None:
+        cols = bound.shape[-1] if bound.shape else 1
     transposed = any(op[0] == "T" and list(op[1]) != sorted(op[1]) for op, _ in bound.chain)
     if not transposed or cols <= 1 or hi - lo <= CHUNK:
         for a in range(lo, hi, CHUNK):
@@ -397,14 +400,6 @@ def chunks(bound: Bound, lo: int, hi: int):
             t = t[(t >= lo) & (t < hi)]
             if t.size:
                 yield t
-
-
-def read_range(
-    bound: Bound, lo: int, hi: int, out: np.ndarray, ckpt: Checkpoint, reader: Reader, cast: Callable
-) -> None:
-    """Fills ``out`` (1-D, ``hi - lo`` elements) with the leaf's flat elements ``[lo, hi)``, chunk by chunk."""
-    for t in chunks(bound, lo, hi):
-        out[t - lo] = read_indices(bound, t, ckpt, reader, cast)
 
 
 def write_indices(
@@ -432,11 +427,3 @@ def write_indices(
         item = v.dtype.itemsize
         for a, n, b in zip(lo.tolist(), lengths.tolist(), base.tolist(), strict=True):
             writer.write(file, offset + a * item, raw[b * item : (b + n) * item])
-
-
-def write_range(
-    bound: Bound, lo: int, values: np.ndarray, files: dict[str, tuple[str, int]], dtypes: dict, writer: Writer
-) -> None:
-    """Writes the leaf's flat elements ``[lo, lo + values.size)`` (``values`` 1-D), chunk by chunk."""
-    for t in chunks(bound, lo, lo + values.size):
-        write_indices(bound, t, values[t - lo], files, dtypes, writer)

@@ -1,38 +1,26 @@
 """Hugging Face safetensors checkpoints in and out, each process reading or writing only its own byte ranges.
 
-:func:`load_safetensors` builds a plan's :class:`~vescale_jax.ShardedParams` straight from the files: for a
-row-major bucket each process fills its own devices' shards of the bucket buffer on the host (the leaf ranges
-each device owns, read through the mapping's index arithmetic) and hands them to
-``jax.make_array_from_single_device_arrays``; a bucket with tile-major leaves or TP/EP groups is built as its
-logical leaves (``jax.make_array_from_callback``, each callback reading its box) and converted on the devices,
-one bucket at a time. :func:`save_safetensors` lays the files out on every process alike, process 0 writes the
-headers and the index and preallocates the files, then every process ``pwrite`` s the bytes of its own shards.
+:func:`load_safetensors` builds a plan's :class:`~vescale_jax.ShardedParams` straight from the files: each process
+fills each of its own devices' shards of a bucket on the host (the leaf elements that shard holds, TP/EP groups
+and tile-major leaves included, read through the mapping's index arithmetic: :mod:`._hf_shards`), one shard at a
+time, and hands them to ``jax.make_array_from_single_device_arrays``. :func:`save_safetensors` lays the files out
+on every process alike, process 0 writes the headers and the index and preallocates the files, then every process
+``pwrite`` s the bytes of its own shards (one replica of each).
 """
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from vescale_jax.checkpoint._hf_index import (
-    CHUNK,
-    Bound,
-    bind,
-    check_cast,
-    near,
-    read_indices,
-    read_range,
-    write_indices,
-    write_range,
-)
+from vescale_jax.checkpoint._hf_index import Bound, bind, check_cast, near
 from vescale_jax.checkpoint._hf_mapping import Mapping
+from vescale_jax.checkpoint._hf_shards import fill_shard, write_shard
 from vescale_jax.checkpoint._safetensors_files import (
     Checkpoint,
     Reader,
@@ -42,16 +30,10 @@ from vescale_jax.checkpoint._safetensors_files import (
     open_checkpoint,
     parse_size,
 )
-from vescale_jax.layout._plan import Bucket, Plan
-from vescale_jax.relayout._logical_leaves import bucket_from_logical, bucket_to_logical, leaf_sharding
+from vescale_jax.layout._plan import Plan
 from vescale_jax.state._containers import ShardedParams
-from vescale_jax.state._sharded import bits_dtype
 
 __all__ = ["load_safetensors", "save_safetensors"]
-
-
-def _row_major(bucket: Bucket) -> bool:
-    return not any(g is not None for g in bucket.storage) and bucket.num_groups == 1
 
 
 def _check_files(bounds: Sequence[Bound], ckpt: Checkpoint, mapping: Mapping, ignore: Sequence[str], cast: str):
@@ -90,66 +72,6 @@ def _caster(dtype: np.dtype) -> Callable[[np.ndarray], np.ndarray]:
     return lambda x: x if x.dtype == dtype else x.astype(dtype)
 
 
-def _host_shard(
-    plan: Plan, bucket: Bucket, start: int, bounds: Sequence[Bound], ckpt: Checkpoint, reader: Reader
-) -> np.ndarray:
-    """One device's shard ``[start, start + S)`` of a row-major bucket's buffer, read on the host (padding 0)."""
-    layout, S = bucket.layout, bucket.layout.shard_size
-    dtype = np.dtype(bucket.dtype)
-    out = np.zeros(bucket.local_shape, dtype)
-    rows = out.reshape(-1, S)
-    for slot, i in enumerate(bucket.leaves):
-        o, n = layout.offsets[slot], layout.sizes[slot]
-        lo, hi = max(o, start), min(o + n, start + S)
-        if hi <= lo:
-            continue
-        for layer in range(rows.shape[0]):
-            dest = rows[layer, lo - start : hi - start]
-            read_range(bounds[i], layer * n + lo - o, layer * n + hi - o, dest, ckpt, reader, _caster(dtype))
-    return out
-
-
-def _box_indices(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, ...], Any]:
-    """The box a shard index selects, and a function giving its elements' leaf flat indices in chunks."""
-    box = tuple(len(range(*s.indices(d))) for s, d in zip(index, shape, strict=True))
-    starts = [s.indices(d)[0] for s, d in zip(index, shape, strict=True)]
-
-    def chunks():
-        total = math.prod(box)
-        for a in range(0, total, CHUNK):
-            local = np.unravel_index(np.arange(a, min(total, a + CHUNK), dtype=np.int64), box) if box else ()
-            flat = np.ravel_multi_index([c + s for c, s in zip(local, starts, strict=True)], shape) if box else None
-            yield a, (np.asarray(flat, np.int64) if box else np.zeros(1, np.int64))
-
-    return box, chunks
-
-
-def _logical_bucket(plan: Plan, b: int, bounds: Sequence[Bound], ckpt: Checkpoint, reader: Reader) -> jax.Array:
-    """A tile-major or grouped bucket: its leaves built with their storage sharding (each callback reads its
-    box), then converted on the devices (low-precision floats as their bits, so every bit is kept)."""
-    bucket = plan.buckets[b]
-    dtype = np.dtype(bucket.dtype)
-    bits = bits_dtype(dtype)
-    leaves = []
-    for i in bucket.leaves:
-        spec, bound = plan.leaves[i], bounds[i]
-
-        def read_box(index, spec=spec, bound=bound):
-            box, chunks = _box_indices(index, spec.shape)
-            out = np.empty(math.prod(box), dtype)
-            for a, t in chunks():
-                out[a : a + t.size] = read_indices(bound, t, ckpt, reader, _caster(dtype))
-            out = out.reshape(box)
-            return out if bits is None else out.view(bits)
-
-        leaves.append(jax.make_array_from_callback(spec.shape, leaf_sharding(plan, i), read_box))
-    buf = bucket_from_logical(leaves, plan, b)
-    del leaves
-    if bits is not None:
-        buf = jax.jit(lambda x: jax.lax.bitcast_convert_type(x, jnp.dtype(dtype)), out_shardings=buf.sharding)(buf)
-    return buf
-
-
 def load_safetensors(
     path: str | os.PathLike,
     plan: Plan,
@@ -183,8 +105,8 @@ def load_safetensors(
     Sharding:
       Each process reads only the element ranges its own devices own (a replicated device's shard is read once
       per process), into host buffers of one device's shard of one bucket plus chunks of a few MiB; no process
-      holds the model. Row-major buckets go to ``jax.make_array_from_single_device_arrays``; a bucket with
-      tile-major leaves or TP/EP groups is built as leaves in their storage sharding and converted on the devices.
+      holds the model. Every bucket (TP/EP-grouped and tile-major ones too) is built from its devices' shards
+      with ``jax.make_array_from_single_device_arrays``.
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"load_safetensors: plan must be a vj.Plan (from vj.plan), got {type(plan).__name__}.")
@@ -195,15 +117,12 @@ def load_safetensors(
     buffers = []
     try:
         for b, (bucket, sharding) in enumerate(zip(plan.buckets, plan.shardings(), strict=True)):
-            if not _row_major(bucket):
-                buffers.append(_logical_bucket(plan, b, bounds, ckpt, reader))
-                continue
-            by_start: dict[int, list[Any]] = {}
+            by_start: dict[int, list[Any]] = {}  # replicas of one shard on this process: read once
             for dev, index in sharding.addressable_devices_indices_map(bucket.shape).items():
                 by_start.setdefault(index[-1].start or 0, []).append(dev)
             arrays = []
             for start, devices in sorted(by_start.items()):
-                host = _host_shard(plan, bucket, start, bounds, ckpt, reader)
+                host = fill_shard(plan, b, start, bounds, ckpt, reader, _caster(np.dtype(bucket.dtype)))
                 arrays += [jax.device_put(host, d) for d in devices]
                 del host
             buffers.append(jax.make_array_from_single_device_arrays(bucket.shape, sharding, arrays))
@@ -309,51 +228,13 @@ def save_safetensors(
     _barrier("vj_save_safetensors_created")
     writer = Writer()
     try:
-        for b, bucket in enumerate(plan.buckets):
-            if _row_major(bucket):
-                _write_bucket(params.buffers[b], bucket, bounds, writes, where, dtypes, writer)
-            else:
-                _write_logical(params.buffers[b], plan, b, bounds, writes, where, dtypes, writer)
+        for b, buffer in enumerate(params.buffers):
+            for shard in buffer.addressable_shards:
+                if shard.replica_id == 0:  # one replica of each shard writes
+                    start = shard.index[-1].start or 0
+                    write_shard(plan, b, start, np.asarray(shard.data), bounds, writes, where, dtypes, writer)
     finally:
         writer.close()
     _barrier("vj_save_safetensors_written")
     paths = [os.path.join(directory, f.name) for f in files]
     return paths + ([os.path.join(directory, "model.safetensors.index.json")] if index is not None else [])
-
-
-def _write_bucket(buffer, bucket: Bucket, bounds, writes, where, dtypes, writer: Writer) -> None:
-    layout, S = bucket.layout, bucket.layout.shard_size
-    for shard in buffer.addressable_shards:
-        if shard.replica_id != 0:
-            continue
-        start = shard.index[-1].start or 0
-        rows = np.asarray(shard.data).reshape(-1, S)
-        for slot, i in enumerate(bucket.leaves):
-            files = {n: where[n] for n in writes[i]}
-            o, n = layout.offsets[slot], layout.sizes[slot]
-            lo, hi = max(o, start), min(o + n, start + S)
-            if hi <= lo or not files:
-                continue
-            for layer in range(rows.shape[0]):
-                write_range(bounds[i], layer * n + lo - o, rows[layer, lo - start : hi - start], files, dtypes, writer)
-        del rows
-
-
-def _write_logical(buffer, plan: Plan, b: int, bounds, writes, where, dtypes, writer: Writer) -> None:
-    bucket = plan.buckets[b]
-    dtype = np.dtype(bucket.dtype)
-    bits = bits_dtype(dtype)
-    if bits is not None:
-        buffer = jax.jit(lambda x: jax.lax.bitcast_convert_type(x, bits), out_shardings=buffer.sharding)(buffer)
-    for i, leaf in zip(bucket.leaves, bucket_to_logical(buffer, plan, b), strict=True):
-        files = {n: where[n] for n in writes[i]}
-        if not files:
-            continue
-        for shard in leaf.addressable_shards:
-            if shard.replica_id != 0:
-                continue
-            values = np.asarray(shard.data).reshape(-1)
-            values = values if bits is None else values.view(dtype)
-            _, chunks = _box_indices(shard.index, plan.leaves[i].shape)
-            for a, t in chunks():
-                write_indices(bounds[i], t, values[a : a + t.size], files, dtypes, writer)
