@@ -482,3 +482,42 @@ def test_error_malformed_header(small):
     open(file, "wb").write(struct.pack("<Q", 10**6) + b"{}")
     with pytest.raises(ValueError, match=r"malformed safetensors header: length 1000000"):
         vj.checkpoint.load_safetensors(file, plan, mapping=llama_mapping())
+
+
+def test_error_op_that_cannot_give_the_leaf_names_it_and_the_fix(tmp_path):
+    t = {"qkv.weight": np.zeros((24, 8), np.float32)}
+    path = write_checkpoint(t, tmp_path / "a", num_files=1)
+    tree = {"attn": {"q": np.zeros((2, 4, 8), np.float32)}}
+    plan = vj.plan(shapes_of(tree), make_mesh(2))
+    mapping = Mapping((Entry("attn/q", "qkv.weight", (Split(0, 0, 3), SplitDim(0, (3, -1)))),))
+    with pytest.raises(
+        ValueError,
+        match=r"leaf 'attn/q' \(2, 4, 8\).*'qkv.weight'.*SplitDim\(axis=0, sizes=\(3, -1\)\).*fix the entry's ops",
+    ):
+        vj.checkpoint.load_safetensors(path, plan, mapping=mapping)
+
+
+def test_error_truncated_file_names_the_tensor(tmp_path, small):
+    tensors, _, plan, _ = small
+    path = write_checkpoint(tensors, tmp_path / "a", num_files=1)
+    file = os.path.join(path, "model.safetensors")
+    data = open(file, "rb").read()
+    open(file, "wb").write(data[:-4])  # the last tensor's last element gone
+    with pytest.raises(ValueError, match=r"malformed safetensors header entry for tensor .*truncated.*copy it again"):
+        vj.checkpoint.load_safetensors(path, plan, mapping=llama_mapping())
+    # a file that shrinks after its header was read: the read names the tensor and the bytes
+    reader = files.Reader()
+    at = len(data) - 54
+    with pytest.raises(
+        ValueError, match=rf"truncated: tensor 'model.norm.weight' needs bytes \[{at}, {at + 100}\) but"
+    ):
+        reader.read_into(file, at, memoryview(bytearray(100)), what="model.norm.weight")
+    reader.close()
+
+
+def test_error_save_of_a_fused_tensor_missing_parts(tmp_path):
+    tree = {"attn": {"q": np.zeros((8, 8), np.float32), "k": np.zeros((8, 8), np.float32)}}
+    plan = vj.plan(shapes_of(tree), make_mesh(2))
+    mapping = Mapping(tuple(Entry(f"attn/{x}", "c_attn.weight", (Split(1, j, 3),)) for j, x in enumerate("qk")))
+    with pytest.raises(ValueError, match=r"tensor 'c_attn.weight' \(8, 24\) is fused from 3 parts.*only 2.*map every"):
+        vj.checkpoint.save_safetensors(vj.shard(tree, plan), tmp_path / "o", mapping=mapping)

@@ -28,6 +28,7 @@ __all__ = ["CHUNK", "Bound", "bind", "check_cast", "chunks", "near", "read_indic
 
 CHUNK = 1 << 18  # leaf elements per chunk: index arrays of a few MiB
 GAP = 8  # a read merges runs at most this many elements apart
+FIX = "fix the entry's ops (load direction, tensor -> leaf), or plan the leaf with the checkpoint's shape."
 
 
 def leaf_name(path: str) -> str:
@@ -41,18 +42,18 @@ def near(name: str, names: Sequence[str], n: int = 4) -> list[str]:
 
 def _axis(axis: int, ndim: int, what: str) -> int:
     if not -ndim <= axis < max(ndim, 1):
-        raise ValueError(f"{what}: axis {axis} out of range for {ndim} dims")
+        raise ValueError(f"{what}: axis {axis} out of range for {ndim} dims; {FIX}")
     return axis % max(ndim, 1)
 
 
-def _resolve(sizes: Sequence[int], total: int, what: str) -> tuple[int, ...]:
+def _resolve(sizes: Sequence[int], total: int, what: str, op: Any) -> tuple[int, ...]:
     known = math.prod(s for s in sizes if s != -1)
     if (
         list(sizes).count(-1) > 1
         or (-1 in sizes and (known == 0 or total % known))
         or (-1 not in sizes and known != total)
     ):
-        raise ValueError(f"{what}: sizes {tuple(sizes)} do not fit a dim of {total}")
+        raise ValueError(f"{what}: {op}: sizes {tuple(sizes)} do not fit a dim of {total}; {FIX}")
     return tuple(total // known if s == -1 else s for s in sizes)
 
 
@@ -61,7 +62,7 @@ def _back_shape(op: Any, out: tuple[int, ...], what: str) -> tuple[tuple[int, ..
     if isinstance(op, Transpose):
         perm = tuple(reversed(range(len(out)))) if op.perm is None else tuple(op.perm)
         if sorted(perm) != list(range(len(out))):
-            raise ValueError(f"{what}: Transpose{perm} does not permute {len(out)} dims")
+            raise ValueError(f"{what}: Transpose{perm} does not permute the {len(out)} dims of {out}; {FIX}")
         shape = [0] * len(out)
         for j, p in enumerate(perm):
             shape[p] = out[j]
@@ -69,15 +70,15 @@ def _back_shape(op: Any, out: tuple[int, ...], what: str) -> tuple[tuple[int, ..
     if isinstance(op, SplitDim):
         k = len(op.sizes)
         a = _axis(op.axis, len(out) - k + 1, what)
-        sizes = _resolve(op.sizes, math.prod(out[a : a + k]), what)
+        sizes = _resolve(op.sizes, math.prod(out[a : a + k]), what, op)
         if sizes != tuple(out[a : a + k]):
             raise ValueError(
-                f"{what}: SplitDim({op.axis}, {op.sizes}) gives dims {sizes}, the leaf has {out[a : a + k]}"
+                f"{what}: SplitDim({op.axis}, {op.sizes}) gives dims {sizes}, the leaf has {out[a : a + k]}; {FIX}"
             )
         return (*out[:a], math.prod(sizes), *out[a + k :]), ("S", a, sizes)
     if isinstance(op, MergeDims):
         a = _axis(op.axis, len(out), what)
-        sizes = _resolve(op.sizes, out[a], what)
+        sizes = _resolve(op.sizes, out[a], what, op)
         return (*out[:a], *sizes, *out[a + 1 :]), ("M", a, sizes)
     if isinstance(op, Split):
         a = _axis(op.axis, len(out), what)
@@ -88,10 +89,10 @@ def _back_shape(op: Any, out: tuple[int, ...], what: str) -> tuple[tuple[int, ..
             if out[a] != parts[op.index]:
                 raise ValueError(
                     f"{what}: Split sections {op.sections} give part {op.index} {parts[op.index]} rows on dim {a}, "
-                    f"the leaf has {out[a]}"
+                    f"the leaf has {out[a]}; {FIX}"
                 )
         if not 0 <= op.index < len(parts):
-            raise ValueError(f"{what}: Split index {op.index} out of {len(parts)} parts")
+            raise ValueError(f"{what}: Split index {op.index} out of {len(parts)} parts; {FIX}")
         return (*out[:a], sum(parts), *out[a + 1 :]), ("P", a, sum(parts[: op.index]))
     raise TypeError(f"{what}: unknown op {op!r}")
 
@@ -236,7 +237,10 @@ def bind(
         shape = tuple(spec.shape)
         if entry.stack is not None:
             if not shape:
-                raise ValueError(f"{where}: a stacked entry needs a leading layer dim, the leaf is a scalar.")
+                raise ValueError(
+                    f"{where}: a stacked entry needs a leading layer dim, the leaf is a scalar; map it with an entry "
+                    "whose tensor pattern has no placeholder the leaf pattern lacks."
+                )
             if available is None:
                 layers = tuple(str(j) for j in range(shape[0]))
             else:
@@ -264,7 +268,10 @@ def bind(
             a = _axis(entry.axis, len(v0), where)
             secs = entry.sections or (v0[a] // npat,) * npat
             if sum(secs) != v0[a] or len(secs) != npat:
-                raise ValueError(f"{where}: {npat} tensors of sizes {secs} along axis {a} do not make dim {v0[a]}.")
+                raise ValueError(
+                    f"{where}: {npat} tensors of sizes {secs} along axis {a} do not make dim {v0[a]} of {v0}; fix the "
+                    "entry's sections, or plan the leaf with the checkpoint's shape."
+                )
             tshapes = tuple((*v0[:a], s, *v0[a + 1 :]) for s in secs)
         fmt = []
         for lay in layers if layers is not None else (None,):
@@ -356,7 +363,7 @@ def read_indices(
         raw = memoryview(buf.view(np.uint8))
         item = info.dtype.itemsize
         for a, n, b in zip(lo.tolist(), lengths.tolist(), base.tolist(), strict=True):
-            reader.read_into(info.file, info.offset + a * item, raw[b * item : (b + n) * item])
+            reader.read_into(info.file, info.offset + a * item, raw[b * item : (b + n) * item], what=info.name)
         vals = cast(buf[pos])
         if out is None:
             out = np.empty(t.shape, vals.dtype)

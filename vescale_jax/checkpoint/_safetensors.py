@@ -171,8 +171,9 @@ def _tensors_to_write(bounds: Sequence[Bound], dtype: Any, cast: str) -> tuple[d
             for name in bd.names:
                 if len(parts[name]) < want:
                     raise ValueError(
-                        f"save_safetensors: tensor {name!r} is fused from {want} parts but leaves give only "
-                        f"{len(parts[name])} (from leaf {bd.path!r}); map every part."
+                        f"save_safetensors: tensor {name!r} {tensors[name][0]} is fused from {want} parts but leaves "
+                        f"give only {len(parts[name])} (from leaf {bd.path!r} {bd.shape}); map every part (one entry "
+                        "per Split index)."
                     )
     return tensors, writes
 

@@ -131,7 +131,8 @@ def read_header(file: str) -> tuple[dict[str, Any], int]:
         if not ok:
             raise ValueError(
                 f"{file}: malformed safetensors header entry for tensor {name!r}: {info!r} (expected dtype, shape "
-                f"and data_offsets within the {data} data bytes, end - begin = size * itemsize)."
+                f"and data_offsets within the {data} data bytes, end - begin = size * itemsize); a truncated or "
+                "partly copied file: copy it again from the checkpoint's source."
             )
     return header, start
 
@@ -212,8 +213,8 @@ class Reader:
         self.bytes_read = 0
         self.reads = 0
 
-    def read_into(self, file: str, offset: int, out: memoryview) -> None:
-        """Fills ``out`` with the bytes of ``file`` at ``[offset, offset + len(out))``."""
+    def read_into(self, file: str, offset: int, out: memoryview, what: str = "") -> None:
+        """Fills ``out`` with the bytes of ``file`` at ``[offset, offset + len(out))`` (of tensor ``what``)."""
         fd = self._fds.get(file)
         if fd is None:
             fd = self._fds[file] = os.open(file, os.O_RDONLY)
@@ -221,7 +222,10 @@ class Reader:
         while done < n:
             got = os.preadv(fd, [out[done:]], offset + done)
             if got <= 0:
-                raise ValueError(f"{file}: truncated; wanted bytes [{offset}, {offset + n}) (is the file complete?)")
+                raise ValueError(
+                    f"{file}: truncated: tensor {what!r} needs bytes [{offset}, {offset + n}) but the file has "
+                    f"{os.fstat(fd).st_size}; copy the complete file (its header promises more data than it holds)."
+                )
             done += got
         self.bytes_read += n
         self.reads += 1
