@@ -4,8 +4,19 @@
 
 Runs on every device JAX sees (8 simulated CPU devices when no GPU plugin is installed). Parameters, gradients
 and AdamW state live sharded in the planner's flat buffers; each layer of the scanned block stack is gathered
-inside the loop, one at a time. Prints the plan, a progress bar with loss and tokens/s, the validation loss, and
-writes a loss-curve PNG.
+inside the loop, one at a time.
+
+Output: the plan; "compiling the train step…" and then how long tracing and lowering and compiling took; the
+first step's time (compile + run); the loss every ``--log-every`` steps with tokens/s and s/step, counted from the
+end of the first step with checkpoint saves left out (on a terminal a live ``rich`` progress bar shows every
+step and a table sums up the timings; piped or logged, plain lines); the validation loss; a loss-curve PNG
+(``--plot``, needs matplotlib). ``--help`` answers at once: the command line is parsed before JAX is imported.
+
+Compiled executables go to JAX's persistent compilation cache (``--compile-cache DIR``, default
+``$VESCALE_JAX_COMPILE_CACHE`` or ``~/.cache/vescale_jax/jax``; ``--no-compile-cache`` compiles afresh). A
+second run with the same options reads them back instead of compiling: its "compiled the train step" line says
+"read from the persistent cache", and its first step takes a fraction of the first run's. Tracing and lowering
+are not cached; options that change the program (sizes, ``--steps``: the schedule's length) compile anew.
 
 With ``--checkpoint-dir DIR`` the run saves params, optimizer state and the data loader's RNG state every
 ``--save-every`` steps (and at the last step) through ``vj.checkpoint.Manager``; ``--resume`` continues from the
@@ -32,36 +43,38 @@ process feeds only its rows of every batch:
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
 import time
-
-if (
-    importlib.util.find_spec("jax_cuda12_plugin") is None
-    and "XLA_FLAGS" not in os.environ
-    and not any(a.startswith(("--coordinator", "--num-processes")) for a in sys.argv)  # multi-process: 1 device
-):
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"  # no GPU: simulate 8 CPU devices
-if importlib.util.find_spec("jax_cuda12_plugin") is None:
-    # Simulated devices are threads of one process: one OpenBLAS thread per LAPACK call (Shampoo's
-    # eigendecompositions) instead of every call spinning up threads on the same few cores.
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-
-import jax
-import numpy as np
-import optax
+from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpt import GPTConfig, abstract_model, init_params, loss_fn, muon_dimension_numbers
+from progress import (
+    CacheStats,
+    HelpFormatter,
+    Progress,
+    add_compile_cache_options,
+    add_output_options,
+    compile_cache,
+    compile_cache_dir,
+    plot_losses,
+    simulate_cpu_devices,
+)
 
-import vescale_jax as vj
+if TYPE_CHECKING:  # imported where they are used, after the command line is parsed
+    from collections.abc import Iterator
+
+    import numpy as np
+
+    import vescale_jax as vj
 
 
 def stdlib_text(max_bytes: int) -> np.ndarray:
     """Bytes of the standard library's ``.py`` files (sorted, so every run and process reads the same)."""
     import sysconfig
+
+    import numpy as np
 
     root = sysconfig.get_paths()["stdlib"]
     chunks, total = [], 0
@@ -76,13 +89,14 @@ def stdlib_text(max_bytes: int) -> np.ndarray:
     return np.frombuffer(b"".join(chunks)[:max_bytes], np.uint8)
 
 
-def shampoo_plan(shapes, mesh, block: int, stacked: str = "blocks") -> vj.Plan:
+def shampoo_plan(shapes: Any, mesh: Any, block: int, stacked: str = "blocks") -> vj.Plan:
     """Plan for ``vj.optim.shampoo``: matrix leaves get ``vj.rows(block)``, so every block lies on one device.
 
     Units: the stacked matrices, the stacked vectors (biases, norm scales: rows(1)), and all the unstacked
     leaves (embeddings, head, final norm) in one bucket. Keeping the vectors apart and pooling the small
     unstacked matrices cuts the padding that whole ``block``-row bands force (33% -> 26% at block 64).
     """
+    import vescale_jax as vj
 
     def is_matrix(path, leaf):
         return len(leaf.shape) - (vj.default_unit(path, leaf) == stacked) >= 2
@@ -102,34 +116,30 @@ def shampoo_plan(shapes, mesh, block: int, stacked: str = "blocks") -> vj.Plan:
     )
 
 
-def batches(data: np.ndarray, batch: int, seq: int, rng: np.random.Generator):
+def batches(data: np.ndarray, batch: int, seq: int, rng: np.random.Generator) -> Iterator[dict[str, np.ndarray]]:
     """Random windows of ``data``; the position is ``rng``'s state (saved with checkpoints, JSON)."""
+    import numpy as np
+
     while True:
         start = rng.integers(0, len(data) - seq - 1, batch)
         window = np.stack([data[s : s + seq + 1] for s in start]).astype(np.int32)
         yield {"x": window[:, :-1], "y": window[:, 1:]}
 
 
-def progress(step: int, total: int, loss: float, tokens_per_s: float) -> None:
-    done = int(30 * step / total)
-    bar = "#" * done + "." * (30 - done)
-    sys.stderr.write(f"\r[{bar}] step {step:4d}/{total}  loss {loss:6.3f}  {tokens_per_s:9,.0f} tokens/s")
-    sys.stderr.flush()
-
-
-def main(argv: list[str] | None = None) -> dict[str, float]:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=250)
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (no JAX needed: ``--help`` answers at once)."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
+    p.add_argument("--steps", type=int, default=250, help="training steps (the learning-rate schedule's length)")
     p.add_argument("--batch", type=int, default=32, help="global batch (a multiple of the device count)")
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seq", type=int, default=128, help="bytes per training sequence (the model's context)")
+    p.add_argument("--layers", type=int, default=4, help="transformer blocks (stacked, scanned one at a time)")
+    p.add_argument("--d-model", type=int, default=128, help="model width (the MLP is 4x wider)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (dividing --d-model)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW's peak learning rate (warm-up, cosine decay)")
     p.add_argument("--data-mb", type=float, default=8.0, help="megabytes of stdlib source to train on")
     p.add_argument("--keep", action="store_true", help="keep gathered params for backward (no re-gather)")
-    p.add_argument("--plot", default="train_gpt_loss.png", help="loss-curve PNG ('' to skip)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", default="train_gpt_loss.png", help="loss-curve PNG ('' to skip; needs matplotlib)")
+    p.add_argument("--seed", type=int, default=0, help="initial parameters and data order")
     p.add_argument(
         "--optimizer",
         choices=("adamw", "adamw8bit", "muon", "shampoo"),
@@ -145,7 +155,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "buffers 26%%, 128 pads 63%% but converges faster)",
     )
     p.add_argument("--shampoo-lr", type=float, default=6e-3, help="Shampoo's learning rate (AdamW's is --lr)")
-    p.add_argument("--log-json", help="write {'train': {step: loss}, 'val_loss', 's_per_step'} to this path")
+    p.add_argument(
+        "--log-json",
+        metavar="PATH",
+        help="write {'train': {step: loss}, 'val_loss', 's_per_step', 'first_step_s', ...} here (default: none)",
+    )
     p.add_argument("--microbatches", type=int, default=1, help="gradient accumulation steps per batch")
     p.add_argument("--bf16", action="store_true", help="gather and compute in bfloat16, reduce in float32")
     p.add_argument(
@@ -165,11 +179,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         help="end the run (stacks printed, non-zero status) when a step takes longer than this; default: "
         "vj.distributed.Watchdog's (a multiple of the median step time, with a floor)",
     )
-    p.add_argument("--coordinator", help="host:port of process 0, for a multi-process job")
-    p.add_argument("--num-processes", type=int)
-    p.add_argument("--process-id", type=int)
-    p.add_argument("--local-devices", type=int, help="CPU devices per process (CPU multi-process runs)")
-    p.add_argument("--checkpoint-dir", help="save checkpoints here (vj.checkpoint.Manager)")
+    p.add_argument(
+        "--coordinator", metavar="HOST:PORT", help="process 0's address, for a multi-process job (default: one process)"
+    )
+    p.add_argument(
+        "--num-processes", type=int, help="processes in a multi-process job (default: the launcher's, or one)"
+    )
+    p.add_argument("--process-id", type=int, help="this process's index in the job (default: the launcher's, or 0)")
+    p.add_argument("--local-devices", type=int, help="CPU devices per process (CPU multi-process runs; default: JAX's)")
+    p.add_argument(
+        "--checkpoint-dir", metavar="DIR", help="save checkpoints here (vj.checkpoint.Manager; default: none)"
+    )
     p.add_argument("--save-every", type=int, default=50, help="steps between checkpoints (and the last step)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
     p.add_argument(
@@ -181,11 +201,37 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "--overwrite", action="store_true", help="let the first save delete another run's steps in --checkpoint-dir"
     )
     p.add_argument(
-        "--stop-after", type=int, help="end the run after this step (a simulated kill; --steps still sets the schedule)"
+        "--stop-after",
+        type=int,
+        help="end the run after this step (a simulated kill; --steps still sets the schedule; default: run to --steps)",
     )
+    add_output_options(p)
+    add_compile_cache_options(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    """Parses the command line (before JAX is imported), sets up the devices and the compilation cache, trains."""
+    p = build_parser()
     args = p.parse_args(argv)
     if (args.resume or args.resume_if_exists) and not args.checkpoint_dir:
         p.error("--resume needs --checkpoint-dir (the directory a previous run saved into)")
+    multi_process = args.coordinator is not None or args.num_processes is not None
+    simulate_cpu_devices(None if multi_process else 8)  # a multi-process CPU job: --local-devices per process
+    with compile_cache(compile_cache_dir(args)) as cache:
+        return train(args, p, cache, argv)
+
+
+def train(
+    args: argparse.Namespace, p: argparse.ArgumentParser, cache: CacheStats, argv: list[str] | None
+) -> dict[str, float]:
+    """The run: plan, initialise (or resume), compile, train, validate, plot."""
+    import jax
+    import numpy as np
+    import optax
+    from gpt import GPTConfig, abstract_model, init_params, loss_fn, muon_dimension_numbers
+
+    import vescale_jax as vj
 
     vj.distributed.initialize(
         coordinator_address=args.coordinator,
@@ -320,10 +366,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     def eval_step(params, _, batch):
         return loss_fn(vj.flax.nnx_apply(graphdef, params, batch["x"]), batch["y"])
 
-    losses, t0, tokens, history = [], None, 0, []
-    save_s: list[float] = []  # wall time of each save call (async: until the arrays are on the host)
-    timed_save_s = 0.0  # of the saves after the first step's (inside the timed part of the loop)
-
     def local(batch):
         return {k: v[rows] for k, v in batch.items()}
 
@@ -331,81 +373,81 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         t = time.perf_counter()
         mngr.prepare(params=params, opt_state=opt_state)  # compile the save's conversion before the timed loop
         if lead:
-            print(f"checkpoint conversion compiled in {time.perf_counter() - t:.2f} s")
+            print(f"checkpoint conversion compiled in {time.perf_counter() - t:.2f} s", flush=True)
 
     last = min(args.steps, args.stop_after or args.steps)
+    progress = Progress(
+        args.steps, items_per_step=args.batch * args.seq, first=first, every=args.log_every, show=lead, cache=cache
+    )
+    batch = local(next(train))  # the first step's batch (drawn in order: the data RNG's state is checkpointed)
+    progress.compile(train_step, params, opt_state, batch)  # timed apart from the steps; JAX keeps the executable
     preempted = None
+    save_s: list[float] = []  # wall time of each save call (async: until the arrays are on the host)
     watchdog = vj.distributed.Watchdog(args.watchdog_s)
     with watchdog:
         for step in range(first, last + 1):
+            if step > first:
+                batch = local(next(train))
             with watchdog.step(step):
-                params, opt_state, metrics = train_step(params, opt_state, local(next(train)))
+                params, opt_state, metrics = train_step(params, opt_state, batch)
                 jax.block_until_ready(metrics["loss"])  # the step has finished (what the watchdog times)
-            loss = float(metrics["loss"]) if step == first or step % 10 == 0 or step == last else None
-            if args.log_json:
-                history.append((step, metrics["loss"]))  # a device scalar: read at the end
+            progress.step(step, float(metrics["loss"]))
             if mngr is not None:
                 if mngr.reached_preemption(step):  # SIGTERM reached some process: all save this step
                     preempted = step
                 if preempted or step % args.save_every == 0 or step == last:
                     t = time.perf_counter()
-                    mngr.save(
-                        step,
-                        params=params,
-                        opt_state=opt_state,
-                        force=True,
-                        metadata={"train_rng": train_rng.bit_generator.state, "argv": sys.argv[1:]},
-                    )
+                    with progress.excluded("checkpoint saves"):
+                        mngr.save(
+                            step,
+                            params=params,
+                            opt_state=opt_state,
+                            force=True,
+                            metadata={"train_rng": train_rng.bit_generator.state, "argv": sys.argv[1:]},
+                        )
                     save_s.append(time.perf_counter() - t)
-                    timed_save_s += save_s[-1] if step > first else 0.0
             if preempted:
                 break
-            if step == first:
-                losses.append(loss)
-                t0 = time.perf_counter()  # after the compile
-                continue
-            tokens += args.batch * args.seq
-            losses.append(float("nan") if loss is None else loss)
-            if loss is not None and lead:
-                seconds = time.perf_counter() - t0 - timed_save_s
-                progress(step, args.steps, loss, tokens / seconds)
     jax.block_until_ready(params)
+    timing = progress.close()
+    losses = progress.losses  # {step: loss}
     if mngr is not None:
         t = time.perf_counter()
         mngr.wait()
         mngr.close()
         wait_s = time.perf_counter() - t
 
-    def write_log(**extra: float) -> None:
+    def write_log(**extra: Any) -> None:
         """The ``--log-json`` file (process 0): the losses so far, and what else the run measured."""
         if args.log_json and lead:
-            train = {i: float(x) for i, x in history}
-            log = {"optimizer": args.optimizer, "argv": sys.argv[1:] if argv is None else argv, "train": train}
+            log = {"optimizer": args.optimizer, "argv": sys.argv[1:] if argv is None else argv, "train": losses}
+            timings = {k: timing[k] for k in ("first_step_s", "lower_s", "compile_s", "first_run_s")}
             with open(args.log_json, "w") as f:
-                json.dump({**log, **extra}, f, indent=0)
+                json.dump({**log, **timings, **extra}, f, indent=0)
 
     if preempted:
         write_log()
         if lead:
-            sys.stderr.write("\n")
             print(
                 f"preempted: saved step {preempted} to {args.checkpoint_dir} and stopped; resume with --resume "
                 "(exit status 0)"
             )
         return {"preempted_at": preempted}
-    steps_timed = max(last - first, 1)
-    seconds_per_step = (time.perf_counter() - t0 - timed_save_s) / steps_timed
+    t = time.perf_counter()
     val_loss = float(np.mean([float(eval_step(params, None, local(next(val)))) for _ in range(4)]))
+    val_s = time.perf_counter() - t
+    seconds_per_step = timing["s_per_step"] or float("nan")
     write_log(val_loss=val_loss, s_per_step=seconds_per_step)
+    first_loss, last_loss = losses[first], losses[last]
     if not lead:
-        return {"first_loss": losses[0], "last_loss": losses[-1], "val_loss": val_loss}
-    sys.stderr.write("\n")
+        return {"first_loss": first_loss, "last_loss": last_loss, "val_loss": val_loss}
     print(
-        f"first loss {losses[0]:.3f}, last loss {losses[-1]:.3f}, validation loss {val_loss:.3f} "
+        f"first loss {first_loss:.3f}, last loss {last_loss:.3f}, validation loss {val_loss:.3f} "
         f"(uniform over 256 bytes: {np.log(256):.3f}); {seconds_per_step:.3f} s/step after the compile"
-        + (", saves excluded" if timed_save_s else "")
+        + (", saves excluded" if timing["excluded_s"] else "")
+        + f"; validation {val_s:.2f} s (its step's compile included)"
     )
-    if mngr is not None and lead:
+    if mngr is not None:
         later = save_s[1:]
         print(
             f"checkpoints: first save {save_s[0]:.2f} s"
@@ -414,28 +456,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             if save_s
             else "checkpoints: none saved"
         )
-
     if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        steps = np.arange(1, len(losses) + 1)
-        keep = ~np.isnan(losses)
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot(steps[keep], np.asarray(losses)[keep], label="train")
-        ax.axhline(val_loss, color="gray", ls="--", label=f"validation {val_loss:.2f}")
-        ax.set(
-            xlabel="step",
-            ylabel="cross-entropy (nats/byte)",
-            title=f"vj.fsdp char-level GPT, {n_params / 1e6:.1f} M params, {len(devices)} devices",
-        )
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=120)
-        print(f"loss curve: {args.plot}")
-    return {"first_loss": losses[0], "last_loss": losses[-1], "val_loss": val_loss}
+        title = f"vj.fsdp char-level GPT, {n_params / 1e6:.1f} M params, {len(devices)} devices"
+        plot_losses(args.plot, list(losses), list(losses.values()), val_loss=val_loss, title=title)
+    return {"first_loss": first_loss, "last_loss": last_loss, "val_loss": val_loss}
 
 
 if __name__ == "__main__":
