@@ -7,6 +7,9 @@ Runs on 8 simulated CPU devices when no accelerator is present::
 It prints the plan (buckets, S, padding, per-device load), initialises the parameters directly into the
 sharded flat buffers (no device ever holds the whole model), checks that un-sharding gives back exactly the
 parameters a plain jitted ``nnx`` initialisation gives, and shows where one tensor lives across devices.
+
+``--help`` answers before JAX is imported. The initialisations compile through JAX's persistent compilation
+cache (``--compile-cache DIR``, default ``~/.cache/vescale_jax/jax``; ``--no-compile-cache`` to compile afresh).
 """
 
 from __future__ import annotations
@@ -15,17 +18,39 @@ import argparse
 import os
 import sys
 
-if __name__ == "__main__":
-    _n = next((a.split("=")[1] for a in sys.argv if a.startswith("--devices=")), None)
-    if _n is None and "--devices" in sys.argv:
-        _n = sys.argv[sys.argv.index("--devices") + 1]
-    os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={_n or 8}")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from progress import HelpFormatter, add_compile_cache_options, compile_cache, compile_cache_dir, simulate_cpu_devices
 
-import jax
-import numpy as np
-from flax import nnx
+GRANULARITIES = ("element", "rows1", "rows16", "whole")
 
-import vescale_jax as vj
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (no JAX needed: ``--help`` answers at once)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
+    parser.add_argument(
+        "--devices", type=int, default=8, help="simulated CPU devices (ignored on GPU, or when XLA_FLAGS is set)"
+    )
+    parser.add_argument(
+        "--granularity",
+        choices=GRANULARITIES,
+        default="rows1",
+        help="block policy of every tensor: element, rows(1), rows(16), whole tensors",
+    )
+    parser.add_argument("--vocab", type=int, default=50257, help="vocabulary size (embedding and head rows)")
+    parser.add_argument("--width", type=int, default=192, help="model width")
+    parser.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    add_compile_cache_options(parser)
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":  # the command line first: --help and usage errors answer before JAX is imported
+    simulate_cpu_devices(parse_args().devices)
+
+import jax  # noqa: E402  (after the command line, so that --help does not wait for JAX)
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import vescale_jax as vj  # noqa: E402
 
 
 class Block(nnx.Module):
@@ -45,6 +70,7 @@ class GPT(nnx.Module):
 
 
 GRANULARITY = {"element": vj.element(), "rows1": vj.rows(1), "rows16": vj.rows(16), "whole": vj.whole()}
+assert set(GRANULARITY) == set(GRANULARITIES)
 
 
 def units(path, leaf) -> str:
@@ -53,15 +79,15 @@ def units(path, leaf) -> str:
     return "/".join(names[:2]) if names[0] == "blocks" else names[0]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices (ignored on GPU)")
-    parser.add_argument("--granularity", choices=sorted(GRANULARITY), default="rows1")
-    parser.add_argument("--vocab", type=int, default=50257)
-    parser.add_argument("--width", type=int, default=192)
-    parser.add_argument("--layers", type=int, default=4)
-    args = parser.parse_args()
+def main(argv: list[str] | None = None) -> None:
+    """Plans, initialises into shards, checks the round trip (with the compilation cache of the command line)."""
+    args = parse_args(argv)
+    with compile_cache(compile_cache_dir(args)):
+        run(args)
 
+
+def run(args: argparse.Namespace) -> None:
+    """The plan, the sharded initialisation, the bitwise check against ``jax.jit(init)``, one tensor's layout."""
     devices = jax.devices()
     mesh = jax.make_mesh((len(devices),), ("fsdp",))
     print(f"{len(devices)} x {devices[0].platform} devices, mesh {dict(mesh.shape)}")

@@ -9,24 +9,54 @@ rounding at the end::
 
     python examples/train_dropout_batchnorm.py --steps 20
 
-What each construct does on each device: docs/devices.md.
+Prints "compiling…" and the compile times of both steps, then the two losses every ``--log-every`` steps with
+samples/s and s/step (both steps of an iteration, counted from the end of the first; on a terminal a live progress
+bar shows every step), and the first step's time (compile + run). Compiled executables are kept in JAX's
+persistent compilation cache (``--compile-cache DIR``, default ``~/.cache/vescale_jax/jax``;
+``--no-compile-cache`` to compile afresh). What each construct does on each device: docs/devices.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 
-if "XLA_FLAGS" not in os.environ:  # 8 simulated CPU devices, unless told otherwise (no effect on GPUs)
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from progress import (
+    CacheStats,
+    HelpFormatter,
+    Progress,
+    add_compile_cache_options,
+    add_output_options,
+    compile_cache,
+    compile_cache_dir,
+    simulate_cpu_devices,
+)
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
-from flax import nnx
 
-import vescale_jax as vj
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (no JAX needed: ``--help`` answers at once)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
+    parser.add_argument("--steps", type=int, default=20, help="training steps (each: the sharded and the unsharded)")
+    parser.add_argument("--batch", type=int, default=64, help="global batch (a multiple of the device count)")
+    parser.add_argument("--width", type=int, default=64, help="hidden width (BatchNorm features)")
+    add_output_options(parser, every=5)
+    add_compile_cache_options(parser)
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":  # the command line first: --help and usage errors answer before JAX is imported
+    parse_args()
+    simulate_cpu_devices(8)  # 8 simulated CPU devices, unless XLA_FLAGS says otherwise (no effect on GPUs)
+
+import jax  # noqa: E402  (after the command line, so that --help does not wait for JAX)
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import vescale_jax as vj  # noqa: E402
 
 
 class Classifier(nnx.Module):
@@ -60,11 +90,13 @@ def loss_of(out, labels):
 def main(argv: list[str] | None = None) -> tuple[float, float]:
     """Trains both runs; returns the largest relative differences of the parameters and of the running
     statistics."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--batch", type=int, default=64, help="global batch (a multiple of the device count)")
-    parser.add_argument("--width", type=int, default=64)
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
+    with compile_cache(compile_cache_dir(args)) as cache:
+        return train(args, cache)
+
+
+def train(args: argparse.Namespace, cache: CacheStats) -> tuple[float, float]:
+    """Both runs from the same initial state, step by step; then the comparison."""
     d_in, classes = 16, 4
     xs, ys = data(args.steps, args.batch, d_in, classes)
 
@@ -95,16 +127,23 @@ def main(argv: list[str] | None = None) -> tuple[float, float]:
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, state, value
 
-    sharded, opt_state, sharded_state = vj.shard(params, plan), None, state
+    sharded = vj.shard(params, plan)
     opt_state = vj.init_opt_state(tx, sharded)
+    # The model state replicated on the mesh, as the step returns it: the second step then runs the first's program
+    sharded_state = jax.device_put(state, jax.sharding.NamedSharding(mesh, jax.P()))
     ref, ref_opt, ref_state = params, tx.init(params), state
+    progress = Progress(args.steps, items_per_step=args.batch, unit="samples", every=args.log_every, cache=cache)
     with jax.numpy_dtype_promotion("standard"):
+        first = {"x": xs[0], "y": ys[0]}
+        progress.compile(step, sharded, opt_state, first, sharded_state, what="the vj.fsdp step")
+        progress.compile(reference_step, ref, ref_opt, first, ref_state, what="the unsharded reference step")
         for i in range(args.steps):
             batch = {"x": xs[i], "y": ys[i]}
             sharded, opt_state, sharded_state, value = step(sharded, opt_state, batch, sharded_state)
             ref, ref_opt, ref_state, ref_value = reference_step(ref, ref_opt, batch, ref_state)
-            if i % 5 == 0 or i == args.steps - 1:
-                print(f"step {i:3d}  loss {float(value):.5f}  unsharded {float(ref_value):.5f}")
+            value, ref_value = float(value), float(ref_value)
+            progress.step(i + 1, value, note=f"vj.fsdp {value:.5f}, unsharded {ref_value:.5f}")
+    progress.close()
 
     def worst(got, want):
         leaves = zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
