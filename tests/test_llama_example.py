@@ -63,8 +63,12 @@ def with_values(state: nnx.State, values: dict[str, np.ndarray]) -> nnx.State:
 
 @pytest.mark.parametrize(
     "tied, kv_heads, bias",
-    [(False, 2, False), (True, 2, False), (False, 4, False), (False, 1, True)],
-    ids=["untied-gqa", "tied-gqa", "mha", "mqa-bias"],
+    [
+        pytest.param(False, 2, False, id="untied-gqa", marks=pytest.mark.slow),
+        pytest.param(True, 2, False, id="tied-gqa"),
+        pytest.param(False, 4, False, id="mha", marks=pytest.mark.slow),
+        pytest.param(False, 1, True, id="mqa-bias"),
+    ],
 )
 def test_params_and_logits_match_transformers(llama, tied, kv_heads, bias):
     config = hf_config(tied=tied, kv_heads=kv_heads, bias=bias)
@@ -93,6 +97,7 @@ def test_params_and_logits_match_transformers(llama, tied, kv_heads, bias):
     assert np.max(np.abs(want)) > 0.1  # not a vacuous comparison
 
 
+@pytest.mark.slow
 def test_explicit_positions_equal_default(llama):
     cfg = llama.LlamaConfig.from_hf(hf_config(tied=False), rope_theta=500000.0)
     graphdef, params = nnx.split(llama.LlamaForCausalLM(cfg, rngs=nnx.Rngs(0)))
@@ -125,7 +130,7 @@ def test_help_is_fast_and_imports_no_jax():
         "print('JAX_IMPORTED' if 'jax' in sys.modules else 'NO_JAX')\n"
     )
     out = subprocess.run(
-        [sys.executable, "-c", probe], env=child_pythonpath(), capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", probe], env=child_pythonpath(), capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("NO_JAX"), out.stdout[-2000:]
@@ -187,8 +192,12 @@ def hf_to_leaf_values(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize(
     "m, tied, dtype",
-    [(8, False, "float32"), (3, False, "float32"), (8, True, "float32"), (3, True, "bfloat16")],
-    ids=["m8-untied", "m3-untied", "m8-tied", "m3-tied-bf16"],
+    [
+        pytest.param(8, False, "float32", id="m8-untied", marks=pytest.mark.slow),
+        pytest.param(3, False, "float32", id="m3-untied"),
+        pytest.param(8, True, "float32", id="m8-tied"),
+        pytest.param(3, True, "bfloat16", id="m3-tied-bf16", marks=pytest.mark.slow),
+    ],
 )
 def test_checkpoint_loads_and_sharded_logits_match(finetune, llama, tmp_path, m, tied, dtype):
     from safetensors.numpy import load_file
@@ -224,9 +233,7 @@ def test_finetune_end_to_end(finetune, tmp_path):
     out, log, random_dir = tmp_path / "out", tmp_path / "log.json", tmp_path / "random"
     argv = ["--steps", "6", "--batch-size", "8", "--seq-len", "32", "--devices", "4", "--random-layers", "2"]
     argv += ["--random-dir", str(random_dir), "--save", str(out), "--log-json", str(log)]
-    proc = subprocess.run(
-        [sys.executable, EXAMPLE, *argv], env=child_pythonpath(), capture_output=True, text=True, timeout=300
-    )
+    proc = subprocess.run([sys.executable, EXAMPLE, *argv], env=child_pythonpath(), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for line in ("wrote a random Llama checkpoint", "on 4 cpu devices", "loaded ", "compiling the train step…"):
         assert line in proc.stdout, proc.stdout[-3000:]
