@@ -110,8 +110,15 @@ def run(model, *, mesh=None, steps=3):
     return np.array(losses), unshard(first), unshard(params)
 
 
-@pytest.mark.parametrize("m", [3, 8], ids=lambda m: f"m{m}")
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize(
+    "kind, m",
+    [
+        pytest.param("gpt2", 3, id="gpt2-m3"),
+        pytest.param("llama", 8, id="llama-m8"),
+        pytest.param("gpt2", 8, id="gpt2-m8", marks=pytest.mark.slow),
+        pytest.param("llama", 3, id="llama-m3", marks=pytest.mark.slow),
+    ],
+)
 def test_hf_flax_model_trains_under_fsdp_as_unsharded(kind, m):
     model = gpt2() if kind == "gpt2" else llama()
     mesh = make_mesh(m)
