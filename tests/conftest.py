@@ -5,12 +5,16 @@ them (sizes larger than what is available are skipped).
 """
 
 import os
+import tempfile
 
 _N = int(os.environ.get("VESCALE_JAX_TEST_DEVICES", "8"))
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={_N}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Simulated devices are threads of one process: one OpenBLAS thread per LAPACK call (eigendecompositions).
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# The examples' persistent compilation cache (examples/progress.py): one directory per test process, never the
+# user's ~/.cache (nor shared between xdist workers); a test's example runs in subprocesses share it.
+os.environ.setdefault("VESCALE_JAX_COMPILE_CACHE", tempfile.mkdtemp(prefix="vescale-jax-test-cache-"))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
