@@ -3,12 +3,14 @@
 import functools
 import itertools
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import vescale_jax as vj
 from vescale_jax.layout._bucket_layout import BucketLayout
+from vescale_jax.layout._bucket_placement import Placer, _earliest
 
 
 def assert_invariants(layout: BucketLayout, sizes, blocks, m, align):
@@ -156,3 +158,102 @@ def test_ragged_shard_derived_from_layout_matches_buffer_ranges():
                 assert lo == glo - o
                 assert layout.local_offsets(i)[k] == glo - k * s
     assert sum(layout.device_loads()) == sum(sizes)
+
+
+def _reference_sequential(order, sizes, grids, s, a):
+    """The placement rule written out tensor by tensor: each at its earliest valid offset after the previous."""
+    offsets, c = [0] * len(sizes), 0
+    for i in order:
+        if sizes[i]:
+            o = _earliest(c, sizes[i], grids[i], s, a)
+            if o is None:
+                return None
+            offsets[i], c = o, o + sizes[i]
+    return offsets, c
+
+
+def _reference_first_fit(order, sizes, grids, s, a):
+    """First-fit written out tensor by tensor: the first padding gap (in address order) where it is valid."""
+    offsets, gaps, c = [0] * len(sizes), [], 0
+    for i in order:
+        n = sizes[i]
+        if not n:
+            continue
+        for g, (lo, hi) in enumerate(gaps):
+            o = _earliest(lo, n, grids[i], s, a)
+            if o is not None and o + n <= hi:
+                gaps[g : g + 1] = [(x, y) for x, y in ((lo, o), (o + n, hi)) if y > x]
+                break
+        else:
+            o = _earliest(c, n, grids[i], s, a)
+            if o is None:
+                return None
+            if o > c:
+                gaps.append((c, o))
+            c = o + n
+        offsets[i] = o
+    return offsets, c
+
+
+def _reference_try(sizes, grids, s, a, m, orders):
+    """Every order, sequentially then by first-fit: the first layout that fits in ``m*s``, else the smallest
+    overflow (the strategies only, without the exact dynamic program)."""
+    overflow = None
+    for order in orders:
+        for strategy in (_reference_sequential, _reference_first_fit):
+            placed = strategy(order, sizes, grids, s, a)
+            if placed is not None and placed[1] <= m * s:
+                return placed[0], 0
+            if placed is not None:
+                overflow = placed[1] - m * s if overflow is None else min(overflow, placed[1] - m * s)
+    return None, overflow or 0
+
+
+placements = st.integers(1, 40).flatmap(
+    lambda k: st.tuples(
+        st.lists(
+            st.one_of(st.integers(0, 64), st.integers(0, 3000), st.sampled_from([8, 24, 96])), min_size=k, max_size=k
+        ),
+        st.lists(st.one_of(st.integers(1, 16), st.integers(1, 3000)), min_size=k, max_size=k),
+        st.sampled_from([1, 2, 4, 8]),
+        st.integers(1, 64),
+        st.integers(1, 3000),
+        st.randoms(use_true_random=False),
+    )
+)
+
+
+@settings(max_examples=1500, deadline=None)
+@given(placements)
+def test_placement_at_fixed_shard_size_matches_reference(inst):
+    """The run-at-a-time placement (gaps pruned, runs placed by bisection, early stop) gives exactly the layout,
+    or the overflow, of the tensor-by-tensor rule, for the planner's orders and shuffled ones."""
+    sizes, blocks, a, m, s, rng = inst
+    s = -(-s // a) * a
+    grids = [min(b, max(n, 1)) for n, b in zip(sizes, blocks, strict=True)]
+    natural = list(range(len(sizes)))
+    shuffled = rng.sample(natural, len(natural))
+    orders = [natural, sorted(natural, key=lambda i: (-sizes[i], i)), shuffled]
+    placer = Placer(sizes, grids, a, orders, exact=False)
+    assert placer.try_shard_size(s, m) == _reference_try(sizes, grids, s, a, m, orders)
+
+
+def test_sizes_beyond_int64():
+    """Sizes whose sums overflow int64 plan as Python ints (the invariants, written out, hold)."""
+    sizes = [2**70, 3, 2**69 + 5, 7, 9, 11, 13, 17, 19, 23]
+    blocks = [2**35, 1, 5, 1, 2, 2, 2, 2, 2, 2]
+    layout = vj.plan_bucket(sizes, blocks, 3, align=4)
+    assert_invariants(layout, sizes, blocks, 3, 4)
+
+
+def test_integer_arrays_and_plain_lists_give_the_same_layout():
+    """The fast validation path (plain ints, integer arrays) and the general one (NumPy scalars, integral
+    floats) accept the same values and give the same layout; a bool is still refused, with its index."""
+    sizes, blocks = [96, 96 * 288, 0, 96 * 96], [1, 288, 4, 96]
+    expected = vj.plan_bucket(sizes, blocks, 8, align=4)
+    assert vj.plan_bucket(np.array(sizes), np.array(blocks, dtype=np.uint32), 8, align=4) == expected
+    assert vj.plan_bucket([np.int64(n) for n in sizes], [float(b) for b in blocks], 8, align=4) == expected
+    with pytest.raises(ValueError, match=r"sizes\[1\]"):
+        vj.plan_bucket([96, True], [1, 1], 8)
+    with pytest.raises(ValueError, match=r"blocks\[0\]"):
+        vj.plan_bucket([96, 4], [-1, 1], 8)

@@ -37,13 +37,14 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from vescale_jax.layout._bucket_layout import BucketLayout
-from vescale_jax.layout._bucket_placement import Candidates, ceil_to, try_shard_size
+from vescale_jax.layout._bucket_placement import Candidates, Placer, ceil_to
 
 __all__ = ["plan_bucket"]
 
@@ -62,18 +63,27 @@ def _as_int(x: Any) -> int | None:
     return int(x)
 
 
-def _int_list(name: str, values: Any) -> list[Any]:
-    """``values`` as a list, or a ValueError naming the argument when it is not a sequence of numbers."""
+def _int_list(name: str, values: Any) -> tuple[list[Any], bool]:
+    """``values`` as a list, and whether every entry is a plain Python ``int`` (not a bool); a ValueError naming
+    the argument when it is not a flat sequence of numbers.
+
+    The type check runs at C speed (``operator.countOf`` over ``map(type, ...)``); an integer NumPy array
+    becomes a list of Python ints in one step (``tolist``); a list of plain ints is one-dimensional without
+    asking NumPy (which would copy it into an array to find out)."""
     if values is None or isinstance(values, str | bytes | dict) or not hasattr(values, "__iter__"):
         raise ValueError(
             f"plan_bucket: {name} must be a sequence of integers (one per tensor), got "
             f"{type(values).__name__} {values!r}; pass e.g. {name}=[{'1024, 4096' if name == 'sizes' else '1, 64'}]."
         )
-    if np.ndim(values) > 1:
+    if isinstance(values, np.ndarray) and values.ndim == 1 and values.dtype.kind in "iu":
+        return values.tolist(), True
+    out = list(values)
+    plain = operator.countOf(map(type, out), int) == len(out)
+    if not plain and np.ndim(values) > 1:
         raise ValueError(
             f"plan_bucket: {name} must be one-dimensional (one integer per tensor), got shape {np.shape(values)}."
         )
-    return list(values)
+    return out, plain
 
 
 def _validate(sizes, blocks, num_devices, align) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -89,12 +99,14 @@ def _validate(sizes, blocks, num_devices, align) -> tuple[tuple[int, ...], tuple
             f"plan_bucket: align must be an integer >= 1 (elements), got {type(align).__name__} {align!r}; "
             "pass e.g. align=1 (default) or align=4."
         )
-    sizes, blocks = _int_list("sizes", sizes), _int_list("blocks", blocks)
+    (sizes, plain_sizes), (blocks, plain_blocks) = _int_list("sizes", sizes), _int_list("blocks", blocks)
     if len(sizes) != len(blocks):
         raise ValueError(
             f"plan_bucket: {len(sizes)} sizes but {len(blocks)} blocks; give one block per tensor "
             f"(index {min(len(sizes), len(blocks))} has no partner)."
         )
+    if plain_sizes and plain_blocks and min(sizes, default=0) >= 0 and min(blocks, default=1) >= 1:
+        return tuple(sizes), tuple(blocks)  # the common case, checked at C speed
     for i, (n, b) in enumerate(zip(sizes, blocks, strict=True)):
         if _as_int(n) is None or _as_int(n) < 0:
             raise ValueError(
@@ -209,8 +221,14 @@ def _plan_bucket_cached(
     cands_upper = cands.next(upper)
     exact = sum(1 for n in sizes if n) <= EXACT_MAX_TENSORS
 
-    def attempt(s: int) -> tuple[list[int] | None, int]:
-        return try_shard_size(sizes, grids, s, a, m, orders, exact)
+    placer = Placer(sizes, grids, a, orders, exact)
+    tried: dict[int, tuple[list[int] | None, int]] = {}
+
+    def attempt(s: int, overflow_needed: bool = False) -> tuple[list[int] | None, int]:
+        """Offsets at S = s or None, and (if needed: only the scan's secant uses it) the smallest overflow."""
+        if s not in tried:  # the hint probes may come back to a value the scan tried
+            tried[s] = placer.try_shard_size(s, m, overflow_needed)
+        return tried[s]
 
     # Scan candidates upwards. Outside exact mode a failure that overflowed by `over` elements jumps ahead
     # by the secant estimate of where the overflow reaches zero (first guess over/2m); the bisection below
@@ -219,7 +237,7 @@ def _plan_bucket_cached(
     offsets = None
     for _ in range(LINEAR_PROBES):
         s = min(s, cands_upper)
-        offsets, over = attempt(s)
+        offsets, over = attempt(s, overflow_needed=True)
         if offsets is not None:
             break
         jump = 1
