@@ -452,7 +452,7 @@ def fsdp(
         _check_opt_state(opt_state, on, offload)
         compiled = compiled_for(on)
         batch = place_batch(batch, on, compiled.policy.data_axes, microbatches=microbatches)
-        return compiled, (params, opt_state, batch, *rest)
+        return compiled, (params, opt_state, batch, *_replicated(rest, on.mesh))
 
     @functools.wraps(step)
     def run(params, opt_state, batch, *rest):
@@ -500,6 +500,28 @@ def fsdp(
     run.streamed = streamed
     run.plan = plan
     return run
+
+
+def _replicated(rest: Sequence[Any], mesh: jax.sharding.Mesh) -> list[Any]:
+    """The step's other arguments (model state, keys) with every host array and every array on one device placed
+    replicated on ``mesh``, as the step returns them: the second call then runs the first call's program instead
+    of compiling another for the new input placement. Arrays already on the mesh (or any ``NamedSharding``) and
+    tracers are left alone; so is everything in a multi-process job, whose host values may differ by process, and
+    on a mesh with ``Explicit`` axes, where a replicated array is typed over the axes and the model could no longer
+    close over it inside ``shard_map``."""
+    auto = all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+    if jax.process_count() > 1 or not auto:
+        return list(rest)
+    sharding = jax.sharding.NamedSharding(mesh, P())
+
+    def place(x: Any) -> Any:
+        if isinstance(x, np.ndarray) and x.dtype != object:
+            return jax.device_put(x, sharding)
+        if isinstance(x, jax.Array) and not is_tracer(x) and isinstance(x.sharding, jax.sharding.SingleDeviceSharding):
+            return jax.device_put(x, sharding)
+        return x
+
+    return [jax.tree.map(place, r) for r in rest]
 
 
 @dataclasses.dataclass(frozen=True)
