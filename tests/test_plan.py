@@ -339,3 +339,43 @@ def test_auto_split_keeps_a_unit_whole_when_cutting_it_would_pad_more():
     assert [b.name for b in plan.buckets] == ["u:float32"]
     cut = vj.plan(tree, mesh, granularity=vj.rows(128), split="leaves")
     assert len(cut.buckets) == 2 and cut.padding_fraction > plan.padding_fraction
+
+
+def test_default_units_find_repeated_layers_wherever_they_sit():
+    f = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+    layer = lambda: {"attn": {"w": f(4, 4)}, "experts": {"0": {"w": f(4, 2)}, "1": {"w": f(4, 2)}}, "ln": f(4)}
+    tree = {
+        "params": {  # a Linen collection key: never part of a unit name
+            "transformer": {"wte": f(10, 4), "h": {str(i): layer() for i in range(3)}, "ln_f": f(4)},
+            "lm_head": {"kernel": f(4, 10)},
+        }
+    }
+    plan = vj.plan(tree, make_mesh(2))
+    units = {s.path: plan.buckets[s.bucket].unit for s in plan.leaves}
+    assert units["params/transformer/h/1/experts/0/w"] == "transformer/h/1"  # the outermost repeated module
+    assert units["params/transformer/h/2/ln"] == "transformer/h/2"
+    assert units["params/transformer/wte"] == "transformer/wte"  # beside the layers, under their parent
+    assert units["params/transformer/ln_f"] == "transformer/ln_f"
+    assert units["params/lm_head/kernel"] == "lm_head"
+    summary = plan.summary()
+    assert "units: one per repeated layer of transformer/h/0..2 (3 layers)" in summary
+    assert "other units: lm_head, transformer/ln_f, transformer/wte" in summary
+    # the same rule as a units= callable to start from
+    base = vj.default_units(tree)
+    again = vj.plan(tree, make_mesh(2), units=lambda p, x: "norms" if len(x.shape) == 1 else base(p, x))
+    assert {b.unit for b in again.buckets} == {
+        "norms",
+        "lm_head",
+        "transformer/wte",
+        "transformer/h/0",
+        "transformer/h/1",
+        "transformer/h/2",
+    }
+    # a list of NNX-style layers at the top; a tree without repeated modules keeps one unit per top-level module
+    listed = {"embed": f(10, 4), "layers": [{"w": f(4, 4)}, {"w": f(4, 4)}]}
+    assert {b.unit for b in vj.plan(listed, make_mesh(2)).buckets} == {"embed", "layers/0", "layers/1"}
+    flat = {"embed": {"w": f(10, 4)}, "mlp": {"a": f(4, 4), "b": f(4)}}
+    assert {b.unit for b in vj.plan(flat, make_mesh(2)).buckets} == {"embed", "mlp"}
+    assert "units:" not in vj.plan(flat, make_mesh(2)).summary()
+    with pytest.raises(KeyError, match="not a leaf path"):
+        base((jax.tree_util.DictKey("nope"),), f(1))

@@ -17,6 +17,14 @@ from __future__ import annotations
 import re
 
 FAST: dict[str, tuple[str, ...]] = {
+    # Hugging Face checkpoints: a mapping with fused, transposed and concatenated tensors; the errors; --help.
+    "test_safetensors.py": ("test_custom_ops_fused_qkv_heads_and_concat",),
+    "test_safetensors_errors.py": (
+        "test_error_missing_tensor_names_near_ones",
+        "test_error_unexpected_tensor_unless_ignored",
+        "test_error_index_names_absent_file",
+    ),
+    "test_examples_cli.py": ("test_help_answers_without_importing_jax[train_gpt.py]",),
     # Preemption and one run per checkpoint directory.
     "test_preemption.py": ("test_sigterm_in_one_process_names_the_next_step", "test_another_runs_steps_are_refused"),
     "test_train_gpt_checkpoints.py": ("test_resume_needs_a_directory_with_a_finished_step",),
@@ -39,6 +47,7 @@ FAST: dict[str, tuple[str, ...]] = {
     "test_tp_planner.py": ("test_grouping_matches_vj_plan[rows(1)-none-3-2]",),
     # Plan, shard / unshard.
     "test_plan.py": (
+        "test_default_units_find_repeated_layers_wherever_they_sit",
         "test_shard_unshard_bit_exact[m3-*]",
         "test_shard_unshard_bit_exact[m8-rows(4)]",
         "test_padding_is_zero_and_leaves_sit_at_offsets[m3]",
@@ -87,6 +96,8 @@ FAST: dict[str, tuple[str, ...]] = {
         "test_per_device_scalar_output_is_refused",
     ),
     "test_point_of_use.py": (
+        "test_a_tied_bucket_gets_a_segment_per_use_when_the_layers_between_are_at_least_its_size",
+        "test_a_stacked_group_between_two_uses_splits_a_tied_bucket",
         "test_gradients_match_unsharded_for_every_kind_of_use[m3-reshard]",
         "test_gradients_match_unsharded_for_every_kind_of_use[m8-keep]",
         "test_segments_are_affine_only_for_linear_uses",
