@@ -15,13 +15,13 @@ script, with ``--safetensors OUT``) loads them back.
 Without ``--safetensors`` the script first writes a random checkpoint of a small Llama (several files, an index
 json and ``config.json``; PyTorch names and ``(out, in)`` shapes) with the ``safetensors`` package alone, into
 ``--random-dir`` or a temporary directory, and fine-tunes that. Runs on ``--devices`` devices (simulated CPU
-devices when there is no GPU).
+devices when there is no GPU). Progress and the compilation cache as in the other examples (``examples/progress.py``:
+the compile timed apart, tokens/s and s/step after the first step, ``--compile-cache DIR``).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
@@ -31,6 +31,18 @@ import time
 from typing import Any
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from progress import (  # imports nothing heavy: --help stays instant
+    CacheStats,
+    HelpFormatter,
+    Progress,
+    add_compile_cache_options,
+    add_output_options,
+    compile_cache,
+    compile_cache_dir,
+    simulate_cpu_devices,
+)
 
 # The random checkpoint's model: a small Llama with grouped-query attention (4 query heads, 2 key/value heads).
 RANDOM_CONFIG: dict[str, Any] = {
@@ -54,18 +66,9 @@ RANDOM_CONFIG: dict[str, Any] = {
 }
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows every option's default, except where its help already says in words what the default does."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.help and "default" in action.help:
-            return action.help
-        return super()._get_help_string(action)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (parsed before JAX is imported, so ``--help`` is instant)."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=_HelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     p.add_argument(
         "--safetensors",
         metavar="DIR",
@@ -111,6 +114,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="float32",
         help="without --safetensors: the dtype the random checkpoint is stored in",
     )
+    add_output_options(p, every=1)
+    add_compile_cache_options(p)
     args = p.parse_args(argv)
     if args.batch_size < 1 or args.steps < 1 or args.seq_len < 2:
         p.error("--steps and --batch-size must be positive and --seq-len at least 2")
@@ -218,9 +223,7 @@ def save_dtype(directory: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    gpu = importlib.util.find_spec("jax_cuda12_plugin") is not None
-    if not gpu and "XLA_FLAGS" not in os.environ:  # no GPU: simulate CPU devices (before JAX is imported)
-        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices or 8}"
+    simulate_cpu_devices(args.devices or 8)  # no GPU: simulated CPU devices (before JAX is imported)
 
     tmp = None
     if args.safetensors is None:  # write a random checkpoint first, exactly as transformers would lay it out
@@ -240,18 +243,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         directory = args.safetensors
     try:
-        return train(args, directory)
+        with compile_cache(compile_cache_dir(args)) as cache:
+            return train(args, directory, cache)
     finally:
         if tmp is not None:
             tmp.cleanup()
 
 
-def train(args: argparse.Namespace, directory: str) -> dict[str, Any]:
+def train(args: argparse.Namespace, directory: str, cache: CacheStats | None = None) -> dict[str, Any]:
     """Load ``directory`` into a plan over the devices, fine-tune, report, and save with ``--save``."""
     import jax
     import optax
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from llama import LlamaConfig, abstract_model, loss_fn
 
     import vescale_jax as vj
@@ -311,25 +313,16 @@ def train(args: argparse.Namespace, directory: str) -> dict[str, Any]:
         window = np.stack([data[s : s + args.seq_len + 1] for s in start]).astype(np.int32)
         return {"x": window[:, :-1], "y": window[:, 1:]}
 
-    # The first call traces and compiles the step (then runs it): timed apart from the others.
-    print("compiling the train step…", end=" ", flush=True)
-    t = time.perf_counter()
-    params, opt_state, loss = train_step(params, opt_state, batch())
-    losses = {1: float(loss)}
-    compile_s = time.perf_counter() - t
-    print(f"{compile_s:.1f} s (the first step included)")
-    print(f"step {1:4d}/{args.steps}  loss {losses[1]:.4f}")
-
-    t0 = time.perf_counter()
-    for step in range(2, args.steps + 1):
-        params, opt_state, loss = train_step(params, opt_state, batch())
-        losses[step] = float(loss)  # a host sync per step: fine for a small example
-        print(f"step {step:4d}/{args.steps}  loss {losses[step]:.4f}")
-    s_per_step = (time.perf_counter() - t0) / max(1, args.steps - 1)
-    print(
-        f"loss {losses[1]:.3f} -> {losses[args.steps]:.3f} in {args.steps} steps, {s_per_step:.3f} s/step after "
-        "the first"
-    )
+    # The step is compiled first, timed apart; tokens/s and s/step count the steps after the first.
+    progress = Progress(args.steps, items_per_step=args.batch_size * args.seq_len, every=args.log_every, cache=cache)
+    first = batch()
+    progress.compile(train_step, params, opt_state, first)
+    for step in range(1, args.steps + 1):
+        params, opt_state, loss = train_step(params, opt_state, first if step == 1 else batch())
+        progress.step(step, float(loss))  # float(): waits for the step
+    timing = progress.close()
+    losses = progress.losses
+    print(f"loss {losses[1]:.3f} -> {losses[args.steps]:.3f} in {args.steps} steps")
 
     save_s = None
     if args.save:
@@ -351,9 +344,8 @@ def train(args: argparse.Namespace, directory: str) -> dict[str, Any]:
         "train": losses,
         "load_s": load_s,
         "bytes_read": read,
-        "compile_s": compile_s,
-        "s_per_step": s_per_step,
         "save_s": save_s,
+        **timing,
         "devices": len(devices),
         "args": vars(args),
     }
