@@ -919,35 +919,6 @@ def from_logical(leaves: Sequence[jax.Array], plan: Plan) -> tuple[tuple[jax.Arr
     return out, _gather_sums(plan, shares)
 
 
-def bucket_to_logical(buffer: jax.Array, plan: Plan, b: int) -> list[jax.Array]:
-    """One bucket of :func:`to_logical`: the bucket's leaves (in slot order) from its buffer, each with its
-    storage sharding (:func:`leaf_sharding`); the checksums are dropped.
-
-    Sharding:
-      As :func:`to_logical`, for this bucket only: the caller holds one bucket's leaves at a time.
-    """
-    bucket = plan.buckets[b]
-    start, step = _out_executables(plan, b, np.dtype(buffer.dtype).name)
-    buf = _relabel(buffer, NamedSharding(storage_mesh(plan), _bucket_spec(plan, bucket, _factor_axes(plan))))
-    outs, _ = _run(plan, bucket, start, step, buf)
-    return list(outs)
-
-
-def bucket_from_logical(leaves: Sequence[jax.Array], plan: Plan, b: int) -> jax.Array:
-    """One bucket of :func:`from_logical`: bucket ``b``'s buffer (``plan.shardings()[b]``, padding zero) from its
-    leaves (in slot order, any sharding; :func:`leaf_sharding` avoids a reshard), in their dtype.
-
-    Sharding:
-      As :func:`from_logical`, for this bucket only.
-    """
-    bucket = plan.buckets[b]
-    dtype = np.dtype(leaves[0].dtype).name if leaves else bucket.dtype
-    start, step = _in_executables(plan, b, dtype)
-    mine = tuple(_relabel(x, leaf_sharding(plan, i)) for x, i in zip(leaves, bucket.leaves, strict=True))
-    buf, _ = _run(plan, bucket, start, step, mine)
-    return _relabel(buf, plan.shardings()[b])
-
-
 def words(x: jax.Array) -> jax.Array:
     """The leaf's bits as uint32 words: one per element for <= 4-byte dtypes, a trailing dim of 2 for 8-byte."""
     if x.dtype == jnp.bool_:
