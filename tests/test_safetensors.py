@@ -293,7 +293,7 @@ def _flax_llama(tensors, layers=2):
     }
 
 
-def test_tiles_bucket_takes_the_logical_path(tmp_path):
+def test_tile_major_buckets_load_and_save_bit_for_bit(tmp_path):
     rng = np.random.default_rng(6)
     t = {"w.weight": rng.standard_normal((10, 6), np.float32), "w.bias": rng.standard_normal(5, np.float32)}
     t["e.weight"] = rng.standard_normal((7, 9), np.float32).astype(jnp.bfloat16)
