@@ -223,7 +223,7 @@ placements = st.integers(1, 40).flatmap(
 )
 
 
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(placements)
 def test_placement_at_fixed_shard_size_matches_reference(inst):
     """The run-at-a-time placement (gaps pruned, runs placed by bisection, early stop) gives exactly the layout,
