@@ -953,3 +953,162 @@ def test_aval_varying_axes_reads_shard_map_types():
     assert _compat.aval_varying_axes(varying.aval) == {"x"} and not _compat.aval_varying_axes(invariant.aval), broke(
         "aval_varying_axes", "a jaxpr variable's aval says which manual axes it varies over", "step/_random"
     )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Both forms of a scan equation (JAX <= 0.10: counts; JAX >= 0.11: flat trees)
+
+
+class _Groups:
+    """A stand-in for ``jax._src.flattree``'s trees: ``unpack()`` gives the groups."""
+
+    def __init__(self, *groups):
+        self.groups = groups
+
+    def unpack(self):
+        return self.groups
+
+
+def test_scan_counts_reads_both_forms():
+    users = "scan_params / scan_parts / rerun_nested (step/_interpret, step/_control_flow, step/_random)"
+    c1, c2 = jnp.ones(()), jnp.full((3,), 2.0)
+    eqn = out_eqn(
+        lambda x, xs: jax.lax.scan(lambda c, y: (c * c1 + y * c2, c), x, xs)[0], jnp.ones(3), jnp.ones((4, 3))
+    )
+    forms = {
+        "counts": {"num_consts", "num_carry"} <= set(eqn.params),
+        "trees": {"ft_in", "ft_out"} <= set(eqn.params),
+    }
+    assert sum(forms.values()) == 1, broke(
+        "scan_counts / SCAN", f"a scan holds num_consts / num_carry or ft_in / ft_out (got {sorted(eqn.params)})", users
+    )
+    n_consts = len(eqn.invars) - 1 - 1  # the operands: consts, one carry, one xs
+    assert _compat.scan_counts(eqn.params) == (n_consts, 1), broke(
+        "scan_counts", f"the {'counts' if forms['counts'] else 'trees'} form gives (consts, carry)", users
+    )
+    # the form this JAX does not emit, read the same way
+    assert _compat.scan_counts({"num_consts": 2, "num_carry": 1}) == (2, 1)
+    assert _compat.scan_counts({"ft_in": _Groups((0, 0), (0,), (0, 0, 0)), "ft_out": _Groups((0,), (0, 0))}) == (2, 1)
+    assert _compat.scan_counts({"ft_in": _Groups((0,), (0,)), "ft_out": _Groups((0,), ())}) is None  # not 3 groups
+    assert _compat.scan_counts({"ft_in": _Groups((), (0, 0), ()), "ft_out": _Groups((0,), ())}) is None  # carries
+    assert _compat.scan_counts({"length": 3}) is None
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_scan_re_expressed_keeps_values_and_gradients(reverse):
+    """A scan with closed-over constants, re-expressed through ``scan_params`` and ``jax.lax.scan`` (as
+    ``step/_interpret`` does) and through ``rerun_nested`` (as ``step/_random`` does): the same values and
+    gradients as the scan itself, in the running JAX's form."""
+    w, b = jnp.linspace(0.5, 1.5, 3), jnp.float32(0.25)
+
+    def f(x, xs):
+        carry, ys = jax.lax.scan(lambda c, y: (jnp.tanh(c * w + y) + b, c.sum() * y), x, xs, reverse=reverse)
+        return carry.sum() + ys.sum()
+
+    def rerun(c, args):
+        env = dict(zip(c.jaxpr.constvars, c.consts, strict=True))
+        env.update(zip(c.jaxpr.invars, args, strict=True))
+        rd = lambda v: v.val if _compat.is_literal(v) else env[v]
+        for eqn in c.jaxpr.eqns:
+            vals = [rd(v) for v in eqn.invars]
+            p = _compat.scan_params(eqn)
+            if p is not None:
+                nc, nk = p.num_consts, p.num_carry
+
+                def body(carry, x, p=p, consts=vals[:nc], nk=nk):
+                    outs = rerun(p.jaxpr, [*consts, *carry, *x])
+                    return outs[:nk], outs[nk:]
+
+                carry, ys = jax.lax.scan(body, vals[nc : nc + nk], vals[nc + nk :], length=p.length, reverse=p.reverse)
+                outs = [*carry, *ys]
+            else:
+                outs = _compat.rerun_nested(eqn, vals, rerun) or _compat.bind_equation(eqn, vals)
+            env.update(zip(eqn.outvars, outs, strict=True))
+        return [rd(v) for v in c.jaxpr.outvars]
+
+    x, xs = jnp.array([0.1, -0.2, 0.3]), jnp.linspace(-1, 1, 12).reshape(4, 3)
+    closed = closed_of(f, x, xs)
+    assert any(_compat.scan_params(e) is not None for e in closed.jaxpr.eqns), broke(
+        "scan_params", "a scan equation's parameters are one of the two known forms", "step/_interpret"
+    )
+    users = "step/_interpret, step/_random"
+    np.testing.assert_allclose(
+        rerun(closed, [x, xs])[0], f(x, xs), rtol=1e-6, err_msg=broke("scan_params", "values", users)
+    )
+    got = jax.grad(lambda x, xs: rerun(closed_of(f, x, xs), [x, xs])[0], argnums=(0, 1))(x, xs)
+    want = jax.grad(f, argnums=(0, 1))(x, xs)
+    for g, w_ in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w_, rtol=1e-6, err_msg=broke("scan_params", "gradients", users))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Pallas: the Triton target without a GPU, Mosaic GPU's pallas_call
+
+
+def _triton_add_one(n: int):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pltriton
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + 1.0
+
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((n,), jnp.float32),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+    )
+
+
+def _export_for_cuda(f, *avals):
+    triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    return jax.export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[triton])(*avals).mlir_module()
+
+
+def test_triton_lowering_target_lowers_inside_shard_map_without_a_gpu():
+    pytest.importorskip("jax.experimental.pallas.triton")
+    users = "kernels (vj.kernels.gpu_lowering_target; tests/test_cuda_lowering.py, tests/test_fused_kernels.py)"
+    if _compat._has_gpu():
+        pytest.skip("a GPU is present: the lowering reads it")
+    mesh = make_mesh(2, "x", auto=True)
+    aval = jax.ShapeDtypeStruct((256,), jnp.float32, sharding=jax.sharding.NamedSharding(mesh, P("x")))
+
+    def lowered():  # a new function each time: nothing from an earlier lowering is reused
+        step = jax.shard_map(_triton_add_one(128), mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False)
+        return _export_for_cuda(lambda x: step(x), aval)
+
+    if _compat._TRITON_GPU_INFO:  # JAX >= 0.11: without the target the lowering refuses, as the entry says
+        with pytest.raises(RuntimeError, match="No supported GPU devices"):
+            lowered()
+        with _compat.triton_lowering_target("NVIDIA B200"):
+            assert "__gpu$xla.gpu.triton" in lowered()
+    else:  # JAX <= 0.10: compute capability 9.0 is assumed, and only that one can be had
+        assert "__gpu$xla.gpu.triton" in lowered()
+        with (
+            pytest.raises(ValueError, match=r"compute capability 9\.0 only"),
+            _compat.triton_lowering_target("NVIDIA B200"),
+        ):
+            pass
+    with _compat.triton_lowering_target():
+        assert "__gpu$xla.gpu.triton" in lowered(), broke("triton_lowering_target", "the Triton kernel lowers", users)
+    with pytest.raises(ValueError, match="device_kind"), _compat.triton_lowering_target("NVIDIA GeForce 256"):
+        pass
+
+
+def test_mosaic_gpu_pallas_call_says_whether_it_lowers():
+    plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+    from jax.experimental import pallas as pl
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + 1.0
+
+    call = pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((256,), jnp.float32), compiler_params=plgpu.CompilerParams()
+    )
+    try:
+        text = jax.export.export(jax.jit(call), platforms=["cuda"])(jax.ShapeDtypeStruct((256,), jnp.float32))
+        lowered = "mosaic_gpu" in text.mlir_module()
+    except AssertionError:  # the GPU lowering finds no rule for Mosaic GPU's parameters
+        lowered = False
+    assert lowered == _compat.mosaic_gpu_pallas_call(), broke(
+        "mosaic_gpu_pallas_call", f"it says whether a Mosaic GPU pallas_call lowers (it does: {lowered})", "kernels"
+    )

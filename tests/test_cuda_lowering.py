@@ -46,6 +46,7 @@ import pytest
 from helpers import load_script
 
 import vescale_jax as vj
+from vescale_jax._compat import mosaic_gpu_pallas_call
 from vescale_jax.kernels import KernelPolicy
 
 gpt = load_script("examples/gpt.py")
@@ -56,6 +57,8 @@ MOSAIC = KernelPolicy(mode="pallas", interpret=False, backend="mosaic_gpu")
 XLA = KernelPolicy(mode="xla")
 TRITON_CALL = "@__gpu$xla.gpu.triton"
 MOSAIC_CALL = "mosaic_gpu"
+MOSAIC_LOWERS = mosaic_gpu_pallas_call()  # False from JAX 0.11: Mosaic GPU kernels run through plgpu.kernel only
+NO_MOSAIC = r"bucket '[^']+'.*no pallas_call lowering for Mosaic GPU"
 CALLBACKS = ("xla_python_cpu_callback", "xla_ffi_python_cpu_callback", "host_callback")
 DISABLED = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
 _COLLECTIVE = re.compile(
@@ -64,8 +67,10 @@ _COLLECTIVE = re.compile(
 
 
 @pytest.fixture(autouse=True)
-def _standard_promotion():
-    with jax.numpy_dtype_promotion("standard"):  # optax's Adam bias correction mixes float and int32
+def _standard_promotion_and_gpu_target():
+    # optax's Adam bias correction mixes float and int32; Triton kernels lower for an H100-class GPU (JAX >= 0.11
+    # needs the target named where the process has no GPU)
+    with jax.numpy_dtype_promotion("standard"), vj.kernels.gpu_lowering_target():
         yield
 
 
@@ -206,9 +211,9 @@ def test_explicit_compiled_kernels_are_refused_for_cpu():
 def test_mosaic_refuses_what_it_cannot_copy():
     """An explicit mosaic_gpu request raises, naming the reason, where ``mode="pallas"`` falls back."""
     layout = vj.plan_bucket([64, 8], [1, 1], 8, align=4)  # a 32-byte leaf: under a warpgroup's 128 bytes
-    with pytest.raises(ValueError, match="warpgroup"):
+    with pytest.raises(ValueError, match="warpgroup" if MOSAIC_LOWERS else NO_MOSAIC):
         MOSAIC.implementation(layout, np.float32, np.float32, platform="cuda", name="b")
-    with pytest.raises(ValueError, match=r"bucket 'b'.*cast"):
+    with pytest.raises(ValueError, match=r"bucket 'b'.*cast" if MOSAIC_LOWERS else NO_MOSAIC):
         aligned = vj.plan_bucket([64, 128], [1, 1], 8, align=32)
         MOSAIC.implementation(aligned, np.dtype(jnp.bfloat16), np.float32, platform="cuda", name="b")
     lenient = KernelPolicy(mode="pallas", backend="mosaic_gpu")
@@ -242,6 +247,12 @@ def test_step_runs_under_an_outer_jit_and_from_an_export(microbatches):
 def test_mosaic_step_exports_for_cuda():
     plan = gpt_plan(align_bytes=128)
     step, args = gpt_step(plan, ADAMW, kernels=MOSAIC)
+    if not MOSAIC_LOWERS:  # the explicit request is refused, naming the bucket and why; mode="pallas" falls back
+        with pytest.raises(ValueError, match=NO_MOSAIC):
+            export_cuda(step, args)
+        step, args = gpt_step(plan, ADAMW, kernels=KernelPolicy(mode="pallas", backend="mosaic_gpu"))
+        check_module(export_cuda(step, args), plan, call=TRITON_CALL, reference=reference_text(plan, ADAMW))
+        return
     text = export_cuda(step, args)
     check_module(text, plan, call=MOSAIC_CALL, reference=reference_text(plan, ADAMW))
     assert TRITON_CALL not in text
@@ -253,6 +264,10 @@ def test_mosaic_mixed_precision():
     plan = gpt_plan(align_bytes=128)
     bf16 = vj.MixedPrecision(compute_dtype=jnp.bfloat16, reduce_dtype=jnp.bfloat16)
     step, args = gpt_step(plan, ADAMW, kernels=MOSAIC, precision=bf16)
+    if not MOSAIC_LOWERS:
+        with pytest.raises(ValueError, match=NO_MOSAIC):
+            export_cuda(step, args)
+        return
     ref = reference_text(plan, ADAMW, precision=bf16)
     check_module(export_cuda(step, args), plan, call=MOSAIC_CALL, reference=ref, wire="bf16")
     fp32_reduce = vj.MixedPrecision(compute_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
@@ -308,6 +323,10 @@ def test_hsdp_2x4(kernels):
     plan = gpt_plan(hsdp_mesh(), align_bytes=128)
     options = dict(data_axes=("replica", "fsdp"))
     step, args = gpt_step(plan, ADAMW, kernels=kernels, **options)
+    if kernels is MOSAIC and not MOSAIC_LOWERS:
+        with pytest.raises(ValueError, match=NO_MOSAIC):
+            export_cuda(step, args)
+        return
     text = export_cuda(step, args)
     call = TRITON_CALL if kernels is TRITON else MOSAIC_CALL
     check_module(text, plan, call=call, reference=reference_text(plan, ADAMW, **options))

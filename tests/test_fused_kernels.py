@@ -275,9 +275,10 @@ TRITON = "__gpu$xla.gpu.triton"
 
 
 def _export(f, *avals):
-    return jax.export.export(
-        jax.jit(f), platforms=["cuda"], disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)]
-    )(*avals)
+    with vj.kernels.gpu_lowering_target():  # no GPU here: lower for an H100-class one
+        return jax.export.export(
+            jax.jit(f), platforms=["cuda"], disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON)]
+        )(*avals)
 
 
 @pytest.mark.parametrize("kernel", ["quantize", "dequantize_unpack", "unpack_tiled", "pack_tiled"])

@@ -17,11 +17,14 @@ import pytest
 
 import vescale_jax as vj
 from vescale_jax import kernels as _K
+from vescale_jax._compat import mosaic_gpu_pallas_call
+from vescale_jax.kernels._ragged import _mosaic_layout_refusal
 from vescale_jax.kernels._schedule import ZERO
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 # On a GPU the kernels run compiled with the lowering VESCALE_JAX_KERNEL_BACKEND names (benchmarks/gpu_check.sh).
 BACKEND = _K.KernelPolicy.from_env().backend
+MOSAIC_LOWERS = mosaic_gpu_pallas_call()  # False from JAX 0.11 (Mosaic GPU kernels through plgpu.kernel only)
 
 
 def _skip_unsupported(fn):
@@ -253,11 +256,20 @@ def test_choose_backend():
     assert K.choose_backend(layout, F32, BF16, platform="gpu") == "triton"
     assert K.choose_backend(layout, F32, BF16, platform="gpu", backend="mosaic_gpu") == "triton"  # casts: not there
     aligned = vj.plan_bucket([64, 128], [1, 1], 2, align=32)
-    assert K.choose_backend(aligned, F32, F32, platform="gpu", backend="mosaic_gpu") == "mosaic_gpu"
+    mosaic = "mosaic_gpu" if MOSAIC_LOWERS else "triton"  # a JAX without Mosaic GPU's pallas_call: Triton
+    assert K.choose_backend(aligned, F32, F32, platform="gpu", backend="mosaic_gpu") == mosaic
     short = vj.plan_bucket([8, 16], [1, 1], 2, align=4)  # 32-byte leaves: under a warpgroup's 128 bytes
     assert K.choose_backend(short, F32, F32, platform="gpu", backend="mosaic_gpu") == "triton"
-    assert "warpgroup" in _K.refusal(short, F32, F32, backend="mosaic_gpu")
-    assert _K.refusal(aligned, F32, F32, backend="mosaic_gpu") == ""
+    no_lowering = "no pallas_call lowering for Mosaic GPU"
+    assert ("warpgroup" if MOSAIC_LOWERS else no_lowering) in _K.refusal(short, F32, F32, backend="mosaic_gpu")
+    assert _K.refusal(aligned, F32, F32, backend="mosaic_gpu") == (
+        "" if MOSAIC_LOWERS else _K.refusal(short, F32, F32, backend="mosaic_gpu")
+    )
+    # the TMA copies' own rules, whatever the JAX
+    rules = _mosaic_layout_refusal
+    assert "warpgroup" in rules(short.sizes, short.offsets, short.total_size, F32, F32, False)
+    assert rules(aligned.sizes, aligned.offsets, aligned.total_size, F32, F32, False) == ""
+    assert "cast" in rules(aligned.sizes, aligned.offsets, aligned.total_size, F32, BF16, False)
     empty = vj.plan_bucket([0], [1], 2)
     assert K.choose_backend(empty, F32, F32, platform="gpu") == "xla"
     with pytest.raises(ValueError, match="backend="):
@@ -284,7 +296,7 @@ def test_kernel_policy_xla_answer_means_xla():
     pallas = _K.KernelPolicy(mode="pallas", backend="mosaic_gpu")
     assert pallas.implementation(empty, F32, F32, platform="gpu") == "xla"
     assert pallas.implementation(layout, F32, F32, platform="cpu") == "interpret"
-    assert pallas.implementation(layout, F32, F32, platform="gpu") == "mosaic_gpu"
+    assert pallas.implementation(layout, F32, F32, platform="gpu") == ("mosaic_gpu" if MOSAIC_LOWERS else "triton")
     assert pallas.implementation(layout, F32, BF16, platform="gpu") == "triton"
     for mode in ("auto", "xla"):
         assert _K.KernelPolicy(mode=mode).implementation(layout, F32, F32, platform="gpu") == "xla"
@@ -300,6 +312,10 @@ def test_gpu_kernels_trace_on_cpu(backend):
     layout, leaves = _bucket(shapes, align=32)
     kw = dict(interpret=False, backend=backend, chunk=32)
     dt = F32 if backend == "mosaic_gpu" else BF16
+    if backend == "mosaic_gpu" and not MOSAIC_LOWERS:
+        with pytest.raises(NotImplementedError, match="no pallas_call lowering for Mosaic GPU"):
+            jax.jit(lambda xs: K.pack(xs, layout, dtype=dt, **kw)).trace(leaves)
+        return
     jax.jit(lambda xs: K.pack(xs, layout, dtype=dt, **kw)).trace(leaves)
     buf = K.pack_reference(leaves, layout)
     jax.jit(lambda b: K.unpack(b, layout, shapes, dtype=dt, **kw)).trace(buf)

@@ -43,7 +43,9 @@ This module is the package's lowest layer: it imports only JAX, optax, NumPy and
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+import importlib.util
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -403,10 +405,42 @@ def is_selection(eqn: Any) -> bool:
 
 
 SCAN = "scan"
-"""The primitive of ``jax.lax.scan`` (and of ``nnx.scan``, ``fori_loop`` with static bounds). Its parameters:
-``jaxpr`` (a closed jaxpr: consts, carry, xs -> carry, ys), ``num_consts``, ``num_carry``, ``length``,
-``reverse``, ``unroll``. Verified on JAX 0.10.2. Used by ``step/_interpret`` (through :func:`scan_params`) and
-``step/_control_flow`` (through :func:`scan_parts`)."""
+"""The primitive of ``jax.lax.scan`` (and of ``nnx.scan``, ``fori_loop`` with static bounds): operands ``consts +
+carry + xs``, outputs ``carry + ys``, the body in ``params["jaxpr"]`` (consts, carry, xs -> carry, ys), with
+``length``, ``reverse`` and ``unroll``. How the operands split into those groups comes in one of two forms
+(:func:`scan_counts` reads both):
+
+* counts (JAX <= 0.10, verified on 0.10.2): ``num_consts`` and ``num_carry``; the body a ``ClosedJaxpr``.
+* flat trees (JAX >= 0.11, verified on 0.12.0.1): ``ft_in`` and ``ft_out``, ``jax._src.flattree`` trees whose
+  ``unpack()`` gives the groups ``(consts, carry, xs)`` and ``(carry, ys)``; the body a ``Jaxpr`` (which holds its
+  own constants there).
+
+Nothing here binds a scan from stored parameters: a scan is re-expressed through ``jax.lax.scan``, which writes
+the equation in the running JAX's form. Used by ``step/_interpret`` (through :func:`scan_params`),
+``step/_control_flow`` (through :func:`scan_parts`) and ``step/_random`` (through :func:`rerun_nested`)."""
+
+_SCAN_COUNT_PARAMS = frozenset({"jaxpr", "num_consts", "num_carry", "length", "reverse", "unroll"})
+_SCAN_TREE_PARAMS = frozenset({"jaxpr", "ft_in", "ft_out", "length", "reverse", "unroll"})
+
+
+def scan_counts(params: Mapping[str, Any]) -> tuple[int, int] | None:
+    """``(num_consts, num_carry)`` of a scan equation's ``params`` in either form of :data:`SCAN` (chosen by the
+    parameters present, not by JAX's version), or None when they are in neither.
+
+    Verified on JAX 0.10.2 (``num_consts`` / ``num_carry``) and 0.12.0.1 (``len`` of each group of
+    ``ft_in.unpack()``; ``ft_out.unpack()``'s first group has as many carries). Used by :func:`scan_params`,
+    :func:`scan_parts` and :func:`rerun_nested`.
+    """
+    if "num_consts" in params and "num_carry" in params:
+        return int(params["num_consts"]), int(params["num_carry"])
+    ft_in, ft_out = params.get("ft_in"), params.get("ft_out")
+    if not (hasattr(ft_in, "unpack") and hasattr(ft_out, "unpack")):
+        return None
+    groups, out_groups = ft_in.unpack(), ft_out.unpack()
+    if len(groups) != 3 or len(out_groups) != 2:
+        return None
+    consts, carry, _ = (len(g) for g in groups)
+    return (consts, carry) if len(out_groups[0]) == carry else None
 
 
 class ScanParams(NamedTuple):
@@ -421,15 +455,19 @@ class ScanParams(NamedTuple):
 
 
 def scan_params(eqn: Any) -> ScanParams | None:
-    """The parameters of a scan equation, or None when ``eqn`` is not one (or has parameters this reading
-    does not know, so that re-expressing it could change it).
+    """The parameters of a scan equation, in either form of :data:`SCAN`, or None when ``eqn`` is not one (or
+    has parameters this reading does not know, so that re-expressing it could change it).
 
-    Verified on JAX 0.10.2: exactly the parameters named in :data:`SCAN`. Used by ``step/_interpret``.
+    Verified on JAX 0.10.2 and 0.12.0.1: exactly the parameters of one of the two forms. Used by
+    ``step/_interpret`` and :func:`rerun_nested`.
     """
-    if primitive_name(eqn) != SCAN or set(eqn.params) != set(ScanParams._fields):
+    if primitive_name(eqn) != SCAN or frozenset(eqn.params) not in (_SCAN_COUNT_PARAMS, _SCAN_TREE_PARAMS):
+        return None
+    counts = scan_counts(eqn.params)
+    if counts is None:
         return None
     p = eqn.params
-    return ScanParams(as_closed(p["jaxpr"]), p["num_consts"], p["num_carry"], p["length"], p["reverse"], p["unroll"])
+    return ScanParams(as_closed(p["jaxpr"]), *counts, p["length"], p["reverse"], p["unroll"])
 
 
 CHECKPOINT_PRIMITIVES = frozenset({"checkpoint", "remat2"})
@@ -594,8 +632,8 @@ def rerun_nested(eqn: Any, invals: Sequence[Any], run: Any) -> list[Any] | None:
     """``eqn`` on ``invals`` with each nested jaxpr evaluated by ``run(closed_jaxpr, args) -> outputs``, through
     JAX's public API (so types are recomputed), or None for a primitive not covered here (bind it as it is).
 
-    Covered, verified on JAX 0.10.2: nested calls (:data:`NESTED_CALL_PRIMITIVES`: inlined), ``scan``
-    (``num_consts``, ``num_carry``, ``length``, ``reverse``, ``unroll``: ``lax.scan``), ``while``
+    Covered, verified on JAX 0.10.2 and 0.12.0.1: nested calls (:data:`NESTED_CALL_PRIMITIVES`: inlined),
+    ``scan`` (:func:`scan_params`, either form: ``lax.scan``), ``while``
     (``cond_nconsts``, ``body_nconsts``: ``lax.while_loop``), ``cond`` (``branches``, operand 0 the index:
     ``lax.switch``) and ``remat2`` / ``checkpoint`` (``prevent_cse``, ``policy``: ``jax.checkpoint``).
     ``custom_jvp_call`` / ``custom_vjp_call`` / ``shard_map`` are not (their derivative rules are opaque
@@ -605,15 +643,16 @@ def rerun_nested(eqn: Any, invals: Sequence[Any], run: Any) -> list[Any] | None:
     p = eqn.params
     if is_nested_call(eqn):
         return list(run(nested_call_jaxpr(eqn), list(invals)))
-    if name == "scan":
-        nc, nk = p["num_consts"], p["num_carry"]
+    scan = scan_params(eqn)
+    if scan is not None:
+        nc, nk = scan.num_consts, scan.num_carry
         consts, init, xs = list(invals[:nc]), list(invals[nc : nc + nk]), list(invals[nc + nk :])
 
         def body(carry, x):
-            outs = run(p["jaxpr"], [*consts, *carry, *x])
+            outs = run(scan.jaxpr, [*consts, *carry, *x])
             return list(outs[:nk]), list(outs[nk:])
 
-        carry, ys = jax.lax.scan(body, init, xs, length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+        carry, ys = jax.lax.scan(body, init, xs, length=scan.length, reverse=scan.reverse, unroll=scan.unroll)
         return [*carry, *ys]
     if name == "while":
         cn, bn = p["cond_nconsts"], p["body_nconsts"]
@@ -709,14 +748,21 @@ def while_parts(eqn: Any) -> tuple[Any, Any, list[Any], list[Any], list[Any]] | 
 
 
 def scan_parts(eqn: Any) -> tuple[Any, int, int] | None:
-    """``(body, num_consts, num_carry)`` of a scan equation (:data:`SCAN`): the body as an open jaxpr over the
-    equation's operands (``consts + carry + xs``) returning ``carry + ys``; ``None`` for another equation.
+    """``(body, num_consts, num_carry)`` of a scan equation (:data:`SCAN`, either form): the body as an open
+    jaxpr over the equation's operands (``consts + carry + xs``) returning ``carry + ys``; ``None`` for another
+    equation.
 
-    Verified on JAX 0.10.2. Used by ``step/_control_flow``.
+    Verified on JAX 0.10.2 and 0.12.0.1. Used by ``step/_control_flow``.
     """
     if primitive_name(eqn) != SCAN:
         return None
-    return _open(eqn.params["jaxpr"]), eqn.params["num_consts"], eqn.params["num_carry"]
+    counts = scan_counts(eqn.params)
+    if counts is None:
+        raise NotImplementedError(
+            f"vescale_jax cannot read this JAX's scan equation (parameters {sorted(eqn.params)}): neither "
+            "num_consts / num_carry nor ft_in / ft_out; see vescale_jax/_compat.py (SCAN)"
+        )
+    return (_open(eqn.params["jaxpr"]), *counts)
 
 
 _BODY_NAMES = {"remat2": "jax.checkpoint", "checkpoint": "jax.checkpoint", "pjit": "jit", "closed_call": "call"}
@@ -757,6 +803,88 @@ def equation_source(eqn: Any) -> str | None:
     except Exception:  # pragma: no cover - a JAX that moved or changed it: the message goes without the line
         return None
     return where if where and "unknown" not in where else None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Pallas
+
+TRITON_CROSS_TARGET = "NVIDIA H100"
+"""The GPU a compiled Triton kernel is lowered for in a process with no GPU (a step lowered for ``cuda`` on a CPU
+machine, ``jax.export``) by default: compute capability 9.0, the H100's and the H200's. JAX <= 0.10 falls back to
+9.0 by itself; JAX >= 0.11 needs :func:`triton_lowering_target`."""
+
+_TRITON_GPU_INFO = importlib.util.find_spec("jax._src.pallas.triton.gpu_info") is not None
+
+
+def _has_gpu() -> bool:
+    try:
+        return bool(jax.local_devices(backend="gpu"))
+    except RuntimeError:
+        return False
+
+
+@contextlib.contextmanager
+def triton_lowering_target(device_kind: str = TRITON_CROSS_TARGET) -> Iterator[None]:
+    """A context in which compiled Triton kernels lower for CUDA as for a GPU of ``device_kind`` (e.g. ``"NVIDIA
+    H100"``, ``"NVIDIA H200"``, ``"NVIDIA B200"``) where the process has no GPU; a no-op where it has one.
+
+    Two forms, chosen by what the running JAX has (a feature test: the module ``jax._src.pallas.triton.gpu_info``):
+
+    * JAX <= 0.10 (verified on 0.10.2): the Triton lowering asks ``jax.local_devices(backend="gpu")`` and, with
+      none, lowers for compute capability 9.0: only 9.0 can be had (another ``device_kind`` raises ``ValueError``).
+    * JAX >= 0.11 (verified on 0.12.0.1): it calls ``gpu_info.get_gpu_info()``, which reads the device kind of the
+      abstract mesh the kernel's equation was traced under and, on CPU devices, raises ``RuntimeError: No supported
+      GPU devices found``. An abstract GPU device cannot be given there from outside: inside ``shard_map`` the
+      abstract mesh is the one of the mesh's own (CPU) devices, and a kernel traced under another would hand its
+      outputs to the model on a mismatched mesh. For the context's duration ``gpu_info.get_gpu_info`` answers
+      ``gpu_info.get_gpu_info_from_version`` of ``device_kind`` (``gpu_version_from_device_kind``).
+
+    Only lowering reads it: wrap ``.lower(..., lowering_platforms=("cuda",))`` or ``jax.export`` in it. Used by
+    ``kernels`` (``vj.kernels.gpu_lowering_target``).
+    """
+    if _has_gpu():
+        yield
+        return
+    if not _TRITON_GPU_INFO:
+        if device_kind != TRITON_CROSS_TARGET:
+            raise ValueError(
+                f"this JAX ({jax.__version__}) lowers Triton kernels without a GPU for compute capability 9.0 only "
+                f"({TRITON_CROSS_TARGET}); got device_kind={device_kind!r}"
+            )
+        yield
+        return
+    from jax._src.pallas.triton import gpu_info
+
+    version = gpu_info.gpu_version_from_device_kind(device_kind)
+    if version is None:
+        known = ", ".join(repr(v.value) for v in gpu_info.GpuVersion)
+        raise ValueError(f"unknown GPU device_kind {device_kind!r}; this JAX's Triton lowering knows {known}")
+    info = gpu_info.get_gpu_info_from_version(version)
+    original = gpu_info.get_gpu_info
+    gpu_info.get_gpu_info = lambda: info
+    try:
+        yield
+    finally:
+        gpu_info.get_gpu_info = original
+
+
+def mosaic_gpu_pallas_call() -> bool:
+    """Whether this JAX lowers a ``pallas_call`` with Mosaic GPU's ``CompilerParams`` (the ``mosaic_gpu`` kernels of
+    ``kernels/_ragged``), found by asking Pallas for the rule, not by JAX's version.
+
+    Verified on JAX 0.10.2 (``jax._src.pallas.mosaic_gpu.pallas_call_registration`` registers
+    ``pallas_core.register_lowering_rule(plgpu.CompilerParams, ..., "gpu")``: True) and 0.12.0.1 (no such rule:
+    Mosaic GPU kernels run through ``plgpu.kernel`` only, and a ``pallas_call`` with its parameters fails
+    ``assert rule is not None`` in the GPU lowering: False). Used by ``kernels/_ragged`` (``refusal``).
+    """
+    try:
+        from jax._src.pallas import core as pallas_core
+        from jax._src.pallas.mosaic_gpu import pallas_call_registration  # noqa: F401 - registers the rule, if any
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+
+        return pallas_core.get_lowering_rule(plgpu.CompilerParams, "gpu") is not None
+    except (ImportError, AttributeError, ValueError):
+        return False
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ policy the gather path takes (``vj.fsdp(kernels=...)``); its ``auto`` mode reads
 :class:`MeasuredTable`.
 """
 
+from vescale_jax.kernels._cross import gpu_lowering_target
 from vescale_jax.kernels._fp8 import (
     dequantize_reference,
     dequantize_unpack,
@@ -45,6 +46,7 @@ __all__ = [
     "dequantize_unpack",
     "dequantize_unpack_reference",
     "gpu_backends_available",
+    "gpu_lowering_target",
     "pack",
     "pack_reference",
     "pack_schedule",

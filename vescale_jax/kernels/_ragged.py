@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from vescale_jax._compat import mosaic_gpu_pallas_call
 from vescale_jax.kernels._reference import (
     Scale,
     _check_leaves,
@@ -117,7 +118,20 @@ WARPGROUP_BYTES = 128
 def _mosaic_refusal(
     sizes: Sequence[int], offsets: Sequence[int], total: int | None, src: Any, dst: Any, scaled: bool
 ) -> str:
-    """Why the TMA kernel cannot copy these runs ("" when it can): no cast or scale; every offset and size a
+    """Why the TMA kernel cannot copy these runs ("" when it can): a JAX that does not lower it, else
+    :func:`_mosaic_layout_refusal`."""
+    if not mosaic_gpu_pallas_call():
+        return (
+            f"this JAX ({jax.__version__}) has no pallas_call lowering for Mosaic GPU (from JAX 0.11 Mosaic GPU "
+            "kernels run through plgpu.kernel only)"
+        )
+    return _mosaic_layout_refusal(sizes, offsets, total, src, dst, scaled)
+
+
+def _mosaic_layout_refusal(
+    sizes: Sequence[int], offsets: Sequence[int], total: int | None, src: Any, dst: Any, scaled: bool
+) -> str:
+    """Why the TMA copies cannot move these runs ("" when they can): no cast or scale; every offset and size a
     multiple of 16 bytes; every run (leaf, and padding gap when ``total`` is given) at least 128 bytes, so its
     power-of-two windows move a multiple of a warpgroup's 128 bytes."""
     if scaled or np.dtype(src) != np.dtype(dst):
@@ -145,9 +159,9 @@ def _mosaic_refusal(
 def refusal(layout: BucketLayout, src_dtype: Any, dst_dtype: Any, *, backend: str, scaled: bool = False) -> str:
     """Why the compiled ``backend`` kernel cannot pack or unpack this bucket; ``""`` when it can.
 
-    ``triton``: buckets past the kernels' int32 offsets. ``mosaic_gpu``: also casts and scales, offsets or
-    sizes that are not multiples of 16 bytes, and leaves or padding gaps under 128 bytes (each TMA transfer
-    moves a multiple of a warpgroup's 128 bytes).
+    ``triton``: buckets past the kernels' int32 offsets. ``mosaic_gpu``: also a JAX whose ``pallas_call`` has no
+    Mosaic GPU lowering (0.11 and later), casts and scales, offsets or sizes that are not multiples of 16 bytes, and
+    leaves or padding gaps under 128 bytes (each TMA transfer moves a multiple of a warpgroup's 128 bytes).
     """
     if layout.total_size > _MAX_ELEMENTS:
         return f"{layout.total_size} elements exceed the kernels' int32 offsets (split the bucket)"
