@@ -3,7 +3,10 @@ benchmarks/results/ (which holds GPU measurements only)."""
 
 import json
 import os
+import re
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,16 +18,39 @@ SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.sh")
 RESULTS = Path(ROOT) / "benchmarks" / "results"
 
 
+# What the script runs on this machine's PATH; the interpreter comes as `python3` only, as on the GPU image.
+TOOLS = ("bash", "cat", "cp", "cut", "date", "dirname", "env", "head", "mkdir", "mktemp", "sed", "sh", "tail", "tee")
+TOOLS += ("timeout", "xargs")
+
+
+def bare_path(tmp: Path) -> str:
+    """A PATH as on the GPU image: the shell tools, ``python3`` for an interpreter that imports jax, no
+    ``python``."""
+    bin_dir = tmp / "bin"
+    bin_dir.mkdir()
+    for tool in TOOLS:
+        found = shutil.which(tool)
+        assert found, f"{tool} is not on this machine's PATH"
+        (bin_dir / tool).symlink_to(found)
+    wrapper = bin_dir / "python3"
+    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    assert shutil.which("python", path=str(bin_dir)) is None
+    return str(bin_dir)
+
+
 def dry_run(out: Path, parts: str) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTEST_XDIST_WORKER")}
-    env.update(OUT=str(out), PARTS=parts, PYTHONPATH=ROOT)
+    """The dry run as the GPU machine would start it: XLA_FLAGS unset, no ``python`` on PATH; every part run to
+    its end (GPU_CHECK_CAPS=0: no timeouts to race on a loaded machine)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTEST_XDIST_WORKER", "PYTHON")}
+    env.update(OUT=str(out), PARTS=parts, PYTHONPATH=ROOT, PATH=bare_path(out), GPU_CHECK_CAPS="0")
     before = {p.name: p.stat().st_mtime for p in RESULTS.iterdir()}
-    proc = subprocess.run(["bash", SCRIPT, "--dry-run"], env=env, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(["bash", SCRIPT, "--dry-run"], env=env, capture_output=True, text=True, timeout=3600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert {p.name: p.stat().st_mtime for p in RESULTS.iterdir()} == before, "the dry run wrote benchmarks/results/"
     summary = (out / "gpu_check_summary.txt").read_text()
-    assert "DRY RUN" in summary
-    assert "TIMED OUT" not in summary, summary
+    assert "DRY RUN" in summary and "no timeout: GPU_CHECK_CAPS=0" in summary
+    assert "python: " + str(out / "bin" / "python3") in summary and "XLA_FLAGS: (unset)" in summary, summary
     return summary
 
 
@@ -32,7 +58,24 @@ def test_dry_run_env_and_tests_parts(tmp_path):
     summary = dry_run(tmp_path, "env,tests")
     assert "== env" in summary and "== tests" in summary and "== bench" not in summary
     assert summary.count("rc=0") == 2, summary
-    assert "would run on GPU: JAX_PLATFORMS=cuda python -m pytest" in summary
+    assert "would run on GPU: JAX_PLATFORMS=cuda " in summary and " -m pytest" in summary
+    env_log = (tmp_path / "env.log").read_text()
+    assert "jax " in env_log and "CpuDevice" in env_log, env_log
+    tests_log = (tmp_path / "tests.log").read_text()
+    assert re.search(r"\d+ passed", tests_log) and "failed" not in tests_log, tests_log
+
+
+def test_a_blank_xla_flags_is_not_passed_on(tmp_path):
+    """XLA aborts at start on a blank XLA_FLAGS; the script passes it on only when it holds flags."""
+    script = Path(SCRIPT).read_text()
+    assert 'XLA_FLAGS="$BASE_FLAGS $5"' not in script
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}
+    env.update(XLA_FLAGS="  ", OUT=str(tmp_path), PARTS="env", PYTHONPATH=ROOT, GPU_CHECK_CAPS="0")
+    proc = subprocess.run(["bash", SCRIPT, "--dry-run"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = (tmp_path / "gpu_check_summary.txt").read_text()
+    assert "rc=0" in summary and "XLA_FLAGS: (unset)" not in summary, summary
+    assert "Could not open file" not in (tmp_path / "env.log").read_text()
 
 
 @pytest.mark.slow
