@@ -70,13 +70,14 @@ if TYPE_CHECKING:  # imported where they are used, after the command line is par
     import vescale_jax as vj
 
 
-def stdlib_text(max_bytes: int) -> np.ndarray:
-    """Bytes of the standard library's ``.py`` files (sorted, so every run and process reads the same)."""
+def stdlib_text(max_bytes: int, root: str | None = None) -> np.ndarray:
+    """Bytes of the ``.py`` files under ``root`` (default: this Python's standard library), sorted, so every run
+    and process reads the same."""
     import sysconfig
 
     import numpy as np
 
-    root = sysconfig.get_paths()["stdlib"]
+    root = root or sysconfig.get_paths()["stdlib"]
     chunks, total = [], 0
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in ("test", "tests", "site-packages", "idlelib"))
@@ -137,6 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, default=4, help="attention heads (dividing --d-model)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW's peak learning rate (warm-up, cosine decay)")
     p.add_argument("--data-mb", type=float, default=8.0, help="megabytes of stdlib source to train on")
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        help="train on the .py files under this directory instead of this Python's standard library (the same "
+        "corpus for two Pythons, e.g. to compare JAX versions)",
+    )
     p.add_argument("--keep", action="store_true", help="keep gathered params for backward (no re-gather)")
     p.add_argument("--plot", default="train_gpt_loss.png", help="loss-curve PNG ('' to skip; needs matplotlib)")
     p.add_argument("--seed", type=int, default=0, help="initial parameters and data order")
@@ -293,7 +300,7 @@ def train(
         if args.optimizer == "shampoo":
             print(f"{vj.optim.shampoo_blocks(plan, args.shampoo_block).summary()}\n")
 
-    data = stdlib_text(int(args.data_mb * 2**20))
+    data = stdlib_text(int(args.data_mb * 2**20), args.data_dir)
     split = int(0.95 * len(data))
     train_rng = np.random.default_rng(args.seed)
     train = batches(data[:split], args.batch, args.seq, train_rng)

@@ -236,3 +236,32 @@ def test_megatron_mlp_gradients_for_each_kernel_policy(kernels):
     want, want_grads = jax.value_and_grad(lambda p: loss(_mlp(p, x)))(params)
     np.testing.assert_allclose(float(value), float(want), rtol=1e-5)
     assert_trees_close(vj.unshard(grads), want_grads, rtol=1e-5)
+
+
+def test_tp_step_nested_in_jit_gives_the_steps_own_results():
+    """The FSDP x tensor step called from an outer ``jax.jit`` (host batch, as in an export) traces in the plan's
+    mesh as its context mesh: the same loss and parameters as the step called directly, with a loss whose
+    backward gathers by integer labels (optax's cross entropy)."""
+    _, cfg = configs(0, "tensor")
+    mesh = tp_mesh(2, 4, "tensor")
+    plan = tp_plan(cfg, mesh)
+    graphdef, params = gpt_tp.split_model(cfg, jax.random.key(0))
+    tx = make_tx()
+
+    @vj.fsdp(plan=plan)
+    def step(p, opt_state, x):
+        def loss_of(p):
+            logits = vj.flax.nnx_apply(graphdef, p, x[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, x[:, 1:]).mean()
+
+        loss, grads = jax.value_and_grad(loss_of)(p)
+        updates, opt_state = tx.update(grads, opt_state, p)
+        return optax.apply_updates(p, updates), opt_state, loss
+
+    x = np.random.default_rng(0).integers(0, cfg.vocab, (8, cfg.max_len)).astype(np.int32)
+    sp = vj.shard(params, plan)
+    opt_state = vj.init_opt_state(tx, sp)
+    nested = jax.jit(lambda p, o, b: step(p, o, b))(sp, opt_state, x)
+    direct = step(sp, opt_state, x)
+    np.testing.assert_array_equal(np.asarray(nested[2]), np.asarray(direct[2]))
+    assert_trees_equal(vj.unshard(nested[0]), vj.unshard(direct[0]))

@@ -458,7 +458,10 @@ def fsdp(
     def run(params, opt_state, batch, *rest):
         compiled, args = prepare(params, opt_state, batch, *rest)
         if any(is_tracer(x) for x in jax.tree.leaves(args)):  # under an outer jit / export: nest the jitted step
-            return compiled.ordered(*args)  # (exported for a GPU, offloaded state's transfers must be ordered)
+            # the step's mesh as the context mesh, as jit gives it at top level (set_mesh is refused inside jit);
+            # exported for a GPU, offloaded state's transfers are ordered
+            with jax.sharding.use_abstract_mesh(compiled.plan.mesh.abstract_mesh):
+                return compiled.ordered(*args)
         kernels.check_platform(jax.default_backend())
         with jax.set_mesh(compiled.plan.mesh):
             return compiled.jitted(*args)
