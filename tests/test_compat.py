@@ -1076,7 +1076,7 @@ def test_triton_lowering_target_lowers_inside_shard_map_without_a_gpu():
         step = jax.shard_map(_triton_add_one(128), mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False)
         return _export_for_cuda(lambda x: step(x), aval)
 
-    if _compat._TRITON_GPU_INFO:  # JAX >= 0.11: without the target the lowering refuses, as the entry says
+    if _compat._triton_reads_gpu_info():  # JAX >= 0.11: without the target the lowering refuses, as the entry says
         with pytest.raises(RuntimeError, match="No supported GPU devices"):
             lowered()
         with _compat.triton_lowering_target("NVIDIA B200"):

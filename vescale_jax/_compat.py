@@ -813,7 +813,11 @@ TRITON_CROSS_TARGET = "NVIDIA H100"
 machine, ``jax.export``) by default: compute capability 9.0, the H100's and the H200's. JAX <= 0.10 falls back to
 9.0 by itself; JAX >= 0.11 needs :func:`triton_lowering_target`."""
 
-_TRITON_GPU_INFO = importlib.util.find_spec("jax._src.pallas.triton.gpu_info") is not None
+
+def _triton_reads_gpu_info() -> bool:
+    """Whether this JAX's Triton lowering asks ``jax._src.pallas.triton.gpu_info`` for the target (JAX >= 0.11);
+    looked up when asked, so that importing the package does not import Pallas."""
+    return importlib.util.find_spec("jax._src.pallas.triton.gpu_info") is not None
 
 
 def _has_gpu() -> bool:
@@ -845,7 +849,7 @@ def triton_lowering_target(device_kind: str = TRITON_CROSS_TARGET) -> Iterator[N
     if _has_gpu():
         yield
         return
-    if not _TRITON_GPU_INFO:
+    if not _triton_reads_gpu_info():
         if device_kind != TRITON_CROSS_TARGET:
             raise ValueError(
                 f"this JAX ({jax.__version__}) lowers Triton kernels without a GPU for compute capability 9.0 only "
