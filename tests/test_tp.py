@@ -242,11 +242,11 @@ def test_tp_step_nested_in_jit_gives_the_steps_own_results():
     """The FSDP x tensor step called from an outer ``jax.jit`` (host batch, as in an export) traces in the plan's
     mesh as its context mesh: the same loss and parameters as the step called directly, with a loss whose
     backward gathers by integer labels (optax's cross entropy)."""
-    _, cfg = configs(0, "tensor")
+    cfg = gpt_tp.Config(vocab=64, max_len=8, d_model=16, num_heads=4, num_layers=1, d_ff=32, tensor="tensor")
     mesh = tp_mesh(2, 4, "tensor")
     plan = tp_plan(cfg, mesh)
     graphdef, params = gpt_tp.split_model(cfg, jax.random.key(0))
-    tx = make_tx()
+    tx = optax.sgd(0.1)
 
     @vj.fsdp(plan=plan)
     def step(p, opt_state, x):

@@ -32,7 +32,6 @@ FAST: dict[str, tuple[str, ...]] = {
     "test_structure.py": ("test_no_import_cycle", "test_no_import_goes_up_a_layer"),
     # Planner and layouts (pure).
     "test_planner.py": (
-        "test_matches_brute_force_on_small_instances",
         "test_whole_tensor_blocks_stay_on_one_device",
         "test_element_granularity_is_padding_free_up_to_alignment",
         "test_spanning_two_boundaries_forces_multiple_of_block",
