@@ -288,6 +288,9 @@ HEAVY: dict[str, tuple[str, ...]] = {
         "test_optimizers[muon]",
         "test_optimizers[shampoo]",
         "test_hsdp_2x4[triton]",
+        "test_fp8_gather",  # the fused FP8 kernels' own CUDA lowering stays (test_fused_kernels.py)
+        "test_accumulate",
+        "test_mosaic_step_exports_for_cuda",  # test_hsdp_2x4[mosaic_gpu] stays
     ),
     "test_fused_kernels.py": ("test_step_with_fused_kernels_is_bitwise_the_xla_step[fp8-m3]",),
     "test_watchdog.py": ("test_stopped_process_is_reported[coordinator]",),
@@ -300,9 +303,21 @@ HEAVY: dict[str, tuple[str, ...]] = {
     "test_tp_optim.py": ("test_muon_parity_on_a_tp_plan[2x4]",),
     "test_relayout.py": ("test_trained_state_moves_to_another_plan[shampoo-m8-m3]",),
     "test_tiles.py": ("test_block_and_compact_layouts_of_a_tiles_plan_are_logical[3-2]",),
-    "test_shampoo.py": ("test_large_blocks_on_eight_cpu_devices_do_not_deadlock",),
+    "test_shampoo.py": (
+        "test_large_blocks_on_eight_cpu_devices_do_not_deadlock",
+        "test_shampoo_inside_a_vj_fsdp_step_matches_the_reference",  # test_tp_optim's stays
+    ),
     "test_redistribute.py": ("test_reshard_between_placements[m8-*]",),
-    "test_fsdp.py": ("test_census[keep]", "test_census[prefetch]"),
+    "test_fsdp.py": (
+        "test_census[keep]",
+        "test_census[prefetch]",
+        "test_pallas_kernels_on_the_gather_path_give_identical_gradients[reshard]",  # [keep] stays (17 s)
+    ),
+    # Moved when CI gained the fast tier on the newest JAX (its default matrix measured 1783 s, the whole run 2450 s):
+    # each 20-40 s, a test of the same feature staying in the default matrix or the fast tier.
+    "test_muon.py": ("test_muon_inside_a_vj_fsdp_step_matches_optax_unsharded",),  # test_tp_optim's stays
+    "test_hf_models.py": ("test_hf_flax_model_trains_under_fsdp_as_unsharded[gpt2-m3]",),  # llama-m8 stays
+    "test_checkpoint.py": ("test_plain_orbax_restores_vj_params_into_an_nnx_model[moved]",),  # linen stays
     "test_offload.py": (
         "test_adamw_ten_steps_bitwise[m1]",
         "test_adamw_ten_steps_bitwise[m8]",
