@@ -46,12 +46,20 @@ def out_eqn(f, *args):
 
 def run_by_equations(closed, *args):
     """Evaluates ``closed`` equation by equation with ``_compat.bind_equation``, as ``step/_jaxpr`` does."""
+    return evaluate_with(closed, args, lambda eqn, vals: None)
+
+
+def evaluate_with(closed, args, rerun):
+    """Evaluates ``closed`` equation by equation: ``rerun(eqn, values)`` gives an equation's outputs, or None to
+    bind it as it is (``_compat.bind_equation``)."""
     jaxpr = closed.jaxpr
     env = dict(zip(jaxpr.constvars, closed.consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
     rd = lambda v: v.val if _compat.is_literal(v) else env[v]
     for eqn in jaxpr.eqns:
-        env.update(zip(eqn.outvars, _compat.bind_equation(eqn, [rd(v) for v in eqn.invars]), strict=True))
+        vals = [rd(v) for v in eqn.invars]
+        outs = rerun(eqn, vals)
+        env.update(zip(eqn.outvars, outs if outs is not None else _compat.bind_equation(eqn, vals), strict=True))
     return [rd(v) for v in jaxpr.outvars]
 
 
@@ -924,14 +932,7 @@ def test_rerun_nested_covers_scan_while_cond_remat_and_jit():
     closed = closed_of(f, x)
 
     def run(c, args):
-        env = dict(zip(c.jaxpr.constvars, c.consts, strict=True))
-        env.update(zip(c.jaxpr.invars, args, strict=True))
-        rd = lambda v: v.val if _compat.is_literal(v) else env[v]
-        for eqn in c.jaxpr.eqns:
-            vals = [rd(v) for v in eqn.invars]
-            outs = _compat.rerun_nested(eqn, vals, run)
-            env.update(zip(eqn.outvars, outs if outs is not None else _compat.bind_equation(eqn, vals), strict=True))
-        return [rd(v) for v in c.jaxpr.outvars]
+        return evaluate_with(c, args, lambda eqn, vals: _compat.rerun_nested(eqn, vals, run))
 
     names = {_compat.primitive_name(e) for e in closed.jaxpr.eqns}
     assert {"jit", "scan", "while", "cond"} <= names and names & {"remat2", "checkpoint"}, broke(
@@ -1005,26 +1006,21 @@ def test_scan_re_expressed_keeps_values_and_gradients(reverse):
         carry, ys = jax.lax.scan(lambda c, y: (jnp.tanh(c * w + y) + b, c.sum() * y), x, xs, reverse=reverse)
         return carry.sum() + ys.sum()
 
+    def by_scan_params(eqn, vals):  # a scan re-expressed as step/_interpret does; anything else by rerun_nested
+        p = _compat.scan_params(eqn)
+        if p is None:
+            return _compat.rerun_nested(eqn, vals, rerun)
+        nc, nk = p.num_consts, p.num_carry
+
+        def body(carry, x):
+            outs = rerun(p.jaxpr, [*vals[:nc], *carry, *x])
+            return outs[:nk], outs[nk:]
+
+        carry, ys = jax.lax.scan(body, vals[nc : nc + nk], vals[nc + nk :], length=p.length, reverse=p.reverse)
+        return [*carry, *ys]
+
     def rerun(c, args):
-        env = dict(zip(c.jaxpr.constvars, c.consts, strict=True))
-        env.update(zip(c.jaxpr.invars, args, strict=True))
-        rd = lambda v: v.val if _compat.is_literal(v) else env[v]
-        for eqn in c.jaxpr.eqns:
-            vals = [rd(v) for v in eqn.invars]
-            p = _compat.scan_params(eqn)
-            if p is not None:
-                nc, nk = p.num_consts, p.num_carry
-
-                def body(carry, x, p=p, consts=vals[:nc], nk=nk):
-                    outs = rerun(p.jaxpr, [*consts, *carry, *x])
-                    return outs[:nk], outs[nk:]
-
-                carry, ys = jax.lax.scan(body, vals[nc : nc + nk], vals[nc + nk :], length=p.length, reverse=p.reverse)
-                outs = [*carry, *ys]
-            else:
-                outs = _compat.rerun_nested(eqn, vals, rerun) or _compat.bind_equation(eqn, vals)
-            env.update(zip(eqn.outvars, outs, strict=True))
-        return [rd(v) for v in c.jaxpr.outvars]
+        return evaluate_with(c, args, by_scan_params)
 
     x, xs = jnp.array([0.1, -0.2, 0.3]), jnp.linspace(-1, 1, 12).reshape(4, 3)
     closed = closed_of(f, x, xs)
