@@ -44,6 +44,7 @@ This module is the package's lowest layer: it imports only JAX, optax, NumPy and
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -872,6 +873,7 @@ def triton_lowering_target(device_kind: str = TRITON_CROSS_TARGET) -> Iterator[N
         gpu_info.get_gpu_info = original
 
 
+@functools.cache  # the answer is the installed JAX's: asked once per process, not per bucket
 def mosaic_gpu_pallas_call() -> bool:
     """Whether this JAX lowers a ``pallas_call`` with Mosaic GPU's ``CompilerParams`` (the ``mosaic_gpu`` kernels of
     ``kernels/_ragged``), found by asking Pallas for the rule, not by JAX's version.
