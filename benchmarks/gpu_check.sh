@@ -19,7 +19,7 @@
 #                    (goal >= 0.85 of the copy) and against XLA; writes kernels_gpu.md and the measured table
 #                    for KernelPolicy(mode="auto") ($OUT/kernels_measured.json; to ship it, copy it to
 #                    vescale_jax/kernels/_measured.json).
-#   steps   (60/50 s each) benchmarks/gpu_step.py, one process per variant: plain jax.jit, vj.fsdp, FP8
+#   steps   (50-90 s each) benchmarks/gpu_step.py, one process per variant: plain jax.jit, vj.fsdp, FP8
 #                    gather, 8-bit Adam; then jit and vj.fsdp again with XLA's latency-hiding scheduler
 #                    (LHS_FLAGS appended to XLA_FLAGS). gpu.md is rewritten after every variant.
 #   mosaic  (rest)   tests/test_kernels.py with the Mosaic GPU backend, if time is left.
@@ -158,7 +158,7 @@ if want steps; then
   }
   step_variant step_jit 60 jit "" ""
   step_variant step_fsdp 60 fsdp "" ""
-  step_variant step_fsdp_fp8 50 fsdp_fp8 "" ""
+  step_variant step_fsdp_fp8 90 fsdp_fp8 "" ""
   step_variant step_fsdp_adam8bit 50 fsdp_adam8bit "" ""
   step_variant step_fsdp_lhs 50 fsdp lhs "$LHS_FLAGS"
   (( DRY )) || step_variant step_jit_lhs 50 jit lhs "$LHS_FLAGS"

@@ -157,10 +157,12 @@ def run_variant(args) -> dict:
             updates, opt_state = tx.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, loss
 
+    _progress(f"{variant}: {n_params / 1e6:.1f} M parameters built; first call (trace, compile, one step)")
     t = time.perf_counter()
     params, opt_state, loss = step(params, opt_state, batch_arrays)
     jax.block_until_ready((params, opt_state, loss))
     first_s = time.perf_counter() - t
+    _progress(f"{variant}: first call took {first_s:.1f} s; timing {args.steps} steps")
     first_loss = float(loss)
     for _ in range(2):  # warm-up
         params, opt_state, loss = step(params, opt_state, batch_arrays)
@@ -203,6 +205,11 @@ def run_variant(args) -> dict:
         "first_loss": first_loss,
         "last_loss": float(loss),
     }
+
+
+def _progress(msg: str) -> None:
+    """One line to stderr at once (a run killed by its time limit shows how far it got)."""
+    print(f"[gpu_step] {msg}", file=sys.stderr, flush=True)
 
 
 def report(records: list[dict]) -> str:

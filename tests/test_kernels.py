@@ -195,6 +195,8 @@ def test_pack_errors():
         K.pack(leaves, layout, out=jnp.zeros((layout.total_size,), BF16))
     with pytest.raises(NotImplementedError, match="mosaic_gpu"):
         K.pack(leaves, vj.plan_bucket([3, 4], [1, 1], 1), interpret=False, backend="mosaic_gpu")
+    with pytest.raises(NotImplementedError, match="mosaic_gpu pack"):  # the refusal before the window width's
+        K.pack(leaves, vj.plan_bucket([3, 4], [1, 1], 1), interpret=False, backend="mosaic_gpu", chunk=4)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -244,6 +246,8 @@ def test_unpack_errors():
         K.unpack(buf[:-1], layout, [(3,), (4,)])
     with pytest.raises(ValueError, match="leaf 0 has shape"):
         K.unpack(buf, layout, [(2,), (4,)])
+    with pytest.raises(NotImplementedError, match="mosaic_gpu unpack"):  # the refusal before the window width's
+        K.unpack(buf, layout, [(3,), (4,)], interpret=False, backend="mosaic_gpu", chunk=16)
 
 
 # --------------------------------------------------------------------------------------------------------------

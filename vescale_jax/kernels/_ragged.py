@@ -106,11 +106,6 @@ def choose_backend(
     return backend  # type: ignore[return-value]
 
 
-def _mosaic_ok(sizes: Sequence[int], offsets: Sequence[int], src: Any, dst: Any, scaled: bool) -> bool:
-    """Whether the TMA kernel takes these copies (:func:`refusal` answers nothing)."""
-    return not _mosaic_refusal(sizes, offsets, None, src, dst, scaled)
-
-
 WARPGROUP_BYTES = 128
 """Mosaic GPU copies a multiple of a warpgroup's 128 bytes per TMA transfer."""
 
@@ -427,11 +422,12 @@ def pack(
     if not layout.total_size:
         return jnp.zeros((0,), dtype)
     interpret, backend = _resolve(interpret, backend)
-    chunk = _chunk(chunk, backend, dtype)
-    schedule = pack_schedule(layout.sizes, layout.offsets, layout.total_size, chunk=chunk)
+    # what the backend cannot do at all comes before a window width it would need
     why = refusal(layout, leaves[0].dtype, dtype, backend=backend, scaled=scale is not None)
     if backend == "mosaic_gpu" and why:
         raise NotImplementedError(f"mosaic_gpu pack: {why}; use backend='triton'.")
+    chunk = _chunk(chunk, backend, dtype)
+    schedule = pack_schedule(layout.sizes, layout.offsets, layout.total_size, chunk=chunk)
     used = [i for i, n in enumerate(layout.sizes) if n]
     index = {i: r for r, i in enumerate(used)}
     schedule = _remap(schedule, src=index)
@@ -488,10 +484,14 @@ def unpack(
     if not used:
         return result
     interpret, backend = _resolve(interpret, backend)
-    chunk = _chunk(chunk, backend, dtype)
-    if backend == "mosaic_gpu" and not _mosaic_ok(layout.sizes, layout.offsets, buffer.dtype, dtype, False):
-        why = _mosaic_refusal(layout.sizes, layout.offsets, None, buffer.dtype, dtype, False)
+    why = (
+        _mosaic_refusal(layout.sizes, layout.offsets, None, buffer.dtype, dtype, False)
+        if backend == "mosaic_gpu"
+        else ""
+    )
+    if why:
         raise NotImplementedError(f"mosaic_gpu unpack: {why}; use backend='triton'.")
+    chunk = _chunk(chunk, backend, dtype)
     schedule = unpack_schedule(layout.sizes, layout.offsets, chunk=chunk)
     schedule = _remap(schedule, dst={i: r for r, i in enumerate(used)})
     flat = _launch(
