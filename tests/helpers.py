@@ -10,6 +10,7 @@ as ``python tests/<worker>.py`` have it as their script directory. A ``python -c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import inspect
@@ -233,6 +234,27 @@ def reference_run(
 
 
 # --- Scripts of the repository ---------------------------------------------------------------------------------
+
+
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def counting_compiles() -> Iterator[list[str]]:
+    """Collects one name per program this process gets compiled while the context is open. JAX records the event
+    around its compile-or-read-the-persistent-cache call, so an executable that tests/conftest.py's persistent
+    cache hands back (compiled by an earlier test) is counted as well."""
+    compiles: list[str] = []
+
+    def on_duration(name: str, *_: Any, **__: Any) -> None:
+        if name == BACKEND_COMPILE:
+            compiles.append(name)
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    try:
+        yield compiles
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_duration)
 
 
 def load_script(relative_path: str) -> ModuleType:

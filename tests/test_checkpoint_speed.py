@@ -7,19 +7,12 @@ import numpy as np
 import optax
 import pytest
 from conftest import make_mesh
-from helpers import assert_trees_equal
+from helpers import assert_trees_equal, counting_compiles
 
 import vescale_jax as vj
 from vescale_jax.checkpoint import _integrity as _integrity
 from vescale_jax.checkpoint import _storable as _storable
 from vescale_jax.relayout import _logical_leaves as _logical
-
-_COMPILES: list[str] = []
-jax.monitoring.register_event_duration_secs_listener(
-    lambda name, *args, **kwargs: (
-        _COMPILES.append(name) if name == "/jax/core/compile/backend_compile_duration" else None
-    )
-)
 
 
 def stacked_tree(seed: int = 0, layers: int = 6, even: bool = False, scale: int = 1):
@@ -56,10 +49,10 @@ def state_of(tree, plan, seed: int):
 
 
 def compiles_during(fn):
-    before = len(_COMPILES)
-    out = fn()
-    jax.block_until_ready(out)
-    return out, len(_COMPILES) - before
+    with counting_compiles() as compiles:
+        out = fn()
+        jax.block_until_ready(out)
+    return out, len(compiles)
 
 
 def test_a_second_save_and_a_save_after_a_restore_compile_nothing(tmp_path):

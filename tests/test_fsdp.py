@@ -8,7 +8,16 @@ import optax
 import pytest
 from conftest import DEVICE_COUNTS, make_mesh
 from flax import nnx
-from helpers import GPTConfig, abstract_model, assert_trees_close, batches, init_params, loss_fn, reference_run
+from helpers import (
+    GPTConfig,
+    abstract_model,
+    assert_trees_close,
+    batches,
+    counting_compiles,
+    init_params,
+    loss_fn,
+    reference_run,
+)
 
 import vescale_jax as vj
 from vescale_jax import testing
@@ -347,12 +356,6 @@ def test_kernel_policy_comes_from_the_environment_when_the_step_is_built(monkeyp
 def test_state_passed_from_the_host_is_placed_as_the_step_returns_it_no_second_compile():
     # A model state made on the host (or on one device) goes in; the step hands it back replicated on the mesh
     # (Auto axes). The next call, with that state, must run the first call's program, not compile another.
-    compiles = []
-
-    def listen(name, *_, **__):
-        if name == "/jax/core/compile/backend_compile_duration":
-            compiles.append(name)
-
     tree = {"w": jnp.ones((8, 4), jnp.float32)}
     plan = vj.plan(tree, make_mesh(2, auto=True))
 
@@ -362,13 +365,10 @@ def test_state_passed_from_the_host_is_placed_as_the_step_returns_it_no_second_c
         return sp, opt, jnp.sum(y), count + 1
 
     sp, x = vj.shard(tree, plan), np.ones((4, 8), np.float32)
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with counting_compiles() as compiles:
         sp, _, _, count = step(sp, None, x, np.zeros((), np.int32))  # a host value
         first = len(compiles)
         for _ in range(2):
             sp, _, _, count = step(sp, None, x, count)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
     assert int(count) == 3
     assert first >= 1 and len(compiles) == first, compiles
