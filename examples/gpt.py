@@ -26,6 +26,7 @@ class GPTConfig:
     num_layers: int = 4
     d_ff: int = 512
     scan_unroll: int | bool = 1  # passed to the layer scan (True unrolls it: used to count FLOPs)
+    remat: bool = False  # each block call under nnx.remat: its activations recomputed in the backward pass
 
 
 class Block(nnx.Module):
@@ -74,7 +75,8 @@ class GPT(nnx.Module):
     def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
         t = tokens_BxT.shape[1]
         x_BxTxD = self.embed(tokens_BxT) + self.pos[:t]
-        x_BxTxD = vj.flax.nnx_scan_layers(self.blocks, x_BxTxD, unroll=self.cfg.scan_unroll)
+        call = (lambda block, h: nnx.remat(lambda m, h: m(h))(block, h)) if self.cfg.remat else None
+        x_BxTxD = vj.flax.nnx_scan_layers(self.blocks, x_BxTxD, call, unroll=self.cfg.scan_unroll)
         return self.head(self.ln_f(x_BxTxD))
 
 

@@ -145,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
         "corpus for two Pythons, e.g. to compare JAX versions)",
     )
     p.add_argument("--keep", action="store_true", help="keep gathered params for backward (no re-gather)")
+    p.add_argument(
+        "--remat",
+        action="store_true",
+        help="call each block under nnx.remat (the layer scan already keeps only each layer's input and recomputes "
+        "the rest, so the peak stays the same: this shows a lifted NNX transform trains as without it)",
+    )
     p.add_argument("--plot", default="train_gpt_loss.png", help="loss-curve PNG ('' to skip; needs matplotlib)")
     p.add_argument("--seed", type=int, default=0, help="initial parameters and data order")
     p.add_argument(
@@ -271,6 +277,7 @@ def train(
         num_heads=args.heads,
         num_layers=args.layers,
         d_ff=4 * args.d_model,
+        remat=args.remat,
     )
     graphdef, shapes = abstract_model(cfg)
     if args.optimizer == "shampoo":  # every b x b block on one device: rows(b) for the matrices
@@ -387,7 +394,14 @@ def train(
         args.steps, items_per_step=args.batch * args.seq, first=first, every=args.log_every, show=lead, cache=cache
     )
     batch = local(next(train))  # the first step's batch (drawn in order: the data RNG's state is checkpointed)
-    progress.compile(train_step, params, opt_state, batch)  # timed apart from the steps; JAX keeps the executable
+    compiled = progress.compile(train_step, params, opt_state, batch)  # timed apart; JAX keeps the executable
+    try:
+        peak_bytes = vj.testing.memory(compiled).peak
+    except ValueError:  # a backend that reports no memory analysis
+        peak_bytes = None
+    if lead and peak_bytes is not None:
+        remat = "each block under nnx.remat" if args.remat else "no remat"
+        print(f"compiled train step: {peak_bytes / 2**20:.2f} MiB peak per device ({remat})", flush=True)
     preempted = None
     save_s: list[float] = []  # wall time of each save call (async: until the arrays are on the host)
     watchdog = vj.distributed.Watchdog(args.watchdog_s)
@@ -429,6 +443,7 @@ def train(
         if args.log_json and lead:
             log = {"optimizer": args.optimizer, "argv": sys.argv[1:] if argv is None else argv, "train": losses}
             timings = {k: timing[k] for k in ("first_step_s", "lower_s", "compile_s", "first_run_s")}
+            timings["peak_bytes"] = peak_bytes
             with open(args.log_json, "w") as f:
                 json.dump({**log, **timings, **extra}, f, indent=0)
 

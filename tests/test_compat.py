@@ -833,6 +833,65 @@ def test_optax_per_leaf_transforms_map_in_their_own_frames(name):
     )
 
 
+def test_optax_norms_map_in_their_own_frames():
+    users = "state/_guards (optax.global_norm of a ShardedParams outside jax.set_mesh is explained)"
+    tree = _CodeRecorder([jnp.ones((2, 3)), jnp.ones(3)])
+    _CodeRecorder.codes.clear()
+    optax.global_norm(tree)
+    seen = {_compat.OPTAX_NORM_CODES.get(c) for codes in _CodeRecorder.codes for c in codes}
+    assert {"global_norm", "tree.norm"} <= seen, broke(
+        "OPTAX_NORM_CODES", f"optax.global_norm flattens the tree in its own frame (names seen: {seen})", users
+    )
+
+
+@pytest.mark.parametrize("kind", ["jit", "remat", "custom_jvp", "custom_vjp"])
+def test_call_body_is_the_equations_own_computation(kind):
+    """The body call_body returns takes the equation's operands and gives its outputs: evaluating it gives the
+    equation's values."""
+    users = "step/_forwarding (model variables handed through lifted transforms)"
+
+    @jax.custom_jvp
+    def jvp_fn(x, y):
+        return x * y, x
+
+    jvp_fn.defjvp(lambda p, t: (jvp_fn(*p), (t[0] * p[1] + p[0] * t[1], t[0])))
+
+    @jax.custom_vjp
+    def vjp_fn(x, y):
+        return x * y, x
+
+    vjp_fn.defvjp(lambda x, y: (vjp_fn(x, y), (x, y)), lambda r, g: (g[0] * r[1] + g[1], g[0] * r[0]))
+    fns = {
+        "jit": jax.jit(lambda x, y: (x * y, x)),
+        "remat": jax.checkpoint(lambda x, y: (x * y, x)),
+        "custom_jvp": jvp_fn,
+        "custom_vjp": vjp_fn,
+    }
+    x, y = jnp.arange(3.0), jnp.full(3, 2.0)
+    closed = closed_of(fns[kind], x, y)
+    (eqn,) = closed.jaxpr.eqns
+    body = _compat.call_body(eqn)
+    assert body is not None, broke("call_body", f"{_compat.primitive_name(eqn)} holds its body", users)
+    got = jax.core.eval_jaxpr(body.jaxpr, body.consts, x, y)
+    np.testing.assert_array_equal(got[0], x * y)
+    np.testing.assert_array_equal(got[1], x)
+    assert _compat.call_body(out_eqn(lambda x: jnp.sin(x), x)) is None
+
+
+def test_passes_values_through_copies_barriers_and_same_dtype_casts():
+    users = "step/_forwarding"
+    x = jnp.arange(3.0)
+    barrier = closed_of(lambda a, b: jax.lax.optimization_barrier((a, b)), x, x).jaxpr.eqns[0]
+    assert _compat.passes_values_through(barrier), broke("VALUE_PRESERVING_PRIMITIVES", "optimization_barrier", users)
+    copy = closed_of(lambda a: jnp.copy(a), x).jaxpr.eqns
+    assert copy and all(_compat.passes_values_through(e) for e in copy), broke(
+        "VALUE_PRESERVING_PRIMITIVES", "copy", users
+    )
+    same = out_eqn(lambda a: jax.lax.convert_element_type(a, jnp.float32), x.astype(jnp.float16))
+    assert not _compat.passes_values_through(same)  # a real cast
+    assert not _compat.passes_values_through(out_eqn(lambda a: a * 2, x))
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Internals in one place
 

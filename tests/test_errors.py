@@ -677,6 +677,35 @@ CASES = [
         ValueError,
         ("cpu_collectives='nccl'", "'gloo'", "'mpi'"),
     ),
+    # --- buffers that do not fit their plan; a Muon dims tree over other keys ------------------------------------
+    Case(
+        "unshard_buffers_of_another_length",
+        lambda w: vj.unshard(vj.ShardedParams([jnp.zeros(x.shape[0] - 2, x.dtype) for x in w.sp.buffers], w.plan)),
+        ValueError,
+        (
+            "vj.unshard",
+            r"buffer 0 \(bucket 'a:float32'",
+            r"shape \(\d+,\)",
+            "its plan stores that bucket as",
+            "vj.shard",
+        ),
+    ),
+    Case(
+        "muon_dims_key_not_in_params",
+        lambda w: vj.optim.muon(
+            0.1, plan=w.plan, muon_weight_dimension_numbers={"a": None, "c": None, "d": vj.optim.MuonDimensionNumbers()}
+        ).init(w.sp),
+        ValueError,
+        ("weight_dimension_numbers", r"not in the params: \['d'\]", "MuonDimensionNumbers or None", "callable"),
+    ),
+    Case(
+        "muon_dims_leaf_not_covered",
+        lambda w: vj.optim.muon(0.1, plan=w.plan, muon_weight_dimension_numbers={"a": {"w": None}, "c": None}).init(
+            w.sp
+        ),
+        ValueError,
+        ("weight_dimension_numbers", r"params it does not cover: \['a'\]\['b'\]"),
+    ),
     # --- donated (deleted) params ----------------------------------------------------------------------------
     Case(
         "unshard_donated",
@@ -711,6 +740,23 @@ def test_error_names_the_thing(case, w):
 
 
 # --- near-misses that now do the right thing ---------------------------------------------------------------------
+
+
+def test_global_norms_outside_set_mesh(w):
+    """vj.global_norm enters the plan's mesh itself; optax.global_norm of the ShardedParams gives the same value
+    where this JAX can take it outside a mesh, else our error naming both ways out (never JAX's own)."""
+    want = np.sqrt(sum(np.sum(np.square(np.asarray(x))) for x in jax.tree.leaves(tree())))
+    assert jax.sharding.get_abstract_mesh().empty
+    np.testing.assert_allclose(vj.global_norm(w.sp), want, rtol=1e-6)
+    try:
+        got = optax.global_norm(w.sp)
+    except ValueError as e:
+        for fragment in ("optax.global_norm", "outside jax.set_mesh", r"vj.global_norm\(params\)", r"set_mesh\(params"):
+            assert re.search(fragment, str(e)), f"{fragment!r} not in: {e}"
+    else:
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    with jax.set_mesh(w.mesh):
+        np.testing.assert_allclose(optax.global_norm(w.sp), want, rtol=1e-6)
 
 
 def test_fingerprint_includes_the_mesh_devices(w):

@@ -374,8 +374,9 @@ def test_state_update_that_differs_per_device_is_refused():
     graphdef, params, state = nnx.split(PerDeviceStat(nnx.Rngs(0)), nnx.Param, ...)
     plan = vj.plan(params, mesh)
     x = vj.place_batch(np.ones((6, 4), np.float32), plan)
-    with pytest.raises(ValueError, match=r"state leaf \['seen'\].*varies over the data axes \('fsdp',\).*pmean"):
+    with pytest.raises(ValueError, match=r"state leaf \['seen'\].*varies over the data axes \('fsdp',\).*pmean") as e:
         vj.flax.nnx_apply(graphdef, vj.shard(params, plan), x, state=state)
+    assert "vj.batch_mean" in str(e.value) and "one for the whole batch" in str(e.value)  # the way out
 
 
 def test_missing_or_planned_state_is_named():

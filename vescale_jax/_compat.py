@@ -59,6 +59,7 @@ from optax.tree_utils import _state_utils as _optax_state_utils
 __all__ = [
     "AXIS_INDEX",
     "BILINEAR_PRIMITIVES",
+    "CALL_LIKE_PRIMITIVES",
     "CHECKPOINT_PRIMITIVES",
     "COND",
     "CONVERT_ELEMENT_TYPE",
@@ -70,6 +71,7 @@ __all__ = [
     "OPAQUE_BODY_PRIMITIVES",
     "OPTAX_MASKING_MODULE",
     "OPTAX_MUON_MODULE",
+    "OPTAX_NORM_CODES",
     "OPTAX_PARTITION_MODULE",
     "OPTAX_PER_LEAF_CODES",
     "PSUM_PRIMITIVES",
@@ -80,6 +82,7 @@ __all__ = [
     "SELECT_N",
     "THREEFRY_IMPL",
     "TRACER_TYPES",
+    "VALUE_PRESERVING_PRIMITIVES",
     "VIEW_PRIMITIVES",
     "CheckpointParams",
     "ClosedJaxpr",
@@ -89,6 +92,7 @@ __all__ = [
     "aval_varying_axes",
     "backends_are_initialized",
     "bind_equation",
+    "call_body",
     "checkpoint_params",
     "cluster_types",
     "cond_branches",
@@ -114,6 +118,7 @@ __all__ = [
     "muon_orthogonalize",
     "nested_call_jaxpr",
     "nested_jaxprs",
+    "passes_values_through",
     "primitive_name",
     "pvary_axes",
     "rerun_nested",
@@ -497,6 +502,51 @@ def checkpoint_params(eqn: Any) -> CheckpointParams | None:
         return None
     p = eqn.params
     return CheckpointParams(as_closed(p["jaxpr"]), p["policy"], p["prevent_cse"])
+
+
+CALL_LIKE_PRIMITIVES = NESTED_CALL_PRIMITIVES | CHECKPOINT_PRIMITIVES | {"custom_jvp_call", "custom_vjp_call"}
+"""Primitives whose outputs are those of one nested jaxpr run on the equation's own operands: nested calls,
+``jax.checkpoint`` (``params["jaxpr"]``, differentiated or not) and the primal of ``jax.custom_jvp`` /
+``jax.custom_vjp`` (``params["call_jaxpr"]``). Verified on JAX 0.10.2 and 0.12.0.1. Used by ``step/_forwarding``
+(through :func:`call_body`)."""
+
+
+def call_body(eqn: Any) -> Any | None:
+    """The closed jaxpr a call-like equation (:data:`CALL_LIKE_PRIMITIVES`) runs on its operands to give its
+    outputs, or None for another equation (or one whose body does not take and give as many values).
+
+    Verified on JAX 0.10.2 and 0.12.0.1. Used by ``step/_forwarding``.
+    """
+    if primitive_name(eqn) not in CALL_LIKE_PRIMITIVES:
+        return None
+    body = eqn.params.get("call_jaxpr", eqn.params.get("jaxpr"))
+    if body is None:
+        return None
+    body = as_closed(body)
+    if len(body.jaxpr.invars) != len(eqn.invars) or len(body.jaxpr.outvars) != len(eqn.outvars):
+        return None
+    return body
+
+
+VALUE_PRESERVING_PRIMITIVES = frozenset({"copy", "copy_p", "optimization_barrier", "pvary"})
+"""Primitives whose output ``i`` holds the value of operand ``i`` (a copy, ``lax.optimization_barrier``, the
+varying-axes mark ``pvary`` inside ``shard_map``). Verified on JAX 0.10.2 and 0.12.0.1. Used by
+``step/_forwarding`` (through :func:`passes_values_through`)."""
+
+
+def passes_values_through(eqn: Any) -> bool:
+    """Whether each output of ``eqn`` is the value of the operand at the same position: a primitive of
+    :data:`VALUE_PRESERVING_PRIMITIVES`, or a ``convert_element_type`` to the operand's own dtype.
+
+    Verified on JAX 0.10.2 and 0.12.0.1. Used by ``step/_forwarding``.
+    """
+    if len(eqn.invars) != len(eqn.outvars):
+        return False
+    if primitive_name(eqn) in VALUE_PRESERVING_PRIMITIVES:
+        return True
+    if is_convert(eqn) and not is_literal(eqn.invars[0]):
+        return np.dtype(eqn.invars[0].aval.dtype) == convert_dtype(eqn)
+    return False
 
 
 COND = "cond"
@@ -1049,6 +1099,17 @@ to their public names (``scale_by_trust_ratio``, which ``optax.lamb``, ``lars`` 
 ``scale_by_sm3``; ``scale_by_novograd``). Assumes (verified on optax 0.2.8) each returns a transformation whose
 ``init`` / ``update`` is a plain function that maps its per-leaf computation over the tree in its own frame.
 Used by ``state/_guards`` (a per-leaf transformation that reaches the bucket buffers of a ``ShardedParams``)."""
+
+
+def _norm_codes() -> dict[Any, str]:
+    named = {"global_norm": optax.global_norm, "tree.norm": optax.tree.norm}
+    return {fn.__code__: name for name, fn in named.items() if hasattr(fn, "__code__")}
+
+
+OPTAX_NORM_CODES: Mapping[Any, str] = _norm_codes()
+"""The code objects of ``optax.global_norm`` and ``optax.tree.norm`` (which it calls) to their public names.
+Assumes (verified on optax 0.2.8) both are plain functions that map over the tree in their own frame. Used by
+``state/_guards`` (an eager norm of a ``ShardedParams`` outside ``jax.set_mesh``)."""
 
 
 ELEMENTWISE_PRIMITIVES = frozenset(

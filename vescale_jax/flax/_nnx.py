@@ -10,6 +10,7 @@ import jax
 
 from vescale_jax.flax._batch_norm import batch_axes, global_batch_norm_nnx
 from vescale_jax.state._sharded import ShardedParams
+from vescale_jax.step._forwarding import forwarded_inputs
 from vescale_jax.step._fsdp import apply
 from vescale_jax.step._scan_layers import scan_layers
 
@@ -30,6 +31,11 @@ def _name(key: str) -> str:
     return "/".join(k.strip("'\"") for k in key.removesuffix(".value").strip("[]").split("]["))
 
 
+def _copy(tree: Any) -> Any:
+    """The same leaves in new containers (new ``nnx.Variable`` objects for a state)."""
+    return jax.tree.map(lambda x: x, tree)
+
+
 def _merge(graphdef: Any, params: Any, state: Any) -> Any:
     from flax import nnx
 
@@ -46,14 +52,31 @@ def _merge(graphdef: Any, params: Any, state: Any) -> Any:
         ) from None
 
 
-def _check_params_unchanged(model: Any, before: dict[str, Any]) -> None:
-    """Raises, naming the variable, when the model assigned a planned leaf (``before``: the planned leaves by key,
-    read before the call; its update would be dropped)."""
+def _check_params_unchanged(model: Any, tree: Any, call: Callable[[Any], Any]) -> None:
+    """Raises, naming the variable, when the model assigned a planned leaf (its update would be dropped).
+
+    ``tree``: the planned leaves the model was built from; ``call(tree) -> model``: builds and calls the model
+    again. A leaf that is the very value that went in passes at once. A lifted transform (``nnx.remat``,
+    ``nnx.scan``, ``nnx.jit``, ``nnx.cond`` ...) hands every variable out and back as a new traced value: then the
+    call is traced once more on its own, and a leaf passes when the jaxpr shows it is the input it came from.
+    """
     from flax import nnx
 
+    before = _flat(tree)
     now = _flat(nnx.state(model))
-    for key, leaf in before.items():
-        if now.get(key, leaf) is not leaf:
+    suspects = [key for key, leaf in before.items() if now.get(key, leaf) is not leaf]
+    if not suspects:
+        return
+    keys = list(before)
+    leaves, treedef = jax.tree.flatten(tree)
+
+    def planned_after(*flat: Any) -> list[Any]:
+        state = _flat(nnx.state(call(jax.tree.unflatten(treedef, flat))))
+        return [state.get(k, x) for k, x in zip(keys, flat, strict=True)]
+
+    origin = forwarded_inputs(jax.make_jaxpr(planned_after)(*leaves).jaxpr)
+    for i, key in enumerate(keys):
+        if origin[i] != i:
             raise ValueError(
                 f"vj.flax.nnx_apply: the model updated {_name(key)}, a leaf of the planned params; planned leaves "
                 "are trained by the optimizer and an update made by the model itself would be dropped. Plan only "
@@ -118,17 +141,22 @@ def nnx_apply(
     plan = getattr(params, "plan", None)  # ShardedParams, or GatheredParams inside vj.accumulate
     axes = batch_axes(plan, data_axes) if plan is not None else None
 
-    def fn(tree, *a, **kw):
-        given = kw.pop("state") if state is not None else None
-        before = _flat(tree)  # merge shares the tree's Variables with the model: read the leaves first
-        model = _merge(graphdef, tree, given)
+    def call(tree, given, a, kw):
+        # merge shares the Variables it is given with the model, which may assign them: it gets copies, so the
+        # tree and state passed in keep the values that went in
+        model = _merge(graphdef, _copy(tree), None if given is None else _copy(given))
         if axes is not None:
             global_batch_norm_nnx(model, axes)
         if method is None:
             out = model(*a, **kw)
         else:
             out = getattr(model, method)(*a, **kw) if isinstance(method, str) else method(model, *a, **kw)
-        _check_params_unchanged(model, before)
+        return model, out
+
+    def fn(tree, *a, **kw):
+        given = kw.pop("state") if state is not None else None
+        model, out = call(tree, given, a, kw)
+        _check_params_unchanged(model, tree, lambda t: call(t, given, a, kw)[0])
         if state is None:
             return out
         now = _flat(nnx.state(model))

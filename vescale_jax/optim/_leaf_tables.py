@@ -44,11 +44,42 @@ def abstract_params(plan: Plan) -> Any:
     return jax.tree_util.tree_unflatten(plan.treedef, leaves)
 
 
-def prefix_per_leaf(prefix: Any, full: Any, is_leaf: Callable[[Any], bool]) -> list[Any]:
-    """Per-leaf values (in the plan's flattening order) of a prefix tree of ``full``."""
-    out = []
-    jax.tree.map(lambda v, sub: out.extend([v] * len(jax.tree.leaves(sub))), prefix, full, is_leaf=is_leaf)
+def prefix_per_leaf(
+    prefix: Any, full: Any, is_leaf: Callable[[Any], bool], *, what: str = "the prefix tree", fix: str = ""
+) -> list[Any]:
+    """Per-leaf values (in the plan's flattening order) of a prefix tree of ``full``.
+
+    Raises:
+      ValueError: ``prefix`` is not a prefix tree of ``full``; the message names ``what``, the key paths of
+        ``prefix`` that are not in ``full`` and the leaves of ``full`` it leaves uncovered, and ends with ``fix``.
+    """
+    out: list[Any] = []
+    try:
+        jax.tree.map(lambda v, sub: out.extend([v] * len(jax.tree.leaves(sub))), prefix, full, is_leaf=is_leaf)
+    except (ValueError, TypeError) as e:
+        raise ValueError(
+            f"{what} is not a prefix tree of the params: {_prefix_difference(prefix, full, is_leaf)}. {fix}".rstrip()
+        ) from e
     return out
+
+
+def _prefix_difference(prefix: Any, full: Any, is_leaf: Callable[[Any], bool]) -> str:
+    """Which key paths of ``prefix`` name no subtree of ``full``, and which leaves of ``full`` no entry covers."""
+    keys = lambda tree, leaf: [
+        jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree, is_leaf=leaf)[0]
+    ]
+    given = keys(prefix, lambda x: x is None or is_leaf(x))
+    leaves = keys(full, None)
+    extra = [g for g in given if not any(f.startswith(g) for f in leaves)]
+    uncovered = [f for f in leaves if not any(f.startswith(g) for g in given)]
+    parts = []
+    if extra:
+        parts.append(f"not in the params: {', '.join(extra[:6])}{' ...' if len(extra) > 6 else ''}")
+    if uncovered:
+        parts.append(f"params it does not cover: {', '.join(uncovered[:6])}{' ...' if len(uncovered) > 6 else ''}")
+    return (
+        "; ".join(parts) or "the same key paths in other container types (a dict for an nnx.State, a list for a tuple)"
+    )
 
 
 def _local_runs(plan: Plan) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:

@@ -50,6 +50,21 @@ def check_sharded_params(x: Any, fn: str, *, what: str = "params") -> None:
     raise TypeError(f"{fn}: {what} must be a vj.ShardedParams, got {type(x).__name__}; {hint}")
 
 
+def check_buffers_fit_plan(sp: ShardedParams, fn: str) -> None:
+    """ValueError naming the bucket when a buffer of ``sp`` is not of its bucket's shape and dtype (buffers from
+    another plan, or made by hand)."""
+    for i, (bucket, x) in enumerate(zip(sp.plan.buckets, sp.buffers, strict=True)):
+        shape, dtype = tuple(getattr(x, "shape", ())), getattr(x, "dtype", None)
+        if shape != tuple(bucket.shape) or dtype is None or np.dtype(dtype) != np.dtype(bucket.dtype):
+            raise ValueError(
+                f"{fn}: buffer {i} (bucket {bucket.name!r}, unit {bucket.unit!r}) has shape {shape} and dtype "
+                f"{dtype}; its plan stores that bucket as {tuple(bucket.shape)} {np.dtype(bucket.dtype).name}. "
+                "The buffers do not belong to this plan: pair them with the plan they were made under (the "
+                "ShardedParams vj.shard / vj.init_sharded / a checkpoint restore returned); parameters move to "
+                "another plan by vj.shard(vj.unshard(sp), plan), or by restoring a checkpoint into that plan."
+            )
+
+
 def plan_states(tree: Any) -> list[tuple[str, Any]]:
     """``(key path, node)`` of every ``ShardedParams`` / ``PerDevice`` inside an optimizer-state tree."""
 

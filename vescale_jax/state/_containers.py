@@ -12,7 +12,7 @@ from typing import Any
 import jax
 
 from vescale_jax.layout._plan import Plan
-from vescale_jax.state._guards import check_children, check_per_leaf_transform
+from vescale_jax.state._guards import check_children, check_eager_norm, check_per_leaf_transform
 
 __all__ = ["GatheredParams", "PerDevice", "ShardedParams"]
 
@@ -28,6 +28,7 @@ class _Buffers:
 
     def tree_flatten(self):
         check_per_leaf_transform(self.plan)  # optax.lamb & co. mapping over the buckets raise before computing
+        check_eager_norm(self.buffers, self.plan)  # optax.global_norm outside jax.set_mesh, where JAX cannot
         return self.buffers, self.plan
 
     @classmethod

@@ -24,16 +24,20 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from vescale_jax._compat import (
     OPTAX_MASKING_MODULE,
     OPTAX_MUON_MODULE,
+    OPTAX_NORM_CODES,
     OPTAX_PARTITION_MODULE,
     OPTAX_PER_LEAF_CODES,
+    is_tracer,
 )
 
-__all__ = ["PerLeafOnBucketsError", "check_children", "check_per_leaf_transform"]
+__all__ = ["PerLeafOnBucketsError", "check_children", "check_eager_norm", "check_per_leaf_transform"]
 
 
 class PerLeafOnBucketsError(TypeError):
@@ -142,6 +146,39 @@ def check_per_leaf_transform(plan: Any) -> None:
         f"[raised in {frame.f_globals.get('__name__', '?')}:"
         f"{frame.f_code.co_name} line {frame.f_lineno}]"
     )
+
+
+def _norm_frame(depth: int = 8) -> str | None:
+    """The outermost of optax's norms among the ``depth`` frames above the caller's caller (``global_norm``
+    calls ``tree.norm``: the user called the first)."""
+    frame, found = sys._getframe(2), None
+    while frame is not None and depth:
+        found = OPTAX_NORM_CODES.get(frame.f_code, found)
+        frame, depth = frame.f_back, depth - 1
+    return found
+
+
+def check_eager_norm(buffers: Sequence[Any], plan: Any) -> None:
+    """Raises, naming the fix, when ``optax.global_norm`` / ``optax.tree.norm`` is taking the norm of a
+    ``ShardedParams`` eagerly, outside ``jax.set_mesh``, on a JAX that cannot (its ``x.imag`` of an array on
+    ``Explicit`` mesh axes needs a mesh context: JAX 0.10 and 0.11). Anywhere else it returns at once."""
+    name = _norm_frame()
+    if name is None or not buffers or any(is_tracer(x) for x in buffers):
+        return
+    if not jax.sharding.get_abstract_mesh().empty or getattr(plan, "num_devices", 1) < 2:
+        return
+    x = buffers[0]
+    try:
+        jnp.imag(x)
+    except ValueError as e:
+        if "set_mesh" not in str(e):
+            raise
+        raise ValueError(
+            f"optax.{name} was given a vj.ShardedParams outside jax.set_mesh: its buckets live on the plan's mesh "
+            f"{dict(plan.mesh.shape)} with Explicit axes, and this JAX ({jax.__version__}) takes such a norm only "
+            "inside a mesh context. Call vj.global_norm(params) (it enters the plan's mesh itself and leaves the "
+            "padding out), or wrap the call: with jax.set_mesh(params.plan.mesh): optax.global_norm(params)."
+        ) from None
 
 
 _ORBAX = "orbax."  # any module of the orbax package (orbax.checkpoint names every leaf before saving)

@@ -23,8 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from vescale_jax._compat import is_tracer
 from vescale_jax.layout._plan import Plan
-from vescale_jax.state._checks import check_not_donated
+from vescale_jax.state._checks import check_not_donated, plan_states
 from vescale_jax.state._sharded import ShardedParams, as_bits, from_bits
 
 __all__ = [
@@ -254,6 +255,13 @@ def global_norm(tree: Any) -> jax.Array:
       The L2 norm over all leaf elements: equal to ``optax.global_norm`` of the logical (unsharded) tree.
 
     Sharding:
-      Each device sums its own masked shard; the partitioner adds one scalar all-reduce.
+      Each device sums its own masked shard; the partitioner adds one scalar all-reduce. Called eagerly outside
+      ``jax.set_mesh``, it runs under the mesh of the first ``ShardedParams``'s plan (JAX needs a mesh context
+      for arrays on ``Explicit`` axes).
     """
+    plans = [node.plan for _, node in plan_states(tree) if isinstance(node, ShardedParams)]
+    eager = not any(is_tracer(x) for x in jax.tree.leaves(tree))
+    if plans and eager and jax.sharding.get_abstract_mesh().empty:
+        with jax.set_mesh(plans[0].mesh):
+            return optax.tree.norm(zero_padding(tree))
     return optax.tree.norm(zero_padding(tree))

@@ -21,7 +21,7 @@ from vescale_jax.layout._bucket_layout import BucketLayout
 from vescale_jax.layout._checks import tree_difference
 from vescale_jax.layout._paths import path_str
 from vescale_jax.layout._plan import Bucket, Plan
-from vescale_jax.state._checks import check_not_donated, check_sharded_params
+from vescale_jax.state._checks import check_buffers_fit_plan, check_not_donated, check_sharded_params
 from vescale_jax.state._containers import GatheredParams, PerDevice, ShardedParams
 
 __all__ = [
@@ -238,6 +238,7 @@ def unshard(sp: ShardedParams) -> Any:
     """The logical tree back from :class:`ShardedParams`, bit-exact, replicated on the plan's mesh."""
     check_sharded_params(sp, "vj.unshard", what="its argument")
     check_not_donated(sp, "vj.unshard")
+    check_buffers_fit_plan(sp, "vj.unshard")
     plan = sp.plan
     replicated = jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec())
     # all-gather (works on Auto and Explicit axes), as bits: bit-exact for NaN payloads, as vj.shard

@@ -39,7 +39,7 @@ from vescale_jax._compat import (
     while_parts,
 )
 from vescale_jax.step._jaxpr import evaluate, read
-from vescale_jax.step._statistics import over_batch
+from vescale_jax.step._statistics import WHOLE_BATCH_VALUE, over_batch
 from vescale_jax.step._wire import varying_axes
 
 __all__ = ["batch_dependence", "checked_model"]
@@ -148,7 +148,7 @@ def _refusal(kind: str, eqn: Any, ctx: _Context, within: tuple[str, ...]) -> Val
         f"(a batch statistic such as jnp.mean(h) > 0, or one example's value; the data axes are {ctx.axes}): it "
         f"differs between devices, so {effect} the unsharded model decides once for the whole batch. Compute the "
         "statistic over the global batch with vj.batch_mean(h) / vj.batch_sum(h) (the same value on every device, "
-        "and the unsharded value), or decide per example with jnp.where(...)."
+        f"and the unsharded value), or decide per example with jnp.where(...). {WHOLE_BATCH_VALUE}"
     )
 
 

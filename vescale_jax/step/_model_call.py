@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from vescale_jax._compat import varying_axes
+from vescale_jax.step._statistics import WHOLE_BATCH_VALUE
 
 __all__ = ["ModelCall", "model_call"]
 
@@ -131,7 +132,8 @@ def _check_same_on_every_device(new_state: Any, axes: tuple[str, ...]) -> None:
             raise ValueError(
                 f"vj.apply: state leaf {jax.tree_util.keystr(path) or '<root>'} (shape {tuple(np.shape(leaf))}) is "
                 f"updated from this device's batch shard: it varies over the data axes {tuple(over)}, but model "
-                "state is the same on every device. Compute it from global-batch quantities (e.g. average a "
-                f"statistic with jax.lax.pmean(x, {axes}), as BatchNorm does with axis_name), or return it as a "
-                "per-example output instead of state."
+                "state is the same on every device. Compute it from global-batch quantities: vj.batch_mean(x) / "
+                "vj.batch_sum(x) give the unsharded value on every device (a pmean of a per-device statistic is "
+                f"that only for a mean of equal shards, not for a variance or a product of means). {WHOLE_BATCH_VALUE} "
+                "Or return it as a per-example output instead of state."
             )

@@ -35,6 +35,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from vescale_jax.step._statistics import WHOLE_BATCH_VALUE
+
 __all__ = ["split_or_whole"]
 
 
@@ -155,7 +157,7 @@ def _statistic(name: str, shape: tuple[int, ...], glob: tuple[int, ...], axes: t
         f"each device's slice of the batch (the data axes are {axes}) but is not per-example: it differs between "
         "devices and is not the unsharded model's value (a statistic such as jnp.mean(h, axis=0)). Compute it "
         "over the global batch with vj.batch_mean / vj.batch_sum (it is then returned whole, as unsharded), or "
-        "return per-example values (dim 0 the batch) and reduce outside."
+        f"return per-example values (dim 0 the batch) and reduce outside. {WHOLE_BATCH_VALUE}"
     )
 
 
@@ -165,5 +167,6 @@ def _scalar(name: str, axes: tuple[str, ...]) -> ValueError:
         f"axes are {axes}): it differs between devices and is not the unsharded model's value, and averaging it "
         "over the devices afterwards is not either for anything but a plain mean (a product of means, a ratio). "
         "Compute it over the global batch with vj.batch_mean / vj.batch_sum (it is then returned whole, as "
-        "unsharded), or return per-example values (dim 0 the batch) and reduce outside: jnp.mean(vj.apply(...))."
+        "unsharded), or return per-example values (dim 0 the batch) and reduce outside: jnp.mean(vj.apply(...)). "
+        f"{WHOLE_BATCH_VALUE}"
     )

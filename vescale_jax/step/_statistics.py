@@ -51,6 +51,16 @@ def over_batch(axes: tuple[str, ...], *, typed: bool) -> Iterator[None]:
         _ENCLOSING.reset(token)
 
 
+WHOLE_BATCH_VALUE = (
+    "A value that is one for the whole batch (a task or phase flag) is not batch data: pass it to the model call as "
+    "a keyword argument that is not batch-shaped (a 0-d array, or any array whose first dim is not the batch's, "
+    "reaches every device whole), e.g. vj.apply(model_fn, params, x, mode=phase) with the flag as the data "
+    "pipeline's scalar, or mode=jnp.max(batch['mode']) reduced over the global batch outside the model call; or as "
+    "a Python value (static)."
+)
+"""The way out every refusal of a batch-dependent value shows (control flow, outputs, model state)."""
+
+
 def _dims(x: jax.Array, axis: int | Sequence[int] | None, fn: str) -> tuple[int, ...]:
     ndim = np.ndim(x)
     if axis is None:

@@ -114,7 +114,15 @@ def resolve_dimension_numbers(plan: Plan, weight_dimension_numbers: Any = None) 
     if isinstance(tree, MuonDimensionNumbers):
         per_leaf = [tree] * len(plan.leaves)
     else:
-        per_leaf = prefix_per_leaf(tree, abstract, _is_dims)
+        per_leaf = prefix_per_leaf(
+            tree,
+            abstract,
+            _is_dims,
+            what="vj.optim.muon: weight_dimension_numbers",
+            fix="Give a MuonDimensionNumbers or None for each key of the params (a subtree's entry covers its "
+            "leaves), or a callable of the params' tree that returns one (e.g. lambda p: jax.tree.map(lambda x: "
+            "MuonDimensionNumbers() if x.ndim == 2 else None, p)).",
+        )
     return _drop_empty(plan, [None if d is None else (d.reduction_axis, d.output_axis) for d in per_leaf])
 
 
