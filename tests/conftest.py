@@ -10,15 +10,8 @@ import shutil
 import tempfile
 
 _N = int(os.environ.get("VESCALE_JAX_TEST_DEVICES", "8"))
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={_N}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# On CPU, the LLVM back end compiles without its optimisations (--xla_backend_optimization_level=0): the tests'
-# programs are small, compiling them is most of the suite's time, and this takes about a fifth off it. XLA's own
-# HLO passes (fusion, sharding propagation, collectives) run as ever. An XLA_FLAGS of the caller's is kept whole.
-_CPU = os.environ["JAX_PLATFORMS"] == "cpu"
-os.environ.setdefault(
-    "XLA_FLAGS",
-    f"--xla_force_host_platform_device_count={_N}" + (" --xla_backend_optimization_level=0" if _CPU else ""),
-)
 # Simulated devices are threads of one process: one OpenBLAS thread per LAPACK call (eigendecompositions).
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 # One persistent compilation cache per test process (a temporary directory, never the user's ~/.cache, nor shared
