@@ -622,3 +622,16 @@ def test_train_gpt_resume_gives_the_uninterrupted_losses(tmp_path, optimizer):
     rest = run("rest", *ckpt, "--resume")
     assert sorted(map(int, first)) == list(range(1, 9)) and sorted(map(int, rest)) == list(range(9, 21))
     assert {**first, **rest} == full  # bitwise: same device count, same programs
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["target", "no_target"])
+def test_a_leaf_orbax_names_with_dots_is_named_with_slashes(tmp_path, named):
+    """Orbax's error names a leaf 'w.k' (keys joined with '.'); the message names it 'w/k', from the restore
+    target where one is at hand, else by the separator (the metadata read, before the targets are built)."""
+    from vescale_jax.checkpoint import _read_errors
+
+    item = tmp_path / "params"
+    error = ValueError(f'NOT_FOUND: Metadata at "w.k/.zarray" in OCDBT database at local file "{item}/" does not exist')
+    trees = {"params": {"b": jnp.zeros(3), "w": {"k": jnp.zeros((2, 2))}}} if named else {}
+    text = _read_errors.describe(error, trees)
+    assert text is not None and text.startswith("params leaf 'w/k' (its array metadata)"), text

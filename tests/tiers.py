@@ -282,7 +282,12 @@ HEAVY: dict[str, tuple[str, ...]] = {
     # Heavy parametrisations moved from the default matrix to the slow tier (``-m slow``), entries as in FAST:
     # each costs 10-80 s of CPU, and a cheaper case of the same test (or a test of the same property) stays in
     # the default matrix.
-    "test_snippets.py": ("test_snippets_run_as_shown[docs/devices.md]",),
+    "test_snippets.py": (  # each page's snippets are checked in the slow tier; the other pages stay
+        "test_snippets_run_as_shown[docs/devices.md]",
+        "test_snippets_run_as_shown[docs/fsdp.md]",
+        "test_snippets_run_as_shown[docs/checkpoint.md]",
+        "test_snippets_run_as_shown[docs/kernels.md]",
+    ),
     "test_transforms.py": ("test_construct_trains_as_unsharded[*-m8]",),
     "test_planner.py": ("test_invariants_hold_on_random_instances",),
     "test_checkpoint_optim.py": (

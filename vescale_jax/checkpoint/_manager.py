@@ -416,10 +416,12 @@ class Manager:
         step = self._step(step)
         desc = self._description(step)
         where = os.path.join(self.directory, str(step))
+        # the params' restore target names a leaf whose metadata cannot be read (Orbax calls it 'w.k', we 'w/k')
+        named = {_PARAMS: _stored.storable(abstract_logical(_target_plan(params)))} if params is not None else {}
         try:
             metadata = self._mngr.item_metadata(step)
         except Exception as e:  # TensorStore's errors are plain Exceptions
-            raise _read_errors.read_error(e, where=f"step {step} at {where}", trees={}) from e
+            raise _read_errors.read_error(e, where=f"step {step} at {where}", trees=named) from e
 
         def stored_shapes(item: str, target: Any) -> dict[str, Any]:
             shapes = _integrity.stored_shapes(metadata[item]) if item in metadata.keys() else {}

@@ -78,7 +78,8 @@ def describe(e: BaseException, trees: Mapping[str, Any]) -> str | None:
         key, item_dir = found.groups()
         param, _, chunk = key.rpartition("/")
         item = os.path.basename(item_dir.rstrip("/"))
-        path = _orbax_names(trees[item]).get(param, param) if item in trees else param
+        # a leaf of a tree not at hand: Orbax's dotted name with this library's separator
+        path = (_orbax_names(trees[item]) if item in trees else {}).get(param, param.replace(".", "/"))
         detail = text.split(" [tensorstore_spec=")[0]
         why = detail.split(": ", 1)[0] + ": " + detail.rsplit(": ", 1)[-1][:160]
         part = "its array metadata" if chunk == ".zarray" else f"chunk {chunk or '-'}"
