@@ -511,41 +511,50 @@ def _copy(tree: Any) -> Any:
     return jax.tree.map(lambda x: x, tree)
 
 
+def _adamw_step(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``(p, opt, batch, st, key) -> (p, opt, st, loss)``: one AdamW step on the MSE of ``forward(p, st, batch,
+    key) -> (outputs, new state)``."""
+
+    def step(p, opt, batch, st, key):
+        def loss(p):
+            out, new = forward(p, st, batch, key)
+            return mse(out, batch["y"]), new
+
+        (value, st), grads = jax.value_and_grad(loss, has_aux=True)(p)
+        updates, opt = TX.update(grads, opt, p)
+        return optax.apply_updates(p, updates), opt, st, value
+
+    return step
+
+
+def _unsharded_and_sharded(
+    unsharded: Callable[..., Any], sharded: Callable[..., Any], params: Any, state: Any, keys: list[Any], mesh: Any
+) -> tuple[Any, Any]:
+    """(unsharded, sharded) results of 3 AdamW steps, (params, state, losses) each: ``unsharded`` under
+    ``jax.jit``, ``sharded`` (the same model through ``vj.flax``) under ``vj.fsdp``."""
+    batches = data()
+    want = _train(jax.jit(_adamw_step(unsharded)), params, TX.init(params), state, batches, keys)
+    sp = vj.shard(params, vj.plan(params, mesh))
+    got = _train(vj.fsdp(_adamw_step(sharded)), sp, vj.init_opt_state(TX, sp), state, batches, keys)
+    return want, (vj.unshard(got[0]), got[1], got[2])
+
+
 def run_nnx(cls: type[NNXNet], mesh: jax.sharding.Mesh) -> tuple[Any, Any]:
     """(unsharded, sharded) results of 3 AdamW steps: (params, state, losses) each."""
     graphdef, params, state = nnx.split(cls(nnx.Rngs(0)), nnx.Param, ...)
-    has_state = bool(jax.tree.leaves(state))
-    batches, keys = data(), [None] * STEPS
+    if not jax.tree.leaves(state):  # a model of parameters only: no state= (nor an empty one) for nnx_apply
+        state = None
 
-    @jax.jit
-    def ref_step(p, opt, batch, st, key):
-        def loss(p):
-            model = nnx.merge(graphdef, p, _copy(st))
-            return mse(model(batch["x"]), batch["y"]), nnx.split(model, nnx.Param, ...)[2]
+    def unsharded(p, st, batch, key):
+        model = nnx.merge(graphdef, p) if st is None else nnx.merge(graphdef, p, _copy(st))
+        return model(batch["x"]), None if st is None else nnx.split(model, nnx.Param, ...)[2]
 
-        (value, st), grads = jax.value_and_grad(loss, has_aux=True)(p)
-        updates, opt = TX.update(grads, opt, p)
-        return optax.apply_updates(p, updates), opt, st, value
+    def sharded(p, st, batch, key):
+        if st is None:
+            return vj.flax.nnx_apply(graphdef, p, batch["x"]), None
+        return vj.flax.nnx_apply(graphdef, p, batch["x"], state=st)
 
-    want = _train(ref_step, params, TX.init(params), state, batches, keys)
-
-    sp = vj.shard(params, vj.plan(params, mesh))
-
-    @vj.fsdp
-    def step(p, opt, batch, st, key):
-        def loss(p):
-            if has_state:
-                out, st2 = vj.flax.nnx_apply(graphdef, p, batch["x"], state=st)
-            else:
-                out, st2 = vj.flax.nnx_apply(graphdef, p, batch["x"]), st
-            return mse(out, batch["y"]), st2
-
-        (value, st), grads = jax.value_and_grad(loss, has_aux=True)(p)
-        updates, opt = TX.update(grads, opt, p)
-        return optax.apply_updates(p, updates), opt, st, value
-
-    got = _train(step, sp, vj.init_opt_state(TX, sp), state if has_state else None, batches, keys)
-    return want, (vj.unshard(got[0]), got[1] if has_state else state, got[2])
+    return _unsharded_and_sharded(unsharded, sharded, params, state, [None] * STEPS, mesh)
 
 
 def run_linen(c: Construct, mesh: jax.sharding.Mesh) -> tuple[Any, Any]:
@@ -554,44 +563,26 @@ def run_linen(c: Construct, mesh: jax.sharding.Mesh) -> tuple[Any, Any]:
     variables = model.init(init_rngs, jnp.ones((2, D_IN)))
     params = {"params": variables["params"]}
     state = {k: v for k, v in variables.items() if k != "params"}
-    batches = data()
     keys = [jax.random.fold_in(jax.random.key(9), i) for i in range(STEPS)]
     mutable = list(c.mutable)
 
     def rngs_of(key):
         return {r: jax.random.fold_in(key, j) for j, r in enumerate(c.rngs)} or None
 
-    @jax.jit
-    def ref_step(p, opt, batch, st, key):
-        def loss(p):
-            if mutable:
-                out, new = model.apply({**p, **st}, batch["x"], rngs=rngs_of(key), mutable=mutable)
-                return mse(out, batch["y"]), {**st, **new}
-            return mse(model.apply({**p, **st}, batch["x"], rngs=rngs_of(key)), batch["y"]), st
+    def unsharded(p, st, batch, key):
+        if mutable:
+            out, new = model.apply({**p, **st}, batch["x"], rngs=rngs_of(key), mutable=mutable)
+            return out, {**st, **new}
+        return model.apply({**p, **st}, batch["x"], rngs=rngs_of(key)), st
 
-        (value, st), grads = jax.value_and_grad(loss, has_aux=True)(p)
-        updates, opt = TX.update(grads, opt, p)
-        return optax.apply_updates(p, updates), opt, st, value
+    def sharded(p, st, batch, key):
+        kw = {"rngs": rngs_of(key), "state": st or None}
+        if mutable:
+            out, new = vj.flax.linen_apply(model, p, batch["x"], mutable=mutable, **kw)
+            return out, {**st, **new}
+        return vj.flax.linen_apply(model, p, batch["x"], **kw), st
 
-    want = _train(ref_step, params, TX.init(params), state, batches, keys)
-
-    sp = vj.shard(params, vj.plan(params, mesh))
-
-    @vj.fsdp
-    def step(p, opt, batch, st, key):
-        def loss(p):
-            kw = {"rngs": rngs_of(key), "state": st or None}
-            if mutable:
-                out, new = vj.flax.linen_apply(model, p, batch["x"], mutable=mutable, **kw)
-                return mse(out, batch["y"]), {**st, **new}
-            return mse(vj.flax.linen_apply(model, p, batch["x"], **kw), batch["y"]), st
-
-        (value, st), grads = jax.value_and_grad(loss, has_aux=True)(p)
-        updates, opt = TX.update(grads, opt, p)
-        return optax.apply_updates(p, updates), opt, st, value
-
-    got = _train(step, sp, vj.init_opt_state(TX, sp), state, batches, keys)
-    return want, (vj.unshard(got[0]), got[1], got[2])
+    return _unsharded_and_sharded(unsharded, sharded, params, state, keys, mesh)
 
 
 def _id(c: Construct) -> str:

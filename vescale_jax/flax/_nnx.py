@@ -64,8 +64,7 @@ def _check_params_unchanged(model: Any, tree: Any, call: Callable[[Any], Any]) -
 
     before = _flat(tree)
     now = _flat(nnx.state(model))
-    suspects = [key for key, leaf in before.items() if now.get(key, leaf) is not leaf]
-    if not suspects:
+    if all(now.get(key, leaf) is leaf for key, leaf in before.items()):
         return
     keys = list(before)
     leaves, treedef = jax.tree.flatten(tree)

@@ -107,25 +107,26 @@ _PER_LEAF_TRANSFORMS = {
 }
 
 
-def _per_leaf_frame(depth: int = 12) -> tuple[str, Any] | None:
-    """The nearest of optax's per-leaf transformations among the ``depth`` frames above the caller's caller."""
-    frame = sys._getframe(2)
+def _named_frames(codes: Any, depth: int) -> list[tuple[str, Any]]:
+    """``(name, frame)`` of each frame, among the ``depth`` frames above the caller's caller, whose code object
+    ``codes`` names; nearest first."""
+    frame, found = sys._getframe(2), []
     while frame is not None and depth:
-        name = OPTAX_PER_LEAF_CODES.get(frame.f_code)
+        name = codes.get(frame.f_code)
         if name is not None:
-            return name, frame
+            found.append((name, frame))
         frame, depth = frame.f_back, depth - 1
-    return None
+    return found
 
 
 def check_per_leaf_transform(plan: Any) -> None:
     """Raises :class:`PerLeafOnBucketsError` when one of optax's per-leaf norm / shape transformations is
     rebuilding a ``ShardedParams`` of ``plan`` (its ``init`` or ``update`` mapped over the bucket buffers), unless
     each bucket holds one leaf and the transformation is a norm (then per bucket is per leaf)."""
-    found = _per_leaf_frame()
-    if found is None:
+    found = _named_frames(OPTAX_PER_LEAF_CODES, 12)
+    if not found:
         return
-    name, frame = found
+    name, frame = found[0]  # the nearest
     exact, what, fix = _PER_LEAF_TRANSFORMS[name]
     buckets = getattr(plan, "buckets", ())
     shared = [b for b in buckets if len(b.leaves) > 1]
@@ -148,23 +149,14 @@ def check_per_leaf_transform(plan: Any) -> None:
     )
 
 
-def _norm_frame(depth: int = 8) -> str | None:
-    """The outermost of optax's norms among the ``depth`` frames above the caller's caller (``global_norm``
-    calls ``tree.norm``: the user called the first)."""
-    frame, found = sys._getframe(2), None
-    while frame is not None and depth:
-        found = OPTAX_NORM_CODES.get(frame.f_code, found)
-        frame, depth = frame.f_back, depth - 1
-    return found
-
-
 def check_eager_norm(buffers: Sequence[Any], plan: Any) -> None:
     """Raises, naming the fix, when ``optax.global_norm`` / ``optax.tree.norm`` is taking the norm of a
     ``ShardedParams`` eagerly, outside ``jax.set_mesh``, on a JAX that cannot (its ``x.imag`` of an array on
     ``Explicit`` mesh axes needs a mesh context: JAX 0.10 and 0.11). Anywhere else it returns at once."""
-    name = _norm_frame()
-    if name is None or not buffers or any(is_tracer(x) for x in buffers):
+    found = _named_frames(OPTAX_NORM_CODES, 8)
+    if not found or not buffers or any(is_tracer(x) for x in buffers):
         return
+    name = found[-1][0]  # the outermost: global_norm calls tree.norm, and the user called the first
     if not jax.sharding.get_abstract_mesh().empty or getattr(plan, "num_devices", 1) < 2:
         return
     x = buffers[0]

@@ -14,6 +14,7 @@ returns (parameters and optimizer moments alike); :func:`zero_padding`, :func:`a
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -261,7 +262,6 @@ def global_norm(tree: Any) -> jax.Array:
     """
     plans = [node.plan for _, node in plan_states(tree) if isinstance(node, ShardedParams)]
     eager = not any(is_tracer(x) for x in jax.tree.leaves(tree))
-    if plans and eager and jax.sharding.get_abstract_mesh().empty:
-        with jax.set_mesh(plans[0].mesh):
-            return optax.tree.norm(zero_padding(tree))
-    return optax.tree.norm(zero_padding(tree))
+    outside = plans and eager and jax.sharding.get_abstract_mesh().empty
+    with jax.set_mesh(plans[0].mesh) if outside else contextlib.nullcontext():
+        return optax.tree.norm(zero_padding(tree))
