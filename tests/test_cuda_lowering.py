@@ -15,23 +15,22 @@ Cases, per backend (``KernelPolicy(mode="pallas", interpret=False, backend=...)`
 
 - ``triton``: fp32; ``MixedPrecision(compute_dtype=bf16)``; ``fp8_gather``; ``vj.scan_layers`` with prefetch;
   ``vj.accumulate``; HSDP 2x4; FSDP x tensor 2x4; Muon, Shampoo and ``adamw_8bit`` updates.
-- ``mosaic_gpu``: fp32 and HSDP 2x4 with a plan of ``align_bytes=128`` (every leaf and padding gap a multiple
-  of 128 bytes).
+- ``mosaic_gpu`` (``plgpu.kernel``, the default on JAX 0.11 and later): fp32; bf16 gathers with fp32 and bf16
+  gradient reductions (the casts fused); ``fp8_gather`` (pack and unpack on Mosaic GPU, the fused FP8 quantize /
+  dequantize on Triton: ``KernelPolicy.fused_implementation``); a bucket of leaves under 128 bytes at offsets that
+  are not 16-byte aligned; HSDP 2x4.
 - The checkpoint's logical conversion (``relayout``: all-to-alls, no kernel) lowers for CUDA as it is.
 
-What cannot lower, and is refused with a ``ValueError`` naming the bucket (``KernelPolicy.implementation``):
+What cannot lower, and is refused with a ``ValueError``:
 
-- ``mosaic_gpu`` with a cast or a scale (the gradient pack under ``MixedPrecision(compute_dtype=bf16)``, FP8):
-  its TMA copies move bytes unchanged;
-- ``mosaic_gpu`` on a bucket whose leaves or padding gaps are under 128 bytes or not 16-byte aligned (each TMA
-  transfer moves a multiple of a warpgroup's 128 bytes): plan with ``align_bytes=128``;
 - any compiled kernel lowered for ``cpu`` (Pallas compiles for GPU only);
 - a multi-platform export (``platforms=["cuda", "cpu"]``) of a step with compiled kernels: Pallas lowers its
   compiled call for every platform of the module, and its CPU rule raises ("Only interpret mode is supported
   on CPU backend"), even inside the ``cuda`` branch of ``platform_dependent``; export one platform at a time.
 
 ``KernelPolicy(mode="pallas")`` (``interpret=None``) is not refused: on CPU devices it lowers the interpreter for
-``cpu`` and the compiled kernels for ``cuda``, falling back per bucket (``mosaic_gpu`` -> ``triton``).
+``cpu`` and the compiled kernels of this JAX's default backend (:func:`vescale_jax.kernels.default_gpu_backend`)
+for ``cuda``.
 """
 
 from __future__ import annotations
@@ -46,7 +45,6 @@ import pytest
 from helpers import load_script
 
 import vescale_jax as vj
-from vescale_jax._compat import mosaic_gpu_pallas_call
 from vescale_jax.kernels import KernelPolicy
 
 gpt = load_script("examples/gpt.py")
@@ -55,10 +53,10 @@ CFG = gpt.GPTConfig(vocab=128, max_len=16, d_model=64, num_heads=2, num_layers=2
 TRITON = KernelPolicy(mode="pallas", interpret=False, backend="triton")
 MOSAIC = KernelPolicy(mode="pallas", interpret=False, backend="mosaic_gpu")
 XLA = KernelPolicy(mode="xla")
+F32 = np.dtype(np.float32)
 TRITON_CALL = "@__gpu$xla.gpu.triton"
-MOSAIC_CALL = "mosaic_gpu"
-MOSAIC_LOWERS = mosaic_gpu_pallas_call()  # False from JAX 0.11: Mosaic GPU kernels run through plgpu.kernel only
-NO_MOSAIC = r"bucket '[^']+'.*no pallas_call lowering for Mosaic GPU"
+MOSAIC_CALL = "@mosaic_gpu"
+DEFAULT_CALL = MOSAIC_CALL if vj.kernels.default_gpu_backend() == "mosaic_gpu" else TRITON_CALL
 CALLBACKS = ("xla_python_cpu_callback", "xla_ffi_python_cpu_callback", "host_callback")
 DISABLED = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
 _COLLECTIVE = re.compile(
@@ -150,10 +148,10 @@ def reference_text(plan, tx, **options) -> str:
 ADAMW = optax.adamw(1e-3)
 
 
-def tiny_step(kernels, microbatches=None):
+def tiny_step(kernels, microbatches=None, bias=32, **plan_options):
     """A one-layer model's step (two buckets), its params, state and batch: quick to trace."""
-    logical = {"w": jnp.arange(64 * 32, dtype=jnp.float32).reshape(64, 32) / 2048, "b": jnp.ones((32,))}
-    params = vj.shard(logical, vj.plan(logical, mesh_1d()))
+    logical = {"w": jnp.arange(64 * bias, dtype=jnp.float32).reshape(64, bias) / 2048, "b": jnp.ones((bias,))}
+    params = vj.shard(logical, vj.plan(logical, mesh_1d(), **plan_options))
     tx = optax.sgd(0.1)
     opt_state = vj.init_opt_state(tx, params)
     x = jnp.linspace(-1.0, 1.0, 16 * 64, dtype=jnp.float32).reshape(16, 64)
@@ -194,8 +192,8 @@ def test_kernels_follow_the_lowering_platform():
     step, args = tiny_step(KernelPolicy(mode="pallas"))
     cuda = step.lower(*args, lowering_platforms=("cuda",)).as_text()
     cpu = step.lower(*args).as_text()
-    assert TRITON_CALL in cuda
-    assert TRITON_CALL not in cpu and "custom_call" not in cpu
+    assert DEFAULT_CALL in cuda
+    assert TRITON_CALL not in cpu and MOSAIC_CALL not in cpu and "custom_call" not in cpu
     assert census(cuda) == census(cpu) and census(cpu)
 
 
@@ -208,22 +206,27 @@ def test_explicit_compiled_kernels_are_refused_for_cpu():
     assert TRITON_CALL in step.lower(*args, lowering_platforms=("cuda",)).as_text()
 
 
-def test_mosaic_refuses_what_it_cannot_copy():
-    """An explicit mosaic_gpu request raises, naming the reason, where ``mode="pallas"`` falls back."""
-    layout = vj.plan_bucket([64, 8], [1, 1], 8, align=4)  # a 32-byte leaf: under a warpgroup's 128 bytes
-    with pytest.raises(ValueError, match="warpgroup" if MOSAIC_LOWERS else NO_MOSAIC):
-        MOSAIC.implementation(layout, np.float32, np.float32, platform="cuda", name="b")
-    with pytest.raises(ValueError, match=r"bucket 'b'.*cast" if MOSAIC_LOWERS else NO_MOSAIC):
-        aligned = vj.plan_bucket([64, 128], [1, 1], 8, align=32)
-        MOSAIC.implementation(aligned, np.dtype(jnp.bfloat16), np.float32, platform="cuda", name="b")
-    lenient = KernelPolicy(mode="pallas", backend="mosaic_gpu")
-    assert lenient.implementation(layout, np.float32, np.float32, platform="cuda") == "triton"
-    # a bucket Mosaic GPU copies, with too narrow a window; a JAX without Mosaic GPU's pallas_call refuses first
-    with pytest.raises(
-        ValueError if MOSAIC_LOWERS else NotImplementedError,
-        match="chunk=16" if MOSAIC_LOWERS else "no pallas_call lowering for Mosaic GPU",
-    ):
+def test_mosaic_takes_every_bucket():
+    """Mosaic GPU takes casts, scales, small and unaligned leaves: an explicit request is honoured for each; a
+    window narrower than a warpgroup is refused, naming the chunk."""
+    small = vj.plan_bucket([64, 7, 3], [1, 1, 1], 8, align=1)  # 28- and 12-byte leaves at unaligned offsets
+    for src, dst in [(np.float32, np.float32), (np.float32, jnp.bfloat16), (jnp.bfloat16, np.float32)]:
+        assert MOSAIC.implementation(small, np.dtype(src), np.dtype(dst), platform="cuda", name="b") == "mosaic_gpu"
+    assert KernelPolicy(mode="pallas", backend="mosaic_gpu").implementation(small, F32, F32, platform="cuda") == (
+        "mosaic_gpu"
+    )
+    with pytest.raises(ValueError, match="chunk=16"):
         vj.kernels.pack([jnp.zeros(64)], vj.plan_bucket([64], [1], 1), interpret=False, backend="mosaic_gpu", chunk=16)
+
+
+def test_mosaic_small_unaligned_leaves_lower_for_cuda():
+    """A bucket of a 64x32 matrix and a 5-element bias (20 bytes, off any 16-byte boundary on 8 devices):
+    the whole step's packs and unpacks are Mosaic GPU kernels, no Triton."""
+    step, args = tiny_step(MOSAIC, bias=5, granularity=vj.rows(1))
+    text = step.lower(*args, lowering_platforms=("cuda",)).as_text()
+    assert MOSAIC_CALL in text and TRITON_CALL not in text
+    reference = tiny_step(XLA, bias=5, granularity=vj.rows(1))
+    assert census(text) == census(reference[0].lower(*reference[1]).as_text())
 
 
 @pytest.mark.parametrize("microbatches", [None, 2], ids=["step", "accumulate"])
@@ -249,35 +252,24 @@ def test_step_runs_under_an_outer_jit_and_from_an_export(microbatches):
 
 
 def test_mosaic_step_exports_for_cuda():
-    plan = gpt_plan(align_bytes=128)
+    plan = gpt_plan()
     step, args = gpt_step(plan, ADAMW, kernels=MOSAIC)
-    if not MOSAIC_LOWERS:  # the explicit request is refused, naming the bucket and why; mode="pallas" falls back
-        with pytest.raises(ValueError, match=NO_MOSAIC):
-            export_cuda(step, args)
-        step, args = gpt_step(plan, ADAMW, kernels=KernelPolicy(mode="pallas", backend="mosaic_gpu"))
-        check_module(export_cuda(step, args), plan, call=TRITON_CALL, reference=reference_text(plan, ADAMW))
-        return
     text = export_cuda(step, args)
     check_module(text, plan, call=MOSAIC_CALL, reference=reference_text(plan, ADAMW))
     assert TRITON_CALL not in text
 
 
-def test_mosaic_mixed_precision():
-    """bf16 gathers and bf16 gradient reductions are plain copies: Mosaic GPU lowers them; reducing in fp32
-    fuses a cast into the gradient pack, which Mosaic GPU cannot do: refused, naming the bucket."""
-    plan = gpt_plan(align_bytes=128)
-    bf16 = vj.MixedPrecision(compute_dtype=jnp.bfloat16, reduce_dtype=jnp.bfloat16)
-    step, args = gpt_step(plan, ADAMW, kernels=MOSAIC, precision=bf16)
-    if not MOSAIC_LOWERS:
-        with pytest.raises(ValueError, match=NO_MOSAIC):
-            export_cuda(step, args)
-        return
-    ref = reference_text(plan, ADAMW, precision=bf16)
-    check_module(export_cuda(step, args), plan, call=MOSAIC_CALL, reference=ref, wire="bf16")
-    fp32_reduce = vj.MixedPrecision(compute_dtype=jnp.bfloat16, reduce_dtype=jnp.float32)
-    step, args = gpt_step(plan, ADAMW, kernels=MOSAIC, precision=fp32_reduce)
-    with pytest.raises(ValueError, match=r"bucket '[^']+'.*bfloat16 -> float32.*mosaic_gpu.*cast"):
-        export_cuda(step, args)
+@pytest.mark.parametrize("reduce_dtype", [jnp.bfloat16, jnp.float32], ids=["bf16-reduce", "fp32-reduce"])
+def test_mosaic_mixed_precision(reduce_dtype):
+    """bf16 gathers (the fp32 -> bf16 cast fused in the gather's pack) and gradients reduced in bf16 or fp32 (the
+    bf16 -> fp32 cast fused in the gradient pack): every pack and unpack on Mosaic GPU."""
+    plan = gpt_plan()
+    precision = vj.MixedPrecision(compute_dtype=jnp.bfloat16, reduce_dtype=reduce_dtype)
+    step, args = gpt_step(plan, ADAMW, kernels=MOSAIC, precision=precision)
+    ref = reference_text(plan, ADAMW, precision=precision)
+    text = export_cuda(step, args)
+    check_module(text, plan, call=MOSAIC_CALL, reference=ref, wire="bf16")
+    assert TRITON_CALL not in text
 
 
 @pytest.mark.parametrize("prefetch", [False, True], ids=["no-prefetch", "prefetch"])
@@ -301,7 +293,12 @@ def test_fp8_gather():
     # KernelPolicy(mode="pallas") on these CPU devices: the fused FP8 kernels compiled for CUDA too.
     step, args = gpt_step(plan, ADAMW, kernels=KernelPolicy(mode="pallas"), precision=fp8)
     cuda = step.lower(*args, lowering_platforms=("cuda",)).as_text()
-    assert cuda.count(TRITON_CALL) >= text.count(TRITON_CALL) > 0
+    assert cuda.count(TRITON_CALL) > 0 and DEFAULT_CALL in cuda
+    # Mosaic GPU: its packs and unpacks, the fused FP8 quantize / dequantize on Triton (per lane gathers)
+    step, args = gpt_step(plan, ADAMW, kernels=MOSAIC, precision=fp8)
+    mosaic = export_cuda(step, args)
+    check_module(mosaic, plan, call=MOSAIC_CALL, reference=ref, wire="ui8", every_bucket=False)
+    assert mosaic.count(TRITON_CALL) > 0
 
 
 def test_scan_layers_with_prefetch():
@@ -324,13 +321,9 @@ def hsdp_mesh() -> jax.sharding.Mesh:
 
 @pytest.mark.parametrize("kernels", [TRITON, MOSAIC], ids=["triton", "mosaic_gpu"])
 def test_hsdp_2x4(kernels):
-    plan = gpt_plan(hsdp_mesh(), align_bytes=128)
+    plan = gpt_plan(hsdp_mesh())
     options = dict(data_axes=("replica", "fsdp"))
     step, args = gpt_step(plan, ADAMW, kernels=kernels, **options)
-    if kernels is MOSAIC and not MOSAIC_LOWERS:
-        with pytest.raises(ValueError, match=NO_MOSAIC):
-            export_cuda(step, args)
-        return
     text = export_cuda(step, args)
     call = TRITON_CALL if kernels is TRITON else MOSAIC_CALL
     check_module(text, plan, call=call, reference=reference_text(plan, ADAMW, **options))

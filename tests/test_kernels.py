@@ -17,18 +17,15 @@ import pytest
 
 import vescale_jax as vj
 from vescale_jax import kernels as _K
-from vescale_jax._compat import mosaic_gpu_pallas_call
-from vescale_jax.kernels._ragged import _mosaic_layout_refusal
 from vescale_jax.kernels._schedule import ZERO
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 # On a GPU the kernels run compiled with the lowering VESCALE_JAX_KERNEL_BACKEND names (benchmarks/gpu_check.sh).
 BACKEND = _K.KernelPolicy.from_env().backend
-MOSAIC_LOWERS = mosaic_gpu_pallas_call()  # False from JAX 0.11 (Mosaic GPU kernels through plgpu.kernel only)
 
 
 def _skip_unsupported(fn):
-    """Compiled on GPU with backend=mosaic_gpu, casts/scales/unaligned buckets are unsupported: skip those."""
+    """A case the compiled backend refuses (a JAX without it) is skipped, unless the test asked for it by name."""
 
     def wrapped(*args, **kwargs):
         kwargs.setdefault("backend", BACKEND)
@@ -193,10 +190,10 @@ def test_pack_errors():
         K.pack([leaves[0], leaves[1].astype(BF16)], layout)
     with pytest.raises(ValueError, match="out="):
         K.pack(leaves, layout, out=jnp.zeros((layout.total_size,), BF16))
-    with pytest.raises(NotImplementedError, match="mosaic_gpu"):
-        K.pack(leaves, vj.plan_bucket([3, 4], [1, 1], 1), interpret=False, backend="mosaic_gpu")
-    with pytest.raises(NotImplementedError, match="mosaic_gpu pack"):  # the refusal before the window width's
-        K.pack(leaves, vj.plan_bucket([3, 4], [1, 1], 1), interpret=False, backend="mosaic_gpu", chunk=4)
+    with pytest.raises(ValueError, match=r"chunk=64.*warpgroup"):
+        K.pack(leaves, vj.plan_bucket([3, 4], [1, 1], 1), interpret=False, backend="mosaic_gpu", chunk=64)
+    with pytest.raises(ValueError, match="'cuda'"):
+        K.pack(leaves, layout, interpret=False, backend="cuda")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -246,7 +243,7 @@ def test_unpack_errors():
         K.unpack(buf[:-1], layout, [(3,), (4,)])
     with pytest.raises(ValueError, match="leaf 0 has shape"):
         K.unpack(buf, layout, [(2,), (4,)])
-    with pytest.raises(NotImplementedError, match="mosaic_gpu unpack"):  # the refusal before the window width's
+    with pytest.raises(ValueError, match=r"chunk=16.*warpgroup"):
         K.unpack(buf, layout, [(3,), (4,)], interpret=False, backend="mosaic_gpu", chunk=16)
 
 
@@ -255,35 +252,63 @@ def test_unpack_errors():
 
 
 def test_choose_backend():
+    """Every cast, scale and leaf size is taken by both compiled backends; the preferred one wins, this JAX's
+    default when none is named; a backend this JAX lacks falls back to the other, then XLA."""
     layout, _ = _bucket([(3,), (4,)], align=4)
+    default = _K.default_gpu_backend()
+    assert default == ("mosaic_gpu" if jax.__version_info__ >= (0, 11) else "triton")
     assert K.choose_backend(layout, F32, F32, platform="cpu") == "xla"
-    assert K.choose_backend(layout, F32, BF16, platform="gpu") == "triton"
-    assert K.choose_backend(layout, F32, BF16, platform="gpu", backend="mosaic_gpu") == "triton"  # casts: not there
-    aligned = vj.plan_bucket([64, 128], [1, 1], 2, align=32)
-    mosaic = "mosaic_gpu" if MOSAIC_LOWERS else "triton"  # a JAX without Mosaic GPU's pallas_call: Triton
-    assert K.choose_backend(aligned, F32, F32, platform="gpu", backend="mosaic_gpu") == mosaic
-    short = vj.plan_bucket([8, 16], [1, 1], 2, align=4)  # 32-byte leaves: under a warpgroup's 128 bytes
-    assert K.choose_backend(short, F32, F32, platform="gpu", backend="mosaic_gpu") == "triton"
-    no_lowering = "no pallas_call lowering for Mosaic GPU"
-    assert ("warpgroup" if MOSAIC_LOWERS else no_lowering) in _K.refusal(short, F32, F32, backend="mosaic_gpu")
-    assert _K.refusal(aligned, F32, F32, backend="mosaic_gpu") == (
-        "" if MOSAIC_LOWERS else _K.refusal(short, F32, F32, backend="mosaic_gpu")
-    )
-    # the TMA copies' own rules, whatever the JAX
-    rules = _mosaic_layout_refusal
-    assert "warpgroup" in rules(short.sizes, short.offsets, short.total_size, F32, F32, False)
-    assert rules(aligned.sizes, aligned.offsets, aligned.total_size, F32, F32, False) == ""
-    assert "cast" in rules(aligned.sizes, aligned.offsets, aligned.total_size, F32, BF16, False)
+    assert K.choose_backend(layout, F32, BF16, platform="gpu") == default
+    short = vj.plan_bucket([8, 3, 5], [1, 1, 1], 2, align=1)  # leaves of 32, 12 and 20 bytes, unaligned offsets
+    for backend in _K.gpu_backends_available():
+        for src, dst in [(F32, F32), (F32, BF16), (BF16, F32)]:
+            assert K.choose_backend(short, src, dst, platform="gpu", backend=backend) == backend
+            assert _K.refusal(short, src, dst, backend=backend, scaled=True) == ""
+    huge = vj.plan_bucket([2**31], [1], 1)
+    assert "int32" in _K.refusal(huge, F32, F32, backend="mosaic_gpu")
+    assert K.choose_backend(huge, F32, F32, platform="gpu") == "xla"
     empty = vj.plan_bucket([0], [1], 2)
     assert K.choose_backend(empty, F32, F32, platform="gpu") == "xla"
     with pytest.raises(ValueError, match="backend="):
         K.choose_backend(layout, F32, F32, platform="gpu", backend="cuda")
 
 
+def test_vector_width_follows_every_windows_alignment():
+    """Thread vectors of up to 16 bytes, narrowed until every window's start on both sides (and the tail's)
+    is a multiple of the vector and a warpgroup's share of the window is whole."""
+    from vescale_jax.kernels._ragged import vector_width
+    from vescale_jax.kernels._schedule import Segment
+
+    assert vector_width(Segment(0, 0, 0, 0, 4096, 4096), 4, 4) == 4  # fp32: 16 bytes
+    assert vector_width(Segment(0, 0, 0, 0, 4096, 4096), 4, 2) == 4  # fp32 -> bf16: 16-byte loads
+    assert vector_width(Segment(0, 0, 0, 0, 4096, 4096), 2, 2) == 8  # bf16: 8 x 2 bytes
+    assert vector_width(Segment(0, 0, 0, 6, 4096, 4096), 4, 4) == 2  # destination offset 6: pairs
+    assert vector_width(Segment(0, 3, 0, 0, 4096, 4096), 4, 4) == 1  # source offset 3: one at a time
+    assert vector_width(Segment(0, 0, 0, 0, 4097, 4096), 4, 4) == 1  # tail window at 1
+    assert vector_width(Segment(0, 0, 0, 0, 256, 256), 4, 4) == 2  # 256 over 128 threads: 2 each
+    assert vector_width(Segment(ZERO, 0, 0, 8, 1024, 512), 1, 4) == 4  # zeros: the destination only
+
+
+def test_schedule_min_width_makes_short_runs_one_window():
+    sched = K.pack_schedule([5, 300, 127], [0, 8, 400], 600, chunk=256, min_width=128)
+    widths = [(s.src, s.length, s.width, s.num_windows) for s in sched.segments]
+    assert widths == [
+        (0, 5, 5, 1),
+        (ZERO, 3, 3, 1),
+        (1, 300, 256, 2),
+        (ZERO, 92, 92, 1),
+        (2, 127, 127, 1),
+        (ZERO, 73, 73, 1),
+    ]
+    assert sched.num_programs == sum(n for *_, n in widths)
+    with pytest.raises(ValueError, match="min_width=256 exceeds chunk=128"):
+        K.unpack_schedule([300], [0], chunk=128, min_width=256)
+
+
 def test_kernel_policy_reads_the_environment_only_in_from_env(monkeypatch):
     monkeypatch.setenv("VESCALE_JAX_KERNELS", "pallas")
     monkeypatch.setenv("VESCALE_JAX_KERNEL_BACKEND", "mosaic_gpu")
-    assert _K.KernelPolicy() == _K.KernelPolicy(mode="auto", backend="triton")  # the constructor ignores it
+    assert _K.KernelPolicy() == _K.KernelPolicy(mode="auto", backend=None)  # the constructor ignores it
     assert _K.KernelPolicy.from_env() == _K.KernelPolicy(mode="pallas", backend="mosaic_gpu")
     assert _K.KernelPolicy.from_env({}) == _K.KernelPolicy()
     with pytest.raises(ValueError, match="VESCALE_JAX_KERNELS='fast'"):
@@ -294,14 +319,18 @@ def test_kernel_policy_reads_the_environment_only_in_from_env(monkeypatch):
 
 def test_kernel_policy_xla_answer_means_xla():
     """A bucket the compiled kernel cannot take (choose_backend answers "xla") is unpacked by XLA, not by the
-    policy's preferred lowering."""
+    policy's preferred lowering; the fused FP8 and tile kernels take Triton where the policy compiles."""
     layout = vj.plan_bucket([64, 128], [1, 1], 2, align=32)
     empty = vj.plan_bucket([0], [1], 2)
     pallas = _K.KernelPolicy(mode="pallas", backend="mosaic_gpu")
     assert pallas.implementation(empty, F32, F32, platform="gpu") == "xla"
     assert pallas.implementation(layout, F32, F32, platform="cpu") == "interpret"
-    assert pallas.implementation(layout, F32, F32, platform="gpu") == ("mosaic_gpu" if MOSAIC_LOWERS else "triton")
-    assert pallas.implementation(layout, F32, BF16, platform="gpu") == "triton"
+    assert pallas.implementation(layout, F32, F32, platform="gpu") == "mosaic_gpu"
+    assert pallas.implementation(layout, F32, BF16, platform="gpu") == "mosaic_gpu"
+    fused = "triton" if "triton" in _K.gpu_backends_available() else "xla"
+    assert pallas.fused_implementation(layout, F32, BF16, platform="gpu") == fused
+    assert pallas.fused_implementation(layout, F32, BF16, platform="cpu") == "interpret"
+    assert pallas.fused_implementation(empty, F32, BF16, platform="gpu") == "xla"
     for mode in ("auto", "xla"):
         assert _K.KernelPolicy(mode=mode).implementation(layout, F32, F32, platform="gpu") == "xla"
     assert not pallas.check_vma or jax.default_backend() != "cpu"
@@ -315,11 +344,8 @@ def test_gpu_kernels_trace_on_cpu(backend):
     shapes = [(8, 4), (32,), (64,)]
     layout, leaves = _bucket(shapes, align=32)
     kw = dict(interpret=False, backend=backend, chunk=32)
-    dt = F32 if backend == "mosaic_gpu" else BF16
-    if backend == "mosaic_gpu" and not MOSAIC_LOWERS:
-        with pytest.raises(NotImplementedError, match="no pallas_call lowering for Mosaic GPU"):
-            jax.jit(lambda xs: K.pack(xs, layout, dtype=dt, **kw)).trace(leaves)
-        return
+    kw["chunk"] = 128 if backend == "mosaic_gpu" else 32
+    dt = BF16
     jax.jit(lambda xs: K.pack(xs, layout, dtype=dt, **kw)).trace(leaves)
     buf = K.pack_reference(leaves, layout)
     jax.jit(lambda b: K.unpack(b, layout, shapes, dtype=dt, **kw)).trace(buf)

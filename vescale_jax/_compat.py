@@ -46,6 +46,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import inspect
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -763,10 +765,11 @@ def indexed_axes(eqn: Any) -> tuple[str, ...]:
     return tuple(a for a in (names if isinstance(names, tuple | list) else (names,)) if isinstance(a, str))
 
 
-OPAQUE_BODY_PRIMITIVES = frozenset({"pallas_call"})
+OPAQUE_BODY_PRIMITIVES = frozenset({"pallas_call", "mpmd_map", "core_map"})
 """Primitives whose nested jaxpr is not a JAX-level computation over the same values (a Pallas kernel body sees
 refs and program ids, not the operands' varying axes): :func:`nested_jaxprs` does not enter them. Verified on
-JAX 0.10.2. Used by ``step/_control_flow``."""
+JAX 0.10.2 and 0.12.0.1 (``pallas_call``; ``plgpu.kernel`` traces an ``mpmd_map``, inside a
+``custom_vmap_call``). Used by ``step/_control_flow`` and ``step/_random``."""
 
 
 def _open(jaxpr: Any) -> Any:
@@ -924,23 +927,64 @@ def triton_lowering_target(device_kind: str = TRITON_CROSS_TARGET) -> Iterator[N
 
 
 @functools.cache  # the answer is the installed JAX's: asked once per process, not per bucket
-def mosaic_gpu_pallas_call() -> bool:
-    """Whether this JAX lowers a ``pallas_call`` with Mosaic GPU's ``CompilerParams`` (the ``mosaic_gpu`` kernels of
-    ``kernels/_ragged``), found by asking Pallas for the rule, not by JAX's version.
+def mosaic_gpu_kernel() -> bool:
+    """Whether this JAX has Mosaic GPU's ``plgpu.kernel`` with strided register layouts (the ``mosaic_gpu``
+    kernels of ``kernels/_ragged``: ``plgpu.kernel``, ``plgpu.load(..., layout=Layout.WG_STRIDED(...))``,
+    ``plgpu.layout_cast``).
 
-    Verified on JAX 0.10.2 (``jax._src.pallas.mosaic_gpu.pallas_call_registration`` registers
-    ``pallas_core.register_lowering_rule(plgpu.CompilerParams, ..., "gpu")``: True) and 0.12.0.1 (no such rule:
-    Mosaic GPU kernels run through ``plgpu.kernel`` only, and a ``pallas_call`` with its parameters fails
-    ``assert rule is not None`` in the GPU lowering: False). Used by ``kernels/_ragged`` (``refusal``).
+    Verified on JAX 0.10.2 and 0.12.0.1 (both True; both lower the kernels for CUDA without a GPU, to a
+    ``mosaic_gpu_v2`` custom call). Used by ``kernels/_ragged`` (``refusal``, ``default_gpu_backend``).
     """
     try:
-        from jax._src.pallas import core as pallas_core
-        from jax._src.pallas.mosaic_gpu import pallas_call_registration  # noqa: F401 - registers the rule, if any
         from jax.experimental.pallas import mosaic_gpu as plgpu
 
-        return pallas_core.get_lowering_rule(plgpu.CompilerParams, "gpu") is not None
-    except (ImportError, AttributeError, ValueError):
+        return all(hasattr(plgpu, n) for n in ("kernel", "load", "layout_cast", "Layout")) and hasattr(
+            plgpu.Layout, "WG_STRIDED"
+        )
+    except ImportError:
         return False
+
+
+def pallas_triton_deprecated() -> bool:
+    """Whether Pallas's Triton backend is deprecated in this JAX (it warns at every lowering from JAX 0.11:
+    "The Pallas Triton backend is deprecated ... migrate to the Mosaic GPU backend").
+
+    Verified on JAX 0.10.2 (False: no warning) and 0.11.2 / 0.12.0.1 (True). Read off the version: the warning
+    is raised at lowering time only. Used by ``kernels/_ragged`` (``default_gpu_backend``).
+    """
+    return _jax_version() >= (0, 11)
+
+
+def _jax_version() -> tuple[int, int]:
+    major, minor = re.match(r"(\d+)\.(\d+)", jax.__version__).groups()
+    return int(major), int(minor)
+
+
+def mosaic_gpu_load(ref: Any, start: Any, width: int, layout: Any) -> Any:
+    """``plgpu.load`` of ``ref[start : start + width]`` into registers with ``layout``.
+
+    Verified on JAX 0.10.2 (``load(ref, idx, *, layout)``) and 0.12.0.1 (``load(ref, *, layout)``: the window is
+    taken by ``ref.at[...]``). Used by ``kernels/_ragged`` (the Mosaic GPU body).
+    """
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if "idx" in inspect.signature(plgpu.load).parameters:
+        return plgpu.load(ref, pl.ds(start, width), layout=layout)
+    return plgpu.load(ref.at[pl.ds(start, width)], layout=layout)
+
+
+def mosaic_gpu_interpret_params() -> Any:
+    """``plgpu.InterpretGPUParams()``: Mosaic GPU's own interpreter (runs a ``plgpu.kernel`` on CPU, every
+    warpgroup's registers and layouts included), or None where this JAX has none.
+
+    Verified on JAX 0.10.2 (None: no interpreter) and 0.12.0.1 (``plgpu.InterpretGPUParams``). Used by
+    ``kernels/_ragged`` (``pack`` / ``unpack`` with ``interpret=True, backend="mosaic_gpu"``).
+    """
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    params = getattr(plgpu, "InterpretGPUParams", None)
+    return None if params is None else params()
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -75,13 +75,13 @@ def kernel_choices(
     policy: KernelPolicy, layout: BucketLayout, src: Any, dst: Any, *, direction: str | None = None
 ) -> dict[str, tuple[tuple[str, Any], ...] | None] | None:
     """The fused kernels' options per lowering platform (None: the XLA path there), or None when no platform
-    runs them: interpreted, or Triton compiled (Mosaic GPU has no per-lane gathers and scatters)."""
+    runs them: interpreted, or Triton compiled (:meth:`KernelPolicy.fused_implementation`)."""
     if policy.mode != "pallas" or not layout.total_size:
         return None
     out: dict[str, tuple[tuple[str, Any], ...] | None] = {}
     for p in policy.lowering_platforms():
-        impl = policy.implementation(layout, src, dst, platform=p, direction=direction)
-        out[p] = None if impl == "xla" else _how("triton" if impl == "mosaic_gpu" else impl)[1]
+        impl = policy.fused_implementation(layout, src, dst, platform=p, direction=direction)
+        out[p] = None if impl == "xla" else _how(impl)[1]
     return out if any(v is not None for v in out.values()) else None
 
 

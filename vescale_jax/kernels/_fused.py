@@ -45,8 +45,8 @@ def resolve(interpret: bool | None, backend: str | None, what: str) -> tuple[boo
     if backend == "mosaic_gpu":
         raise NotImplementedError(
             f"{what}: backend='mosaic_gpu' cannot take this kernel (it gathers and scatters per lane: FP8 scales "
-            "per column block, tile-major to row-major strides; Mosaic GPU copies whole rectangles by TMA). "
-            "Use backend='triton'."
+            "per column block, tile-major to row-major strides), which Pallas lowers through Triton only. Use "
+            "backend='triton' (KernelPolicy.fused_implementation says what runs it on the gather path)."
         )
     if backend != "triton":
         raise ValueError(f"{what}: backend must be 'triton' or 'mosaic_gpu' for a compiled kernel, got {backend!r}.")

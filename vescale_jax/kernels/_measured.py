@@ -211,7 +211,7 @@ def auto_implementation(
     *,
     direction: str | None,
     platform: str | None = None,
-    backend: str = "triton",
+    backend: str | None = None,
     device_kind: str | None = None,
 ) -> Backend:
     """What ``KernelPolicy(mode="auto")`` runs for one bucket: a Pallas backend only where measured faster.
@@ -227,7 +227,7 @@ def auto_implementation(
       dst_dtype: dtype written.
       direction: ``"pack"`` or ``"unpack"``; None (unknown) answers ``"xla"``.
       platform: ``jax.default_backend()`` if None.
-      backend: the preferred GPU lowering.
+      backend: the preferred GPU lowering (None: :func:`~vescale_jax.kernels.default_gpu_backend`).
       device_kind: the GPU's ``device_kind``; None reads the first device of ``platform``.
 
     Returns:

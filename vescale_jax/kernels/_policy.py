@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from vescale_jax.kernels._measured import MeasuredTable, auto_implementation
-from vescale_jax.kernels._ragged import BACKENDS, choose_backend, refusal
+from vescale_jax.kernels._ragged import BACKENDS, choose_backend, default_gpu_backend, refusal
 from vescale_jax.layout._bucket_layout import BucketLayout
 
 __all__ = ["Implementation", "KernelPolicy"]
@@ -37,10 +37,12 @@ class KernelPolicy:
         (everywhere while the table is empty, as shipped). ``"xla"``: XLA's
         static slices (unpack) and one concatenate (pack). ``"pallas"``: the Pallas unpack and pack kernels,
         one launch per bucket each way.
-      backend: the GPU lowering of the Pallas kernels, ``"triton"`` (default) or ``"mosaic_gpu"`` (plain
-        copies, no cast or scale, every leaf and padding gap 16-byte aligned and at least 128 bytes, a
-        warpgroup's TMA transfer: plan with ``align_bytes=128``; :func:`vescale_jax.kernels.refusal` says why
-        a bucket is refused).
+      backend: the GPU lowering of the Pallas pack and unpack kernels, ``"mosaic_gpu"`` or ``"triton"``; None
+        (default): :func:`vescale_jax.kernels.default_gpu_backend`, Mosaic GPU on JAX 0.11 and later (where
+        Pallas's Triton backend is deprecated), Triton on 0.10. Both fuse every cast and scale of the hot path and
+        take leaves of any size and alignment. The fused FP8 and tile kernels gather per lane, which only Triton
+        lowers: under either backend they run on Triton while JAX ships it, else on XLA
+        (:meth:`fused_implementation` says which, per bucket).
       interpret: ``None`` (default): the kernels follow the platform the step is *lowered* for, not the
         devices': on CPU devices each pack / unpack is a ``jax.lax.platform_dependent`` whose ``cpu`` branch
         runs the kernel in the Pallas interpreter and whose ``cuda`` branch is the compiled kernel (lowering
@@ -65,15 +67,15 @@ class KernelPolicy:
     """
 
     mode: str = "auto"
-    backend: str = "triton"
+    backend: str | None = None
     interpret: bool | None = None
     measured: MeasuredTable | None = None
 
     def __post_init__(self):
         if self.mode not in _MODES:
             raise ValueError(f"KernelPolicy(mode={self.mode!r}); use one of {_MODES}.")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"KernelPolicy(backend={self.backend!r}); use one of {BACKENDS}.")
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise ValueError(f"KernelPolicy(backend={self.backend!r}); use one of {BACKENDS} or None.")
         if self.interpret not in (None, True, False):
             raise ValueError(f"KernelPolicy(interpret={self.interpret!r}); use None, True or False.")
 
@@ -92,10 +94,10 @@ class KernelPolicy:
         """
         environ = os.environ if environ is None else environ
         mode = environ.get("VESCALE_JAX_KERNELS", "auto")
-        backend = environ.get("VESCALE_JAX_KERNEL_BACKEND", "triton")
+        backend = environ.get("VESCALE_JAX_KERNEL_BACKEND") or None
         if mode not in _MODES:
             raise ValueError(f"VESCALE_JAX_KERNELS={mode!r}; use one of {_MODES} (or unset it).")
-        if backend not in BACKENDS:
+        if backend is not None and backend not in BACKENDS:
             raise ValueError(f"VESCALE_JAX_KERNEL_BACKEND={backend!r}; use one of {BACKENDS} (or unset it).")
         table = environ.get("VESCALE_JAX_KERNEL_TABLE")
         measured = MeasuredTable.from_json(table) if table else None
@@ -198,15 +200,36 @@ class KernelPolicy:
         platform = platform or jax.default_backend()
         if self.explicit:
             self.check_platform(platform, "vj.kernels")
-            why = refusal(layout, src_dtype, dst_dtype, backend=self.backend)
+            backend = self.compiled_backend
+            why = refusal(layout, src_dtype, dst_dtype, backend=backend)
             if why:
                 raise ValueError(
                     f"vj.kernels: {f'bucket {name!r}' if name else 'a bucket'} ({len(layout.sizes)} leaves, "
                     f"{layout.total_size} elements, "
                     f"{np.dtype(src_dtype).name} -> {np.dtype(dst_dtype).name}) cannot run the compiled "
-                    f"{self.backend} kernel that KernelPolicy(mode='pallas', interpret=False, backend="
-                    f"{self.backend!r}) asks for: {why}. Use backend='triton', or KernelPolicy(mode='pallas') "
+                    f"{backend} kernel that KernelPolicy(mode='pallas', interpret=False, backend="
+                    f"{self.backend!r}) asks for: {why}. Use another backend, or KernelPolicy(mode='pallas') "
                     "to let such buckets fall back."
                 )
-            return self.backend  # type: ignore[return-value]
+            return backend  # type: ignore[return-value]
         return choose_backend(layout, src_dtype, dst_dtype, platform=platform, backend=self.backend)
+
+    @property
+    def compiled_backend(self) -> str:
+        """The compiled pack / unpack backend this policy prefers: :attr:`backend`, or this JAX's default."""
+        return self.backend or default_gpu_backend()
+
+    def fused_implementation(
+        self, layout: BucketLayout, src_dtype: Any, dst_dtype: Any, *, platform: str | None = None, direction=None
+    ) -> Implementation:
+        """What runs the fused FP8 quantize / dequantize and tile relayout kernels of this bucket when lowered for
+        ``platform``: ``"xla"``, ``"interpret"`` or ``"triton"``.
+
+        Those kernels gather and scatter per lane (a block's scale, a tile's rows), which Pallas lowers through
+        Triton only; where :meth:`implementation` answers a compiled backend, they take Triton while JAX ships it
+        and XLA where it does not.
+        """
+        impl = self.implementation(layout, src_dtype, dst_dtype, platform=platform, direction=direction)
+        if impl in ("xla", "interpret"):
+            return impl
+        return "triton" if not refusal(layout, src_dtype, dst_dtype, backend="triton") else "xla"

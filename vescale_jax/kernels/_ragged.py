@@ -10,10 +10,13 @@ grid has one program per window, and each program finds its segment by a binary 
 program id (``log2(#segments)`` scalar compares), then copies one window from the leaf's own ref: leaves are
 never concatenated by XLA first. Windows never cross a segment's ends, so nothing is masked.
 
-Backends (``backend=``): ``"triton"`` (register copies with the cast and scale fused; selected by Triton
-``CompilerParams``, deprecated from JAX 0.11 but still lowered), ``"mosaic_gpu"`` (TMA bulk copies
-GMEM -> SMEM -> GMEM; plain copies only, every offset and size a multiple of 16 bytes), ``"xla"`` (the
-reference). ``interpret=True`` (the default on CPU) runs the Triton-style body in the Pallas interpreter.
+Backends (``backend=``): ``"mosaic_gpu"`` (``plgpu.kernel``: each program loads its window into a
+warpgroup's registers, scales and casts there and stores it; the vector width per segment follows the alignment of
+its offsets, runs under a warpgroup are copied element by element in the same launch; the default on JAX 0.11 and
+later), ``"triton"`` (the same register copies through Pallas's Triton backend, which JAX deprecates from 0.11;
+the default on 0.10), ``"xla"`` (the reference). ``interpret=True`` (the default on CPU) runs the register body in
+the Pallas interpreter; ``interpret=True, backend="mosaic_gpu"`` runs the Mosaic GPU kernel itself in Mosaic GPU's
+interpreter where JAX has one.
 """
 
 from __future__ import annotations
@@ -29,7 +32,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from vescale_jax._compat import mosaic_gpu_pallas_call
+from vescale_jax._compat import (
+    mosaic_gpu_interpret_params,
+    mosaic_gpu_kernel,
+    mosaic_gpu_load,
+    pallas_triton_deprecated,
+    varying_axes,
+)
 from vescale_jax.kernels._reference import (
     Scale,
     _check_leaves,
@@ -39,13 +48,14 @@ from vescale_jax.kernels._reference import (
     pack_reference,
     unpack_reference,
 )
-from vescale_jax.kernels._schedule import ZERO, Schedule, pack_schedule, unpack_schedule
+from vescale_jax.kernels._schedule import ZERO, Schedule, Segment, pack_schedule, unpack_schedule
 from vescale_jax.layout._bucket_layout import BucketLayout
 
 __all__ = [
     "DEFAULT_CHUNK",
     "Backend",
     "choose_backend",
+    "default_gpu_backend",
     "gpu_backends_available",
     "pack",
     "pack_reference",
@@ -59,14 +69,27 @@ BACKENDS = ("triton", "mosaic_gpu")
 """The compiled GPU lowerings."""
 Dispatch = Literal["grid", "serial"]
 
-DEFAULT_CHUNK = {"interpret": 1024, "triton": 8192, "mosaic_gpu": 8192}
+DEFAULT_CHUNK = {"interpret": 1024, "triton": 8192, "mosaic_gpu": 4096}
 """Largest window (elements) one program copies, per backend."""
 TRITON_NUM_WARPS = 8
+WARPGROUP = 128
+"""Threads of the warpgroup that runs one Mosaic GPU program; a window of it holds a multiple of 128 elements."""
+VECTOR_BYTES = 16
+"""Widest vector one thread loads or stores (``ld.global.v4.b32``)."""
 _MAX_ELEMENTS = 2**31 - 1  # window offsets are int32
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Backend choice
+
+
+@functools.cache
+def default_gpu_backend() -> str:
+    """The compiled backend a policy takes unless told: ``"mosaic_gpu"`` where JAX deprecates Pallas's Triton
+    backend (0.11 and later) and has the Mosaic GPU kernel API, else ``"triton"`` while JAX ships it."""
+    if mosaic_gpu_kernel() and (pallas_triton_deprecated() or "triton" not in gpu_backends_available()):
+        return "mosaic_gpu"
+    return "triton"
 
 
 def choose_backend(
@@ -76,13 +99,13 @@ def choose_backend(
     *,
     scaled: bool = False,
     platform: str | None = None,
-    backend: str = "triton",
+    backend: str | None = None,
 ) -> Backend:
     """Which implementation a hot path should use for one bucket.
 
-    ``"xla"`` on CPU (the kernels only run interpreted there) and whenever a kernel cannot take the bucket
-    (empty, or past the kernels' int32 offsets); on GPU ``backend``, with ``mosaic_gpu`` falling back to
-    ``triton`` for casts, scales or offsets and sizes that are not multiples of 16 bytes.
+    ``"xla"`` on CPU (the kernels only run interpreted there) and whenever no kernel can take the bucket (empty,
+    or past the kernels' int32 offsets); on GPU ``backend``, or the other compiled backend where ``backend``
+    refuses the bucket (a JAX without its API).
 
     Args:
       layout: the bucket layout.
@@ -90,100 +113,65 @@ def choose_backend(
       dst_dtype: dtype written.
       scaled: whether a scale is fused.
       platform: ``jax.default_backend()`` if None.
-      backend: the preferred GPU lowering, ``"triton"`` or ``"mosaic_gpu"`` (e.g.
-        :attr:`vescale_jax.kernels.KernelPolicy.backend`).
+      backend: the preferred GPU lowering, ``"mosaic_gpu"`` or ``"triton"`` (e.g.
+        :attr:`vescale_jax.kernels.KernelPolicy.backend`); None: :func:`default_gpu_backend`.
 
     Returns:
       ``"xla"``, ``"triton"`` or ``"mosaic_gpu"``.
     """
     platform = jax.default_backend() if platform is None else platform
+    backend = backend or default_gpu_backend()
     if platform not in ("gpu", "cuda") or layout.total_size > _MAX_ELEMENTS or not layout.total_size:
         return "xla"
     if backend not in BACKENDS:
         raise ValueError(f"choose_backend: backend={backend!r}; use one of {BACKENDS}.")
-    if backend == "mosaic_gpu" and refusal(layout, src_dtype, dst_dtype, backend=backend, scaled=scaled):
-        return "triton"
-    return backend  # type: ignore[return-value]
-
-
-WARPGROUP_BYTES = 128
-"""Mosaic GPU copies a multiple of a warpgroup's 128 bytes per TMA transfer."""
-
-
-def _mosaic_refusal(
-    sizes: Sequence[int], offsets: Sequence[int], total: int | None, src: Any, dst: Any, scaled: bool
-) -> str:
-    """Why the TMA kernel cannot copy these runs ("" when it can): a JAX that does not lower it, else
-    :func:`_mosaic_layout_refusal`."""
-    if not mosaic_gpu_pallas_call():
-        return (
-            f"this JAX ({jax.__version__}) has no pallas_call lowering for Mosaic GPU (from JAX 0.11 Mosaic GPU "
-            "kernels run through plgpu.kernel only)"
-        )
-    return _mosaic_layout_refusal(sizes, offsets, total, src, dst, scaled)
-
-
-def _mosaic_layout_refusal(
-    sizes: Sequence[int], offsets: Sequence[int], total: int | None, src: Any, dst: Any, scaled: bool
-) -> str:
-    """Why the TMA copies cannot move these runs ("" when they can): no cast or scale; every offset and size a
-    multiple of 16 bytes; every run (leaf, and padding gap when ``total`` is given) at least 128 bytes, so its
-    power-of-two windows move a multiple of a warpgroup's 128 bytes."""
-    if scaled or np.dtype(src) != np.dtype(dst):
-        return f"a fused {'scale' if scaled else 'cast'} ({np.dtype(src).name} -> {np.dtype(dst).name}); it copies only"
-    item = np.dtype(src).itemsize
-    q, least = max(1, 16 // item), max(1, WARPGROUP_BYTES // item)
-    for i, (n, o) in enumerate(zip(sizes, offsets, strict=True)):
-        if n and (n % q or o % q):
-            return f"leaf {i} ({n} elements at offset {o}) is not 16-byte aligned (plan with align_bytes=128)"
-        if n and n < least:
-            return f"leaf {i} has {n * item} bytes, under a warpgroup's {WARPGROUP_BYTES}"
-    if total is not None:
-        ends = sorted((o, o + n) for n, o in zip(sizes, offsets, strict=True) if n)
-        cursor = 0
-        for start, end in [*ends, (total, total)]:
-            if 0 < start - cursor < least:
-                return (
-                    f"a padding gap of {(start - cursor) * item} bytes at element {cursor} is under a warpgroup's "
-                    f"{WARPGROUP_BYTES} (plan with align_bytes=128 and leaves of multiples of 128 bytes)"
-                )
-            cursor = max(cursor, end)
-    return ""
+    for b in (backend, *(x for x in BACKENDS if x != backend)):
+        if not refusal(layout, src_dtype, dst_dtype, backend=b, scaled=scaled):
+            return b  # type: ignore[return-value]
+    return "xla"
 
 
 def refusal(layout: BucketLayout, src_dtype: Any, dst_dtype: Any, *, backend: str, scaled: bool = False) -> str:
     """Why the compiled ``backend`` kernel cannot pack or unpack this bucket; ``""`` when it can.
 
-    ``triton``: buckets past the kernels' int32 offsets. ``mosaic_gpu``: also a JAX whose ``pallas_call`` has no
-    Mosaic GPU lowering (0.11 and later), casts and scales, offsets or sizes that are not multiples of 16 bytes, and
-    leaves or padding gaps under 128 bytes (each TMA transfer moves a multiple of a warpgroup's 128 bytes).
+    Both: buckets past the kernels' int32 offsets. ``mosaic_gpu``: a JAX without Mosaic GPU's ``plgpu.kernel``.
+    ``triton``: a JAX that no longer ships Pallas's Triton backend. Casts, scales, small leaves and offsets of any
+    alignment are taken by both.
     """
+    del src_dtype, dst_dtype, scaled  # every cast and scale of the hot path is fused by both backends
     if layout.total_size > _MAX_ELEMENTS:
         return f"{layout.total_size} elements exceed the kernels' int32 offsets (split the bucket)"
-    if backend == "mosaic_gpu":
-        return _mosaic_refusal(layout.sizes, layout.offsets, layout.total_size, src_dtype, dst_dtype, scaled)
+    if backend not in gpu_backends_available() or (backend == "mosaic_gpu" and not mosaic_gpu_kernel()):
+        return f"this JAX ({jax.__version__}) has no Pallas {backend} backend"
     return ""
 
 
 def _resolve(interpret: bool | None, backend: str | None) -> tuple[bool, str]:
+    """``(interpret, backend)``: ``"interpret"`` for the Pallas interpreter, else a compiled backend (an
+    explicit ``backend="mosaic_gpu"`` with ``interpret=True``: Mosaic GPU's own interpreter)."""
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be 'triton' or 'mosaic_gpu' for a compiled kernel, got {backend!r}.")
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
+    if interpret and backend == "mosaic_gpu":
+        if mosaic_gpu_interpret_params() is None:
+            raise NotImplementedError(
+                f"interpret=True, backend='mosaic_gpu': this JAX ({jax.__version__}) has no Mosaic GPU interpreter "
+                "(plgpu.InterpretGPUParams); use backend=None for the Pallas interpreter."
+            )
+        return True, "mosaic_gpu"
     if interpret:
         return True, "interpret"
-    backend = backend or "triton"
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be 'triton' or 'mosaic_gpu' for a compiled kernel, got {backend!r}.")
-    return False, backend
+    return False, backend or default_gpu_backend()
 
 
-def _chunk(chunk: int | None, backend: str, dtype: Any) -> int:
-    """The window width; a ``mosaic_gpu`` window must move a multiple of a warpgroup's 128 bytes."""
+def _chunk(chunk: int | None, backend: str) -> int:
+    """The window width; a ``mosaic_gpu`` window holds at least one element per thread of its warpgroup."""
     chunk = chunk or DEFAULT_CHUNK[backend]
-    item = np.dtype(dtype).itemsize
-    if backend == "mosaic_gpu" and (chunk * item) % WARPGROUP_BYTES:
+    if backend == "mosaic_gpu" and chunk < WARPGROUP:
         raise ValueError(
-            f"mosaic_gpu: chunk={chunk} moves {chunk * item} bytes per window; each TMA transfer must be a "
-            f"multiple of {WARPGROUP_BYTES} bytes (chunk >= {WARPGROUP_BYTES // item})."
+            f"mosaic_gpu: chunk={chunk}; a window is spread over a warpgroup's {WARPGROUP} threads (chunk >= "
+            f"{WARPGROUP})."
         )
     return chunk
 
@@ -192,8 +180,8 @@ def _serial(dispatch: str | None, interpret: bool, backend: str) -> bool:
     if dispatch not in (None, "grid", "serial"):
         raise ValueError(f"dispatch must be 'grid' or 'serial', got {dispatch!r}.")
     if dispatch == "serial" and backend == "mosaic_gpu":
-        raise ValueError("dispatch='serial' is for the interpreter and Triton, not mosaic_gpu.")
-    return dispatch == "serial" or (dispatch is None and interpret)
+        raise ValueError("dispatch='serial' is for the Pallas interpreter and Triton, not mosaic_gpu.")
+    return backend != "mosaic_gpu" and (dispatch == "serial" or (dispatch is None and interpret))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -216,7 +204,7 @@ def _dispatch_tree(pid: jax.Array, starts: Sequence[int], emit, lo: int, hi: int
         _dispatch_tree(pid, starts, emit, mid, hi)
 
 
-def _dispatch(schedule: Schedule, copy, serial: bool) -> None:
+def _dispatch(schedule: Schedule, copy, serial: bool, pid: Any = None) -> None:
     """Calls ``copy(j, offset, width)`` for the piece(s) of segment ``j`` this program copies.
 
     ``serial=False`` (the GPU kernel): the grid has one program per window; each finds its segment by
@@ -229,7 +217,8 @@ def _dispatch(schedule: Schedule, copy, serial: bool) -> None:
             copy(j, 0, seg.length)
         return
     emit = lambda j, k: _window(schedule.segments[j], k, lambda off: copy(j, off, schedule.segments[j].width))
-    _dispatch_tree(pl.program_id(0), schedule.starts, emit, 0, len(schedule.segments))
+    pid = pl.program_id(0) if pid is None else pid
+    _dispatch_tree(pid, schedule.starts, emit, 0, len(schedule.segments))
 
 
 def _window(seg, k: jax.Array, copy) -> None:
@@ -276,29 +265,56 @@ def _register_body(schedule: Schedule, n_in: int, n_out: int, out_dtypes, scale:
     return kernel
 
 
-def _tma_body(schedule: Schedule, n_in: int, n_out: int):
-    """Mosaic GPU body: TMA bulk copy of a window GMEM -> SMEM -> GMEM (inputs: sources, then a zero source)."""
+def vector_width(seg: Segment, src_itemsize: int, dst_itemsize: int) -> int:
+    """Elements one thread moves per vector in ``seg``'s windows: the widest power of two whose loads and stores
+    fit :data:`VECTOR_BYTES` and which divides every window's start on both sides (the segment's starts, and its
+    length when a tail window starts at ``length - width``) and the window's share per thread."""
+    vec = max(1, VECTOR_BYTES // max(src_itemsize, dst_itemsize))
+    starts = [seg.dst_start, *([] if seg.src == ZERO else [seg.src_start]), *([seg.length] if seg.has_tail else [])]
+    while vec > 1 and (seg.width % (WARPGROUP * vec) or any(x % vec for x in starts)):
+        vec //= 2
+    return vec
+
+
+def _mosaic_body(schedule: Schedule, n_in: int, n_out: int, in_dtypes, out_dtypes, scale: Any, scale_is_ref: bool):
+    """Mosaic GPU body: one warpgroup per window; the window is loaded into registers in a strided layout (thread
+    ``t`` holds vectors ``t, t + 128, ...``), scaled and cast there, and stored. A run under a warpgroup
+    (:data:`WARPGROUP` elements) is copied one element at a time by a loop in the same program."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     def kernel(*refs):
-        in_refs, zero_ref = refs[:n_in], refs[n_in]
-        out_refs = refs[len(refs) - n_out - 2 : len(refs) - 2]
-        smem, barrier = refs[-2], refs[-1]
-        oob = getattr(plgpu, "OOBFillMode", None)
-        in_bounds = {} if oob is None else {"oob_mode": oob.PROMISE_IN_BOUNDS}
+        in_refs = refs[:n_in]
+        scale_val = refs[n_in][0] if scale_is_ref else scale
+        out_refs = refs[len(refs) - n_out :]
 
-        def copy(j, off, w):
+        def copy(j, off, width):
             seg = schedule.segments[j]
-            src = zero_ref.at[pl.ds(0, w)] if seg.src == ZERO else in_refs[seg.src].at[pl.ds(seg.src_start + off, w)]
-            buf = smem.at[pl.ds(0, w)]
-            # Windows never leave their arrays: promising it selects the plain bulk copy (cp.async.bulk, any
-            # length) over the tiled TMA path (<= 256 elements per dim).
-            plgpu.copy_gmem_to_smem(src, buf, barrier, **in_bounds)
-            plgpu.barrier_wait(barrier)
-            plgpu.copy_smem_to_gmem(buf, out_refs[seg.dst].at[pl.ds(seg.dst_start + off, w)])
-            plgpu.wait_smem_to_gmem(0)
+            dtype, dst_ref = out_dtypes[seg.dst], out_refs[seg.dst]
+            src_ref = None if seg.src == ZERO else in_refs[seg.src]
+            if width < WARPGROUP:  # the whole (short) run, element by element
 
-        _dispatch(schedule, copy, serial=False)
+                def element(e, carry):
+                    val = (
+                        jnp.zeros((), dtype)
+                        if src_ref is None
+                        else _convert(src_ref[seg.src_start + e], dtype, scale_val)
+                    )
+                    dst_ref[seg.dst_start + e] = val
+                    return carry
+
+                jax.lax.fori_loop(0, width, element, 0)
+                return
+            vec = vector_width(
+                seg, 1 if src_ref is None else np.dtype(in_dtypes[seg.src]).itemsize, np.dtype(dtype).itemsize
+            )
+            layout = plgpu.Layout.WG_STRIDED((width,), vec_size=vec)
+            if src_ref is None:
+                val = plgpu.layout_cast(jnp.zeros((width,), dtype), layout)
+            else:
+                val = _convert(mosaic_gpu_load(src_ref, seg.src_start + off, width, layout), dtype, scale_val)
+            dst_ref[pl.ds(seg.dst_start + off, width)] = val
+
+        _dispatch(schedule, copy, serial=False, pid=jax.lax.axis_index("window"))
 
     return kernel
 
@@ -318,40 +334,35 @@ def _launch(
     into: Sequence[jax.Array] = (),
     serial: bool = False,
 ) -> list[jax.Array]:
-    """One ``pallas_call`` with a program per window.
+    """One kernel launch with a program per window (a ``pallas_call``, or a ``plgpu.kernel`` for Mosaic GPU).
 
     The kernel's refs are ``srcs``, extras (scale or zero source), ``into`` (aliased to the outputs, never
     read), the outputs, then scratch.
     """
     n_src, n_out = len(srcs), len(out_shapes)
-    extra: list[jax.Array] = []
+    static = scale is None or isinstance(scale, int | float | np.generic)
+    extra = [] if static else [jnp.reshape(jnp.asarray(scale), (1,)).astype(jnp.float32)]
+    static_scale = None if scale is None or not static else float(scale)
+    out_dtypes = [s.dtype for s in out_shapes]
     if backend == "mosaic_gpu":
         from jax.experimental.pallas import mosaic_gpu as plgpu
 
-        dtype = out_shapes[0].dtype
-        if scale is not None or any(s.dtype != dtype for s in out_shapes) or any(x.dtype != dtype for x in srcs):
-            raise NotImplementedError("mosaic_gpu: casts and scales are not fused; use backend='triton'.")
-        width = max(s.width for s in schedule.segments)
-        extra = [jnp.zeros((width,), dtype)]
-        kernel = _tma_body(schedule, n_src, n_out)
-        gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
-        kwargs: dict[str, Any] = dict(
-            in_specs=[gmem] * (n_src + 1 + len(into)),
-            out_specs=[gmem] * n_out,
-            scratch_shapes=[plgpu.SMEM((width,), dtype), plgpu.Barrier()],
-            compiler_params=plgpu.CompilerParams(),
+        kernel = _mosaic_body(schedule, n_src, n_out, [x.dtype for x in srcs], out_dtypes, static_scale, not static)
+        # plgpu.kernel aliases nothing: ``into`` is not reused (every element is written all the same)
+        call = plgpu.kernel(
+            kernel,
+            out_type=tuple(out_shapes),
+            grid=(schedule.num_programs,),
+            grid_names=("window",),
+            **({"interpret": mosaic_gpu_interpret_params()} if interpret else {}),
         )
-    else:
-        static = scale is None or isinstance(scale, int | float | np.generic)
-        if not static:
-            extra = [jnp.reshape(jnp.asarray(scale), (1,)).astype(jnp.float32)]
-        static_scale = None if scale is None or not static else float(scale)
-        kernel = _register_body(schedule, n_src, n_out, [s.dtype for s in out_shapes], static_scale, not static, serial)
-        kwargs = {"interpret": True} if interpret else {}
-        if backend == "triton" and not interpret:
-            from jax.experimental.pallas import triton as pltriton
+        return _vary_like(list(call(*srcs, *extra)), srcs)
+    kernel = _register_body(schedule, n_src, n_out, out_dtypes, static_scale, not static, serial)
+    kwargs: dict[str, Any] = {"interpret": True} if interpret else {}
+    if backend == "triton" and not interpret:
+        from jax.experimental.pallas import triton as pltriton
 
-            kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=TRITON_NUM_WARPS, num_stages=1)
+        kwargs["compiler_params"] = pltriton.CompilerParams(num_warps=TRITON_NUM_WARPS, num_stages=1)
     first = n_src + len(extra)
     call = pl.pallas_call(
         kernel,
@@ -361,6 +372,15 @@ def _launch(
         **kwargs,
     )
     return list(call(*srcs, *extra, *into))
+
+
+def _vary_like(outs: list[jax.Array], srcs: list[jax.Array]) -> list[jax.Array]:
+    """Inside ``shard_map`` (with ``check_vma``) the outputs vary over the inputs' mesh axes (``plgpu.kernel``
+    traces its body with the check off and returns invariant types)."""
+    axes = frozenset().union(*(varying_axes(x) for x in srcs))
+    if not axes:
+        return outs
+    return [jax.lax.pcast(o, tuple(sorted(axes - varying_axes(o))), to="varying") for o in outs]
 
 
 def _with_manual_axes(out_shapes: list[jax.ShapeDtypeStruct], srcs: list[jax.Array]) -> list[jax.ShapeDtypeStruct]:
@@ -400,11 +420,11 @@ def pack(
       dtype: buffer dtype (default: the leaves' common dtype); the cast is fused.
       scale: fused multiplier (Python float, baked in; or a scalar array, read at run time), applied in float32
         (or wider) before the cast.
-      out: a ``(total_size,)`` buffer of ``dtype`` to write into (aliased: donate it under jit to reuse it).
-        Every element is overwritten.
+      out: a ``(total_size,)`` buffer of ``dtype`` to write into (aliased: donate it under jit to reuse it;
+        ``mosaic_gpu`` writes a new buffer, ``plgpu.kernel`` aliases nothing). Every element is overwritten.
       interpret: run in the Pallas interpreter; None means ``jax.default_backend() == "cpu"``.
-      backend: ``"triton"`` (default) or ``"mosaic_gpu"`` when compiled; ``mosaic_gpu`` takes plain copies with
-        16-byte aligned offsets and sizes only.
+      backend: ``"mosaic_gpu"`` or ``"triton"`` when compiled (default: :func:`default_gpu_backend`);
+        ``"mosaic_gpu"`` with ``interpret=True`` runs the Mosaic GPU kernel in Mosaic GPU's interpreter.
       chunk: largest window per program (a power of two; default per backend, ``DEFAULT_CHUNK``).
       dispatch: ``"grid"`` (one program per window, the GPU kernel) or ``"serial"`` (one program looping over
         the windows: the same copies, compiled much faster by the interpreter). Default: serial when
@@ -423,11 +443,9 @@ def pack(
         return jnp.zeros((0,), dtype)
     interpret, backend = _resolve(interpret, backend)
     # what the backend cannot do at all comes before a window width it would need
-    why = refusal(layout, leaves[0].dtype, dtype, backend=backend, scaled=scale is not None)
-    if backend == "mosaic_gpu" and why:
-        raise NotImplementedError(f"mosaic_gpu pack: {why}; use backend='triton'.")
-    chunk = _chunk(chunk, backend, dtype)
-    schedule = pack_schedule(layout.sizes, layout.offsets, layout.total_size, chunk=chunk)
+    _check_backend(layout, backend, interpret, "pack")
+    chunk = _chunk(chunk, backend)
+    schedule = pack_schedule(layout.sizes, layout.offsets, layout.total_size, chunk=chunk, **_min_width(backend))
     used = [i for i, n in enumerate(layout.sizes) if n]
     index = {i: r for r, i in enumerate(used)}
     schedule = _remap(schedule, src=index)
@@ -484,15 +502,9 @@ def unpack(
     if not used:
         return result
     interpret, backend = _resolve(interpret, backend)
-    why = (
-        _mosaic_refusal(layout.sizes, layout.offsets, None, buffer.dtype, dtype, False)
-        if backend == "mosaic_gpu"
-        else ""
-    )
-    if why:
-        raise NotImplementedError(f"mosaic_gpu unpack: {why}; use backend='triton'.")
-    chunk = _chunk(chunk, backend, dtype)
-    schedule = unpack_schedule(layout.sizes, layout.offsets, chunk=chunk)
+    _check_backend(layout, backend, interpret, "unpack")
+    chunk = _chunk(chunk, backend)
+    schedule = unpack_schedule(layout.sizes, layout.offsets, chunk=chunk, **_min_width(backend))
     schedule = _remap(schedule, dst={i: r for r, i in enumerate(used)})
     flat = _launch(
         schedule,
@@ -507,6 +519,19 @@ def unpack(
     for i, x in zip(used, flat, strict=True):
         result[i] = jnp.reshape(x, shapes[i])
     return result
+
+
+def _check_backend(layout: BucketLayout, backend: str, interpret: bool, what: str) -> None:
+    if backend in BACKENDS and not interpret:
+        why = refusal(layout, None, None, backend=backend)
+        if why:
+            other = [b for b in BACKENDS if b != backend]
+            raise NotImplementedError(f"{backend} {what}: {why}; use backend={other[0]!r}.")
+
+
+def _min_width(backend: str) -> dict[str, int]:
+    """Mosaic GPU copies a run under a warpgroup in one program, element by element."""
+    return {"min_width": WARPGROUP} if backend == "mosaic_gpu" else {}
 
 
 def _remap(schedule: Schedule, *, src: dict[int, int] | None = None, dst: dict[int, int] | None = None) -> Schedule:

@@ -10,7 +10,8 @@ by *windows* of one static power-of-two width ``w <= chunk`` (Triton needs power
 Every window lies inside its segment, so no load or store is masked or out of bounds, and the overlap only
 writes the same values twice. ``w = min(chunk, largest power of two <= length)``, so a segment of ``n``
 elements takes ``ceil(n / w)`` windows. One kernel program copies one window; ``starts[j]`` is the first
-program id of segment ``j`` and ``num_programs`` the grid size.
+program id of segment ``j`` and ``num_programs`` the grid size. With ``min_width`` (Mosaic GPU: a warpgroup's 128
+threads), a run shorter than it is one window of its own length (not a power of two), copied element by element.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ class Segment:
       dst: index of the destination array.
       dst_start: first element written in the (flattened) destination.
       length: elements in the run (>= 1).
-      width: window width, a power of two ``<= length``.
+      width: window width, a power of two ``<= length`` (or ``length`` itself, for a run under the schedule's
+        ``min_width``).
     """
 
     src: int
@@ -85,7 +87,9 @@ class Schedule:
         return out
 
 
-def _width(length: int, chunk: int) -> int:
+def _width(length: int, chunk: int, min_width: int) -> int:
+    if length < min_width:
+        return length
     return min(chunk, 1 << (length.bit_length() - 1))
 
 
@@ -94,20 +98,28 @@ def _check_chunk(chunk: int) -> None:
         raise ValueError(f"chunk must be a power of two >= 1, got {chunk}.")
 
 
-def _schedule(segments: Sequence[tuple[int, int, int, int, int]], chunk: int) -> Schedule:
+def _schedule(segments: Sequence[tuple[int, int, int, int, int]], chunk: int, min_width: int = 1) -> Schedule:
     _check_chunk(chunk)
+    if min_width > chunk:
+        raise ValueError(f"min_width={min_width} exceeds chunk={chunk}.")
     segs, starts = [], [0]
     for src, src_start, dst, dst_start, length in segments:
         if length <= 0:
             continue
-        seg = Segment(src, src_start, dst, dst_start, length, _width(length, chunk))
+        seg = Segment(src, src_start, dst, dst_start, length, _width(length, chunk, min_width))
         segs.append(seg)
         starts.append(starts[-1] + seg.num_windows)
     return Schedule(tuple(segs), tuple(starts))
 
 
 def pack_schedule(
-    sizes: Sequence[int], offsets: Sequence[int], total_size: int, *, chunk: int, zero_fill: bool = True
+    sizes: Sequence[int],
+    offsets: Sequence[int],
+    total_size: int,
+    *,
+    chunk: int,
+    zero_fill: bool = True,
+    min_width: int = 1,
 ) -> Schedule:
     """Leaves -> one flat buffer: a segment per non-empty leaf and (with ``zero_fill``) one per padding gap.
 
@@ -117,6 +129,7 @@ def pack_schedule(
       total_size: elements in the buffer.
       chunk: the largest window width (a power of two).
       zero_fill: emit zero segments for every element no leaf covers.
+      min_width: a run shorter than this is one window of its own length.
 
     Returns:
       The :class:`Schedule`, segments in buffer order (source ``i`` is leaf ``i``, destination 0 the buffer).
@@ -134,9 +147,11 @@ def pack_schedule(
         raise ValueError(f"leaves end at element {cursor}, past the buffer's {total_size} elements.")
     if zero_fill and total_size > cursor:
         runs.append((ZERO, 0, 0, cursor, total_size - cursor))
-    return _schedule(runs, chunk)
+    return _schedule(runs, chunk, min_width)
 
 
-def unpack_schedule(sizes: Sequence[int], offsets: Sequence[int], *, chunk: int) -> Schedule:
-    """One flat buffer -> leaves: a segment per non-empty leaf (source 0 is the buffer, destination ``i`` leaf i)."""
-    return _schedule([(0, o, i, 0, n) for i, (n, o) in enumerate(zip(sizes, offsets, strict=True))], chunk)
+def unpack_schedule(sizes: Sequence[int], offsets: Sequence[int], *, chunk: int, min_width: int = 1) -> Schedule:
+    """One flat buffer -> leaves: a segment per non-empty leaf (source 0 is the buffer, destination ``i`` leaf i);
+    ``min_width`` as in :func:`pack_schedule`."""
+    runs = [(0, o, i, 0, n) for i, (n, o) in enumerate(zip(sizes, offsets, strict=True))]
+    return _schedule(runs, chunk, min_width)
