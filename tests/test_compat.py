@@ -1152,21 +1152,29 @@ def test_triton_lowering_target_lowers_inside_shard_map_without_a_gpu():
         pass
 
 
-def test_mosaic_gpu_pallas_call_says_whether_it_lowers():
-    plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+def test_mosaic_gpu_kernel_api_lowers_for_cuda_and_interprets():
+    """``mosaic_gpu_kernel``: ``plgpu.kernel`` with a strided register layout lowers for CUDA without a GPU
+    (``mosaic_gpu_load`` on this JAX's ``plgpu.load`` signature); ``mosaic_gpu_interpret_params`` runs it on CPU
+    where JAX has Mosaic GPU's interpreter; ``pallas_triton_deprecated`` matches the version the warning came with."""
     from jax.experimental import pallas as pl
 
-    def kernel(x_ref, o_ref):
-        o_ref[...] = x_ref[...] + 1.0
+    assert _compat.mosaic_gpu_kernel(), broke("mosaic_gpu_kernel", "this JAX has plgpu.kernel and layouts", "kernels")
+    from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    call = pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct((256,), jnp.float32), compiler_params=plgpu.CompilerParams()
-    )
-    try:
-        text = jax.export.export(jax.jit(call), platforms=["cuda"])(jax.ShapeDtypeStruct((256,), jnp.float32))
-        lowered = "mosaic_gpu" in text.mlir_module()
-    except AssertionError:  # the GPU lowering finds no rule for Mosaic GPU's parameters
-        lowered = False
-    assert lowered == _compat.mosaic_gpu_pallas_call(), broke(
-        "mosaic_gpu_pallas_call", f"it says whether a Mosaic GPU pallas_call lowers (it does: {lowered})", "kernels"
-    )
+    def body(x_ref, o_ref):
+        layout = plgpu.Layout.WG_STRIDED((256,), vec_size=1)  # offset 1: one element per load
+        o_ref[pl.ds(0, 256)] = (_compat.mosaic_gpu_load(x_ref, 1, 256, layout) * 2.0).astype(jnp.bfloat16)
+
+    def call(x, **kw):
+        return plgpu.kernel(
+            body, out_type=jax.ShapeDtypeStruct((256,), jnp.bfloat16), grid=(1,), grid_names=("g",), **kw
+        )(x)
+
+    x = jnp.arange(258, dtype=jnp.float32)
+    text = jax.export.export(jax.jit(call), platforms=["cuda"])(x).mlir_module()
+    assert "mosaic_gpu" in text, broke("mosaic_gpu_load", "a plgpu.kernel with a strided load lowers", "kernels")
+    params = _compat.mosaic_gpu_interpret_params()
+    if params is not None:
+        got = jax.jit(lambda x: call(x, interpret=params))(x)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.arange(1, 257) * 2.0)
+    assert _compat.pallas_triton_deprecated() == (jax.__version_info__ >= (0, 11))
