@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import struct
 
 import numpy as np
 import pytest
 from conftest import make_mesh
+from safetensors.numpy import load_file, save_file
 from test_safetensors import _flax_llama, llama_tensors, shapes_of, write_checkpoint
 
 import vescale_jax as vj
@@ -86,6 +89,78 @@ def test_error_index_names_absent_file(small):
     path = write_checkpoint(tensors, tmp / "a", num_files=3)
     os.remove(os.path.join(path, "model-00002-of-00003.safetensors"))
     with pytest.raises(FileNotFoundError, match=r"model-00002-of-00003.safetensors.*tensor"):
+        vj.checkpoint.load_safetensors(path, plan, mapping=llama_mapping())
+
+
+def _drop_from_its_file(path, name):
+    """Rewrites the file the index names for tensor ``name`` without it; the index still names it there."""
+    with open(os.path.join(path, files.INDEX)) as f:
+        fname = json.load(f)["weight_map"][name]
+    file = os.path.join(path, fname)
+    kept = {k: v for k, v in load_file(file).items() if k != name}
+    save_file(kept, file, metadata={"format": "pt"})
+    return fname
+
+
+@pytest.mark.parametrize("name", ["model.layers.1.mlp.up_proj.weight", "model.norm.weight"])
+def test_error_index_contradicts_its_file_names_the_file(small, name):
+    tensors, _, plan, tmp = small
+    path = write_checkpoint(tensors, tmp / "a", num_files=3)
+    fname = _drop_from_its_file(path, name)
+    assert re.fullmatch(r"model-0000\d-of-00003\.safetensors", fname)
+    leaf = {
+        "model.layers.1.mlp.up_proj.weight": r"'model/layers/1/mlp/up_proj/kernel' \(16, 24\) float32",
+        "model.norm.weight": r"'model/norm/weight' \(16,\) float32",
+    }[name]
+    shape = re.escape(str(tensors[name].shape))
+    with pytest.raises(ValueError) as e:
+        vj.checkpoint.load_safetensors(path, plan, mapping=llama_mapping())
+    msg = str(e.value)
+    assert re.search(rf"leaf {leaf} <- tensor {re.escape(repr(name))}", msg), msg
+    assert re.search(
+        rf"the index \S*/{re.escape(files.INDEX)} names this tensor \(the leaf needs it as {shape}\) in file "
+        rf"\S*/{re.escape(fname)} but that file does not hold it: the index and the file disagree",
+        msg,
+    ), msg
+    assert "no file of the checkpoint has this tensor" not in msg
+
+
+def test_error_index_contradicts_its_file_stacked_layers(tmp_path):
+    """A stacked leaf counts the layers the index names: the missing tensor is named, not a layer count."""
+    from test_safetensors_tp import stacked_llama
+
+    tensors = llama_tensors(3, layers=2)
+    tree = stacked_llama(tensors)
+    units = lambda path, leaf: "layers" if vj.plan_path(path).startswith("model/layers") else "rest"
+    plan = vj.plan(shapes_of(tree), make_mesh(2), units=units, stacked=("layers",), granularity=vj.rows(1))
+    path = write_checkpoint(tensors, tmp_path / "a", num_files=2)
+    fname = _drop_from_its_file(path, "model.layers.1.self_attn.k_proj.weight")
+    with pytest.raises(
+        ValueError,
+        match=rf"leaf 'model/layers/self_attn/k_proj/kernel' \(2, 16, 8\) float32 <- tensor "
+        rf"'model.layers.1.self_attn.k_proj.weight': the index \S*{re.escape(files.INDEX)} names this tensor \(the "
+        rf"leaf needs it as \(8, 16\)\) in file \S*/{re.escape(fname)} but that file does not hold it",
+    ):
+        vj.checkpoint.load_safetensors(path, plan, mapping=llama_mapping(stacked=True))
+
+
+@pytest.mark.parametrize("num_files", [1, 3])
+def test_error_shape_mismatch_names_the_file(small, num_files):
+    tensors, _, plan, tmp = small
+    name = "model.layers.0.mlp.down_proj.weight"
+    tensors[name] = np.zeros((16, 20), np.float32)
+    path = write_checkpoint(tensors, tmp / "a", num_files=num_files)
+    if num_files == 1:
+        fname = files.SINGLE
+    else:
+        with open(os.path.join(path, files.INDEX)) as f:
+            fname = json.load(f)["weight_map"][name]
+        assert re.fullmatch(r"model-0000\d-of-00003\.safetensors", fname)
+    with pytest.raises(
+        ValueError,
+        match=rf"leaf 'model/layers/0/mlp/down_proj/kernel' \(24, 16\) float32 <- tensor '{re.escape(name)}': shape "
+        rf"mismatch: file \S*/{re.escape(fname)} holds \(16, 20\) float32, the leaf needs \(16, 24\)",
+    ):
         vj.checkpoint.load_safetensors(path, plan, mapping=llama_mapping())
 
 

@@ -45,18 +45,28 @@ def _check_files(bounds: Sequence[Bound], ckpt: Checkpoint, mapping: Mapping, ig
             used.add(name)
             info = ckpt.tensors.get(name)
             where = f"load_safetensors: leaf {bd.path!r} {bd.shape} {bd.dtype.name} <- tensor {name!r}"
+            want = bd.tensor_shape[j % npat]
+            if info is None and name in ckpt.weight_map:
+                file = ckpt.weight_map[name]
+                held = [n for n, t in ckpt.tensors.items() if t.file == file]
+                raise ValueError(
+                    f"{where}: the index {ckpt.index} names this tensor (the leaf needs it as {want}) in file {file} "
+                    f"but that file does not hold it: the index and the file disagree (the file holds {len(held)} "
+                    f"tensor(s), near names: "
+                    f"{near(name, held)}); copy the checkpoint's files and index again from one source, or fix "
+                    "the index."
+                )
             if info is None:
                 raise ValueError(
                     f"{where}: no file of the checkpoint has this tensor (near names: "
                     f"{near(name, list(ckpt.tensors))}); fix the mapping entry {bd.entry.leaf!r} -> "
                     f"{list(bd.entry.tensors)}, or load a checkpoint of this model."
                 )
-            want = bd.tensor_shape[j % npat]
             if info.shape != want:
                 raise ValueError(
-                    f"{where}: shape mismatch: the file holds {info.shape} {info.dtype.name}, the leaf needs {want} "
-                    f"(after the entry's ops {list(bd.entry.ops)}); plan the model with the checkpoint's config, or "
-                    "fix the entry's ops."
+                    f"{where}: shape mismatch: file {info.file} holds {info.shape} {info.dtype.name}, the leaf needs "
+                    f"{want} (after the entry's ops {list(bd.entry.ops)}); plan the model with the checkpoint's "
+                    "config, or fix the entry's ops."
                 )
             check_cast(info.dtype, bd.dtype, cast, where)
     extra = [n for n in ckpt.tensors if n not in used and not mapping.ignored(n, ignore)]
@@ -99,8 +109,9 @@ def load_safetensors(
       :class:`~vescale_jax.ShardedParams` equal, bit for bit, to ``vj.shard`` of the mapped tensors.
 
     Raises:
-      ValueError: a leaf without entry, an entry without leaf (not optional), a missing or unused tensor, a shape
-        or dtype mismatch, a malformed header. FileNotFoundError: the path, or a file the index names.
+      ValueError: a leaf without entry, an entry without leaf (not optional), a missing or unused tensor (one the
+        index names in a file that does not hold it: named as such, with that file), a shape (with the file) or
+        dtype mismatch, a malformed header. FileNotFoundError: the path, or a file the index names.
 
     Sharding:
       Each process reads only the element ranges its own devices own (a replicated device's shard is read once
@@ -111,7 +122,9 @@ def load_safetensors(
     if not isinstance(plan, Plan):
         raise TypeError(f"load_safetensors: plan must be a vj.Plan (from vj.plan), got {type(plan).__name__}.")
     ckpt = open_checkpoint(path)
-    bounds = bind(plan, mapping, available=list(ckpt.tensors), what="load_safetensors")
+    # tensors the index names but no file holds count as present, so that the check below names the contradiction
+    available = list(dict.fromkeys([*ckpt.tensors, *ckpt.weight_map]))
+    bounds = bind(plan, mapping, available=available, what="load_safetensors")
     _check_files(bounds, ckpt, mapping, ignore, cast)
     reader = Reader()
     buffers = []

@@ -139,17 +139,28 @@ def read_header(file: str) -> tuple[dict[str, Any], int]:
 
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
-    """Every tensor of a checkpoint by name, and its files."""
+    """Every tensor of a checkpoint by name, and its files.
+
+    Attributes:
+      tensors: every tensor the files' headers hold, by name.
+      files: the files, in the index's order.
+      index: the index json's path (``None`` for a single file).
+      weight_map: the index's ``{tensor: file path}`` (empty for a single file); where it names a tensor its file
+        does not hold, the index contradicts the file.
+    """
 
     tensors: dict[str, TensorInfo]
     files: tuple[str, ...]
+    index: str | None = None
+    weight_map: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def data_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 
 
-def _files_of(path: str) -> list[str]:
+def _files_of(path: str) -> tuple[list[str], str | None, dict[str, str]]:
+    """The checkpoint's files, its index's path (or ``None``) and the index's ``{tensor: file path}``."""
     if os.path.isdir(path):
         for name in (SINGLE, INDEX):
             if os.path.exists(os.path.join(path, name)):
@@ -175,8 +186,9 @@ def _files_of(path: str) -> list[str]:
                     f"{path}: the index names file {name!r} (holding e.g. tensor {tensor!r}) but it is not in "
                     f"{here}; copy every file of the checkpoint, or fix the index."
                 )
-        return [os.path.join(here, name) for name in files]
-    return [path]
+        weight_map = {t: os.path.join(here, f) for t, f in index["weight_map"].items()}
+        return [os.path.join(here, name) for name in files], path, weight_map
+    return [path], None, {}
 
 
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
@@ -186,7 +198,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
       FileNotFoundError: the path, or a file its index names, does not exist.
       ValueError: a malformed header, or a tensor in two files.
     """
-    files = _files_of(os.fspath(path))
+    files, index, weight_map = _files_of(os.fspath(path))
     tensors: dict[str, TensorInfo] = {}
     for file in files:
         header, start = read_header(file)
@@ -197,7 +209,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
                 raise ValueError(f"tensor {name!r} is in both {tensors[name].file} and {file}; keep one.")
             dt = dtype_of(info["dtype"])
             tensors[name] = TensorInfo(name, file, dt, tuple(info["shape"]), start + info["data_offsets"][0])
-    return Checkpoint(tensors, tuple(files))
+    return Checkpoint(tensors, tuple(files), index, weight_map)
 
 
 class Reader:
