@@ -9,22 +9,23 @@
 # GPU image's, not on its PATH) that imports jax. XLA_FLAGS is passed on only when it holds flags (an empty or
 # blank XLA_FLAGS makes XLA abort at start: "Could not open file " " to read flags").
 #
-# Parts, in order, each under its own timeout (capped by what is left of BUDGET_S, default 470 s), results
-# written as they go (a part that times out or fails does not stop the rest):
-#   env      (15 s)  nvidia-smi, JAX / jaxlib versions, devices.
-#   tests    (75 s)  tests/test_kernels.py and the one-device cases of tests/test_fused_kernels.py compiled on
-#                    the GPU (JAX_PLATFORMS=cuda: interpret=None means compiled), slow cases left out (about 45 s
-#                    serially on the H200; the 300-tensor round trip alone took 88 s).
-#   bench   (120 s)  benchmarks/kernels.py: pack / unpack bandwidth against a device copy of the same buffer
-#                    (goal >= 0.85 of the copy) and against XLA; writes kernels_gpu.md and the measured table
-#                    for KernelPolicy(mode="auto") ($OUT/kernels_measured.json; to ship it, copy it to
-#                    vescale_jax/kernels/_measured.json).
-#   steps   (50-90 s each) benchmarks/gpu_step.py, one process per variant: plain jax.jit, vj.fsdp, FP8
-#                    gather, 8-bit Adam; then jit and vj.fsdp again with XLA's latency-hiding scheduler
-#                    (LHS_FLAGS appended to XLA_FLAGS). gpu.md is rewritten after every variant.
-#   mosaic  (rest)   tests/test_kernels.py with the Mosaic GPU backend, if time is left.
+# Parts, in order, each under its own timeout (capped by what is left of BUDGET_S, default 470 s: the whole check
+# fits 8 minutes), results written as they go (a part that times out or fails does not stop the rest):
+#   env      (10 s)  nvidia-smi, JAX / jaxlib versions, devices.
+#   tests    (60 s)  tests/test_kernels.py, tests/test_mosaic_kernels.py and the one-device cases of
+#                    tests/test_fused_kernels.py compiled on the GPU (JAX_PLATFORMS=cuda: interpret=None means
+#                    compiled) with this JAX's default backend (Mosaic GPU from JAX 0.11), slow cases left out.
+#   bench    (90 s)  benchmarks/kernels.py: pack / unpack bandwidth against a device copy of the same buffer
+#                    (goal >= 0.85 of the copy) and against XLA, Mosaic GPU and Triton on the 1.7 GB GPT bucket,
+#                    Mosaic GPU on 256 small tensors (goal: each op compiles in <= 2 s); writes kernels_gpu.md
+#                    and the measured table for KernelPolicy(mode="auto") ($OUT/kernels_measured.json; to ship
+#                    it, copy it to vescale_jax/kernels/_measured.json).
+#   steps   (45-60 s each) benchmarks/gpu_step.py, one process per variant: plain jax.jit, vj.fsdp, FP8 gather
+#                    (3 timed steps), 8-bit Adam; then jit and vj.fsdp again with XLA's latency-hiding scheduler
+#                    (LHS_FLAGS appended to XLA_FLAGS). gpu.md is rewritten after every variant, with its goals.
+#   triton  (rest)   tests/test_kernels.py with the Triton fallback (VESCALE_JAX_KERNEL_BACKEND=triton), if time
+#                    is left and JAX still ships it.
 # Real run: tables in benchmarks/results/ (gpu.md, kernels_gpu.md) and copies of everything in $OUT.
-#                    The small bucket has 64 tensors (a Triton pack of 256 took 36 s to compile on the H200).
 # --dry-run: CPU, tiny model and buckets, 4 simulated devices (JAX_NUM_CPU_DEVICES, so XLA_FLAGS is handled as
 # in the real run), caps doubled and a 900 s budget (CPU compiles are slow); everything (logs, tables) goes to
 # $OUT (a temp dir by default), never to benchmarks/results/; it prints what the real run would measure.
@@ -36,7 +37,7 @@ DRY=0
 [[ "${1:-}" == "--dry-run" ]] && DRY=1
 START=$(date +%s)
 BUDGET_S=${BUDGET_S:-470}
-PARTS=${PARTS:-env,tests,bench,steps,mosaic}
+PARTS=${PARTS:-env,tests,bench,steps,triton}
 CAPS=${GPU_CHECK_CAPS:-1}
 pick_python() {  # the first candidate that runs and imports jax
   local c
@@ -74,8 +75,9 @@ unset XLA_FLAGS  # each command gets it from xla_env, and only when it holds fla
 # xla_env "EXTRA FLAGS": XENV, the `env` prefix of a command: XLA_FLAGS="$BASE_FLAGS EXTRA", or none when both are
 # blank (parts run under `timeout`, which takes a command, not a shell function)
 xla_env() {
-  local flags
-  flags=$(echo "$BASE_FLAGS $1" | xargs)
+  local words flags
+  read -r -a words <<< "$BASE_FLAGS $1"  # split on blanks (no xargs: it runs an `echo` binary the PATH may lack)
+  flags="${words[*]}"
   XENV=(env)
   if [[ -n "$flags" ]]; then XENV+=("XLA_FLAGS=$flags"); fi
 }
@@ -114,7 +116,7 @@ say "gpu_check $( (( DRY )) && echo 'DRY RUN (CPU, tiny; figures meaningless)' |
 say "   python: $PY; XLA_FLAGS: ${BASE_FLAGS:-(unset)}"
 
 if want env; then
-  part env 15 "${XENV[@]}" bash -c 'nvidia-smi || echo "nvidia-smi: absent"; "$0" -c "
+  part env 10 "${XENV[@]}" bash -c 'nvidia-smi || echo "nvidia-smi: absent"; "$0" -c "
 import importlib.metadata as m, jax
 print(\"jax\", jax.__version__, \"jaxlib\", m.version(\"jaxlib\"))
 print(jax.devices())"' "$PY"
@@ -123,22 +125,23 @@ fi
 if want tests; then
   # The kernels compiled on the GPU against their references; the fused kernels' one-device cases (the
   # others need 3 or 8 devices). tests/test_cuda_lowering.py is a CPU-machine test (8 simulated devices).
-  KTESTS=(tests/test_kernels.py tests/test_fused_kernels.py -k "not test_fused_kernels or m1 or lower")
+  KTESTS=(tests/test_kernels.py tests/test_mosaic_kernels.py tests/test_fused_kernels.py
+    -k "not test_fused_kernels or m1 or lower")
   if (( DRY )); then  # the same command on CPU, narrowed to the policy tests (the kernels interpret on CPU)
     say "   would run on GPU: JAX_PLATFORMS=cuda ${PYTEST[*]} ${KTESTS[*]}"
-    part tests 75 "${XENV[@]}" "${PYTEST[@]}" tests/test_kernel_choice.py tests/test_kernels.py -k "policy or choice or size_class or table"
+    part tests 60 "${XENV[@]}" "${PYTEST[@]}" tests/test_kernel_choice.py tests/test_kernels.py -k "policy or choice or size_class or table"
   else
-    part tests 75 "${XENV[@]}" VESCALE_JAX_KERNEL_BACKEND=triton "${PYTEST[@]}" --durations=5 "${KTESTS[@]}"
+    part tests 60 "${XENV[@]}" "${PYTEST[@]}" --durations=5 "${KTESTS[@]}"
   fi
 fi
 
 if want bench; then
   if (( DRY )); then
-    say "   would run on GPU: $PY benchmarks/kernels.py --chunks '' --small-n 64 --out $RES/kernels_gpu.md --json \$OUT/kernels_measured.json"
-    part bench 120 "${XENV[@]}" "$PY" benchmarks/kernels.py --dry-run --out "$RES/kernels_gpu.md" --json "$OUT/kernels_measured.json"
+    say "   would run on GPU: $PY benchmarks/kernels.py --chunks '' --backends mosaic_gpu,triton --small-backends mosaic_gpu --small-n 256 --out $RES/kernels_gpu.md --json \$OUT/kernels_measured.json"
+    part bench 90 "${XENV[@]}" "$PY" benchmarks/kernels.py --dry-run --out "$RES/kernels_gpu.md" --json "$OUT/kernels_measured.json"
   else
-    part bench 120 "${XENV[@]}" "$PY" benchmarks/kernels.py --chunks "" --small-n 64 --out "$RES/kernels_gpu.md" \
-      --json "$OUT/kernels_measured.json"
+    part bench 90 "${XENV[@]}" "$PY" benchmarks/kernels.py --chunks "" --backends mosaic_gpu,triton \
+      --small-backends mosaic_gpu --small-n 256 --out "$RES/kernels_gpu.md" --json "$OUT/kernels_measured.json"
     cp "$RES/kernels_gpu.md" "$OUT/" 2>/dev/null || true
   fi
   sed -n '/records; Pallas measured faster/,$p' "$OUT/bench.log" 2>/dev/null | head -n 12 | sed 's/^/   | /' | tee -a "$SUMMARY"
@@ -149,25 +152,25 @@ if want steps; then
   : > "$STEPS"
   DRYARG=()
   (( DRY )) && DRYARG=(--dry-run)
-  (( DRY )) && say "   would run on GPU: benchmarks/gpu_step.py --variant V (350 M GPT, bf16, batch 8 x 1024) for V in jit fsdp fsdp_fp8 fsdp_adam8bit, then jit and fsdp with $LHS_FLAGS"
-  step_variant() {  # step_variant NAME CAP VARIANT LABEL EXTRA_XLA_FLAGS
+  (( DRY )) && say "   would run on GPU: benchmarks/gpu_step.py --variant V (0.94 B GPT, cuDNN attention, remat, bf16, batch 16 x 2048) for V in jit fsdp fsdp_fp8 fsdp_adam8bit, then jit and fsdp with $LHS_FLAGS"
+  step_variant() {  # step_variant NAME CAP VARIANT LABEL EXTRA_XLA_FLAGS [MORE ARGS]
     xla_env "$5"
     part "$1" "$2" "${XENV[@]}" "$PY" benchmarks/gpu_step.py "${DRYARG[@]}" --variant "$3" \
-      --label "$4" --jsonl "$STEPS"
+      --label "$4" --jsonl "$STEPS" "${@:6}"
     "$PY" benchmarks/gpu_step.py --report "$STEPS" --md "$RES/gpu.md" >> "$OUT/report.log" 2>&1
   }
-  step_variant step_jit 60 jit "" ""
-  step_variant step_fsdp 60 fsdp "" ""
-  step_variant step_fsdp_fp8 90 fsdp_fp8 "" ""
+  step_variant step_jit 55 jit "" ""
+  step_variant step_fsdp 55 fsdp "" ""
+  step_variant step_fsdp_fp8 60 fsdp_fp8 "" "" --steps 3
   step_variant step_fsdp_adam8bit 50 fsdp_adam8bit "" ""
-  step_variant step_fsdp_lhs 50 fsdp lhs "$LHS_FLAGS"
-  (( DRY )) || step_variant step_jit_lhs 50 jit lhs "$LHS_FLAGS"
+  (( DRY )) || step_variant step_jit_lhs 45 jit lhs "$LHS_FLAGS"
+  step_variant step_fsdp_lhs 45 fsdp lhs "$LHS_FLAGS"
   [[ -f "$RES/gpu.md" ]] && { cp "$RES/gpu.md" "$OUT/" 2>/dev/null; sed 's/^/   | /' "$RES/gpu.md" | tail -n 8 | tee -a "$SUMMARY"; }
 fi
 
-if want mosaic && (( ! DRY )); then
+if want triton && (( ! DRY )); then
   xla_env ""
-  part tests_mosaic_gpu 90 "${XENV[@]}" VESCALE_JAX_KERNEL_BACKEND=mosaic_gpu "${PYTEST[@]}" tests/test_kernels.py
+  part tests_triton 60 "${XENV[@]}" VESCALE_JAX_KERNEL_BACKEND=triton "${PYTEST[@]}" tests/test_kernels.py
 fi
 
 say "total $(( $(date +%s) - START ))s; results in $OUT"

@@ -14,7 +14,12 @@ On CPU (no accelerator) it runs the correctness check only, small sizes, interpr
 runs the timing path on tiny buckets with the interpreter (figures meaningless, printed as such).
 
   python benchmarks/kernels.py [--out benchmarks/results/kernels_gpu.md] [--json vescale_jax/kernels/_measured.json]
-      [--runs 20] [--backends triton,mosaic_gpu] [--srcs float32,bfloat16] [--dry-run]
+      [--runs 20] [--backends mosaic_gpu,triton] [--small-backends mosaic_gpu] [--srcs float32,bfloat16] [--dry-run]
+
+Goals printed at the end (each row's status says whether it compiled and matched): on the gpt bucket every pack
+and unpack row of a backend at its default window >= 0.85 x the copy, and >= 1.0 x XLA wherever
+``KernelPolicy(mode="auto")`` would pick it (the table it writes decides); the small bucket (256 tensors by
+default) compiles in <= 2 s per op.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import numpy as np
 
 import vescale_jax as vj
 from vescale_jax import kernels as K
+from vescale_jax._compat import mosaic_gpu_interpret_params
 from vescale_jax.kernels import MeasuredTable, Record, size_class
 
 CEILING_GBS = 4300.0
@@ -138,8 +144,9 @@ def fmt_err(e: BaseException) -> str:
     return msg[:110].replace("|", "/")
 
 
-def run_timed(args, rows: list[str], flush: Callable[[], None], records: list[Record]) -> None:
-    """Time every op and backend against XLA and a copy of the buffer; append rows and auto-table records."""
+def run_timed(args, rows: list[str], flush: Callable[[], None], records: list[Record], results: list) -> None:
+    """Time every op and backend against XLA and a copy of the buffer; append rows, auto-table records and
+    ``(case, op, backend, ok, vs copy, vs XLA, compile s, record key)`` per kernel at its default window."""
     dev = jax.devices()[0]
     interpret = args.dry_run
     if args.dry_run:
@@ -166,7 +173,7 @@ def run_timed(args, rows: list[str], flush: Callable[[], None], records: list[Re
                 xla_ms = median_ms(ref_jit, inp, runs=args.runs)
                 xla_gbs = moved / xla_ms / 1e6
                 rows.append(row(case, name, "xla (reference)", moved, xla_ms, xla_gbs, 1.0, xla_gbs / copy_gbs))
-                for backend in args.backends:
+                for backend in args.small_backends if case == "small" else args.backends:
                     chunks = [None] + (args.chunks if (case == "gpt" and backend == "triton") else [])
                     for chunk in chunks:
                         label = ("interpret as " if interpret else "") + backend + (f" c{chunk}" if chunk else "")
@@ -186,6 +193,8 @@ def run_timed(args, rows: list[str], flush: Callable[[], None], records: list[Re
                             gbs = moved / ms / 1e6
                             status = ("ok" if ok else "MISMATCH") + f" (compile {compile_s:.1f}s)"
                             rows.append(row(case, name, label, moved, ms, gbs, xla_ms / ms, gbs / copy_gbs, status))
+                            if chunk is None:
+                                results.append((case, name, backend, ok, gbs / copy_gbs, xla_ms / ms, compile_s, key))
                             if ok and chunk is None and key is not None:
                                 direction, s_name, d_name, nbytes = key
                                 records.append(
@@ -209,6 +218,47 @@ def run_timed(args, rows: list[str], flush: Callable[[], None], records: list[Re
                         print(rows[-1], flush=True)
                         flush()
             print(f"[{case} {np.dtype(src).name}] measured copy {copy_gbs:.0f} GB/s")
+
+
+COPY_GOAL, XLA_GOAL, COMPILE_GOAL_S = 0.85, 1.0, 2.0
+
+
+def goal_lines(results: list, table: MeasuredTable) -> list[str]:
+    """The goals, per backend: gpt rows against the copy (and XLA where auto picks the kernel), small compiles."""
+    out = []
+    for backend in dict.fromkeys(r[2] for r in results):
+        mine = [r for r in results if r[2] == backend]
+        gpt = [r for r in mine if r[0] != "small" and "*s" not in r[1]]
+        if gpt:
+            worst = min(gpt, key=lambda r: r[4])
+            ok = all(r[3] and r[4] >= COPY_GOAL for r in gpt)
+            out.append(
+                f"{backend}: gpt bucket, worst vs copy {worst[4]:.2f} ({worst[1]}; goal >= {COPY_GOAL}): "
+                f"{'met' if ok else 'NOT met'}"
+            )
+            picked = [r for r in gpt if r[7] is not None and _auto_picks(table, backend, r[7])]
+            if picked:
+                ok = all(r[5] >= XLA_GOAL for r in picked)
+                out.append(
+                    f"{backend}: where auto picks it, worst vs XLA {min(r[5] for r in picked):.2f}: "
+                    f"{'met' if ok else 'NOT met'}"
+                )
+        small = [r for r in mine if r[0] == "small"]
+        if small:
+            slowest = max(r[6] for r in small)
+            out.append(
+                f"{backend}: small bucket, slowest compile + first run {slowest:.1f} s (goal <= {COMPILE_GOAL_S}): "
+                f"{'met' if slowest <= COMPILE_GOAL_S else 'NOT met'}"
+            )
+    return out
+
+
+def _auto_picks(table: MeasuredTable, backend: str, key) -> bool:
+    direction, src, dst, nbytes = key
+    dev = jax.devices()[0]
+    return table.faster(
+        backend=backend, direction=direction, src_dtype=src, dst_dtype=dst, nbytes=nbytes, device_kind=dev.device_kind
+    )
 
 
 def row(case, op, impl, moved, ms, gbs, vs_xla, vs_copy, status="-") -> str:
@@ -238,7 +288,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="markdown file to write")
     p.add_argument("--runs", type=int, default=20)
-    p.add_argument("--backends", default="triton,mosaic_gpu")
+    p.add_argument("--backends", default="mosaic_gpu,triton")
+    p.add_argument("--small-backends", default=None, help="backends timed on the small bucket (default: --backends)")
     p.add_argument("--chunks", default="4096,8192,16384", help="triton window sizes tried on the gpt bucket")
     p.add_argument("--gpt-scale", type=int, default=1, help="divide the gpt matrices' dims by this")
     p.add_argument("--small-n", type=int, default=256)
@@ -248,8 +299,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.srcs = [np.dtype(jnp.dtype(d)) for d in args.srcs.split(",") if d]
     args.backends = [b for b in args.backends.split(",") if b]
+    args.small_backends = args.backends if args.small_backends is None else args.small_backends.split(",")
     if args.dry_run:  # each path once, tiny: one source dtype, one backend, 2 runs
-        args.runs, args.srcs, args.backends = min(args.runs, 2), args.srcs[:1], args.backends[:1]
+        args.runs, args.srcs = min(args.runs, 2), args.srcs[:1]
+        # the interpreter of each backend: Mosaic GPU's own where JAX has one, else the Pallas interpreter
+        interpretable = [b for b in args.backends if b != "mosaic_gpu" or mosaic_gpu_interpret_params() is not None]
+        args.backends = args.small_backends = (interpretable or ["triton"])[:1]
     args.chunks = [int(c) for c in args.chunks.split(",") if c]
     dev = jax.devices()[0]
     gpu = dev.platform == "gpu"
@@ -280,6 +335,7 @@ def main(argv=None) -> int:
     ]
     rows: list[str] = []
     records: list[Record] = []
+    results: list = []
 
     def flush() -> None:  # rewritten after every row: a timeout still leaves the rows measured so far
         if args.out:
@@ -289,7 +345,7 @@ def main(argv=None) -> int:
             MeasuredTable(records=tuple(records)).to_json(args.json)
 
     if gpu or args.dry_run:
-        run_timed(args, rows, flush, records)
+        run_timed(args, rows, flush, records, results)
     else:
         run_cpu(rows, flush)
     flush()
@@ -299,6 +355,13 @@ def main(argv=None) -> int:
         print(f"{len(records)} records; Pallas measured faster than XLA (auto would pick it) in {len(faster)}:")
         for r in faster:
             print(f"  {r.backend} {r.direction} {r.src}->{r.dst} {r.size_class}: {r.speedup:.2f}x")
+        goals = goal_lines(results, MeasuredTable(records=tuple(records)))
+        print("goals" + (" (DRY RUN: meaningless)" if args.dry_run else "") + ":")
+        for line in goals:
+            print("  " + line)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write("\n" + "\n".join(f"- {line}" for line in goals) + "\n")
     bad = [r for r in rows if "MISMATCH" in r]
     return 1 if bad else 0
 

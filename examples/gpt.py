@@ -27,6 +27,10 @@ class GPTConfig:
     d_ff: int = 512
     scan_unroll: int | bool = 1  # passed to the layer scan (True unrolls it: used to count FLOPs)
     remat: bool = False  # each block call under nnx.remat: its activations recomputed in the backward pass
+    # "einsum": the scores as one B x H x T x T tensor (two einsums and a softmax); "dot_product":
+    # jax.nn.dot_product_attention (cuDNN's fused attention on a GPU where it applies, XLA's elsewhere)
+    attention: str = "einsum"
+    attention_implementation: str | None = None  # dot_product's implementation= (None: JAX picks)
 
 
 class Block(nnx.Module):
@@ -35,6 +39,9 @@ class Block(nnx.Module):
     def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs):
         d, f = cfg.d_model, cfg.d_ff
         self.num_heads = cfg.num_heads
+        self.attention, self.implementation = cfg.attention, cfg.attention_implementation
+        if cfg.attention not in ("einsum", "dot_product"):
+            raise ValueError(f"GPTConfig(attention={cfg.attention!r}); use 'einsum' or 'dot_product'.")
         self.ln1 = nnx.LayerNorm(d, rngs=rngs)
         self.qkv = nnx.Linear(d, 3 * d, use_bias=False, rngs=rngs)  # a key bias has zero gradient
         self.proj = nnx.Linear(d, d, rngs=rngs)
@@ -47,10 +54,14 @@ class Block(nnx.Module):
         h = self.num_heads
         q, k, v = jnp.split(self.qkv(self.ln1(x_BxTxD)), 3, axis=-1)
         q, k, v = (a.reshape(b, t, h, d // h) for a in (q, k, v))
-        logits_BxHxTxT = jnp.einsum("bqhc,bkhc->bhqk", q, k) / jnp.sqrt(jnp.asarray(d // h, q.dtype))
-        mask = jnp.tril(jnp.ones((t, t), bool))
-        logits_BxHxTxT = jnp.where(mask, logits_BxHxTxT, jnp.asarray(-1e9, q.dtype))
-        att = jnp.einsum("bhqk,bkhc->bqhc", jax.nn.softmax(logits_BxHxTxT, axis=-1), v).reshape(b, t, d)
+        if self.attention == "dot_product":
+            att = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.implementation)
+            att = att.reshape(b, t, d)
+        else:
+            logits_BxHxTxT = jnp.einsum("bqhc,bkhc->bhqk", q, k) / jnp.sqrt(jnp.asarray(d // h, q.dtype))
+            mask = jnp.tril(jnp.ones((t, t), bool))
+            logits_BxHxTxT = jnp.where(mask, logits_BxHxTxT, jnp.asarray(-1e9, q.dtype))
+            att = jnp.einsum("bhqk,bkhc->bqhc", jax.nn.softmax(logits_BxHxTxT, axis=-1), v).reshape(b, t, d)
         x_BxTxD = x_BxTxD + self.proj(att)
         return x_BxTxD + self.down(jax.nn.gelu(self.up(self.ln2(x_BxTxD))))
 

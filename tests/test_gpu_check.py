@@ -80,7 +80,7 @@ def test_a_blank_xla_flags_is_not_passed_on(tmp_path):
 
 @pytest.mark.slow
 def test_dry_run_every_part(tmp_path):
-    summary = dry_run(tmp_path, "env,tests,bench,steps,mosaic")
+    summary = dry_run(tmp_path, "env,tests,bench,steps,triton")
     assert "rc=" in summary and all(f"rc={rc}" not in summary for rc in range(1, 256)), summary
     table = MeasuredTable.from_json(tmp_path / "kernels_measured.json")
     assert table.records and {r.device_kind for r in table.records} == {"cpu"}
@@ -92,7 +92,7 @@ def test_dry_run_every_part(tmp_path):
         ("fsdp_adam8bit", ""),
         ("fsdp", "lhs"),
     ]
-    assert "latency_hiding_scheduler=true" in rows[-1]["xla_flags"]
+    assert "latency_hiding_scheduler=true" in rows[-1]["xla_flags"], rows
     md = (tmp_path / "gpu.md").read_text()
     assert "DRY RUN on CPU" in md and md.count("| fsdp") == 4
 
@@ -100,8 +100,10 @@ def test_dry_run_every_part(tmp_path):
 def test_step_report_and_flops_formula(tmp_path):
     gs = load_script("benchmarks/gpu_step.py")
     cfg = gs.config("gpu")
-    assert (cfg.d_model, cfg.num_layers, cfg.max_len) == (1024, 24, 1024)
-    assert gs.model_flops(cfg, n_matmul=10, tokens=4, seq=1024) == 6 * 10 * 4 + 12 * 24 * 1024 * 1024 * 4
+    assert (cfg.d_model, cfg.num_layers, cfg.max_len, cfg.attention, cfg.remat) == (2048, 16, 2048, "dot_product", True)
+    causal = gs.model_flops(cfg, n_matmul=10, tokens=4, seq=2048)
+    assert causal == 6 * 10 * 4 + 6 * 16 * 2048 * 2048 * 4
+    assert gs.model_flops(cfg, n_matmul=10, tokens=4, seq=2048, causal=False) == 6 * 10 * 4 + 12 * 16 * 2048 * 2048 * 4
     record = {
         "variant": "fsdp",
         "label": "",
@@ -126,10 +128,16 @@ def test_step_report_and_flops_formula(tmp_path):
         "first_loss": 5.5,
         "last_loss": 5.4,
     }
+    jit = dict(record, variant="jit", mfu=0.36, tokens_per_s=25000.0, peak_bytes_in_use=2**30)
+    slow = dict(record, tokens_per_s=24000.0, peak_bytes_in_use=2**30)  # 0.96 x jit's tokens/s
     jsonl = tmp_path / "steps.jsonl"
-    jsonl.write_text(json.dumps(record) + "\n")
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in (jit, record, slow)))
     gs.write_report(str(jsonl), str(tmp_path / "gpu.md"))
-    assert "DRY RUN on CPU" in (tmp_path / "gpu.md").read_text()
+    md = (tmp_path / "gpu.md").read_text()
+    assert "DRY RUN on CPU" in md
+    assert "jit (default): MFU 36.0 % (goal ≥ 35 %): met" in md
+    assert "fsdp (default): 1.024 × jit's tokens/s (goal ≥ 0.97), - × its peak (goal ≤ 1.05): met" in md
+    assert "fsdp (default): 0.960 × jit's tokens/s (goal ≥ 0.97), 1.000 × its peak (goal ≤ 1.05): NOT met" in md
     with pytest.raises(SystemExit, match="refusing to write CPU figures"):
         gs.write_report(str(jsonl), str(RESULTS / "gpu.md"))
     assert not (RESULTS / "gpu.md").exists() or "DRY RUN" not in (RESULTS / "gpu.md").read_text()

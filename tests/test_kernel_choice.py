@@ -74,13 +74,16 @@ def test_auto_picks_pallas_only_for_the_recorded_faster_case(gpu):
 
 
 def test_auto_uses_the_backend_that_would_run():
-    """mosaic_gpu preferred but the bucket needs a cast: triton would run, so triton's record decides."""
+    """The record of the backend that would run decides: each backend takes the cast, so the preferred one runs
+    and another backend's record does not count."""
     only_mosaic = MeasuredTable(records=(rec(backend="mosaic_gpu", dst="bfloat16"),))
     only_triton = MeasuredTable(records=(rec(backend="triton", dst="bfloat16"),))
     kw = dict(direction="unpack", platform="gpu", backend="mosaic_gpu", device_kind=H200)
-    assert _measured.auto_implementation(only_mosaic, BIG, jnp.float32, jnp.bfloat16, **kw) == "xla"
-    assert _measured.auto_implementation(only_triton, BIG, jnp.float32, jnp.bfloat16, **kw) == "triton"
-    other_gpu = dict(kw, device_kind="NVIDIA A100-SXM4-80GB")
+    assert _measured.auto_implementation(only_mosaic, BIG, jnp.float32, jnp.bfloat16, **kw) == "mosaic_gpu"
+    assert _measured.auto_implementation(only_triton, BIG, jnp.float32, jnp.bfloat16, **kw) == "xla"
+    triton = dict(kw, backend="triton")
+    assert _measured.auto_implementation(only_triton, BIG, jnp.float32, jnp.bfloat16, **triton) == "triton"
+    other_gpu = dict(triton, device_kind="NVIDIA A100-SXM4-80GB")
     assert _measured.auto_implementation(only_triton, BIG, jnp.float32, jnp.bfloat16, **other_gpu) == "xla"
 
 

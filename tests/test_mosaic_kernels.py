@@ -1,6 +1,6 @@
 """The Mosaic GPU pack / unpack kernels run in Mosaic GPU's own interpreter (``interpret=True,
 backend="mosaic_gpu"``: the ``plgpu.kernel`` itself, its strided register layouts, vector widths and element
-loops), bit for bit against the plain-jnp references.
+loops), bit for bit against the plain-jnp references; on a GPU the same tests run the compiled kernels.
 
 Buckets cover what the kernel must take in one launch: leaves under a warpgroup (128 elements) and under 16 bytes,
 offsets off every 16-byte boundary, odd tails, padding gaps of every size, casts both ways (fp32 -> bf16 gather,
@@ -22,12 +22,13 @@ import vescale_jax as vj
 from vescale_jax import kernels as K
 from vescale_jax._compat import mosaic_gpu_interpret_params
 
+INTERPRET = jax.default_backend() == "cpu"  # on a GPU (benchmarks/gpu_check.sh) the kernels run compiled
 pytestmark = pytest.mark.skipif(
-    mosaic_gpu_interpret_params() is None, reason=f"JAX {jax.__version__} has no Mosaic GPU interpreter"
+    INTERPRET and mosaic_gpu_interpret_params() is None, reason=f"JAX {jax.__version__} has no Mosaic GPU interpreter"
 )
 
 F32, BF16, FP8 = jnp.float32, jnp.bfloat16, jnp.float8_e4m3fn
-MOSAIC = dict(interpret=True, backend="mosaic_gpu")
+MOSAIC = dict(interpret=INTERPRET, backend="mosaic_gpu")
 
 BUCKETS = {
     # name: (leaf shapes, plan alignment)
