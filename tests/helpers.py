@@ -241,14 +241,15 @@ BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
 @contextlib.contextmanager
 def counting_compiles() -> Iterator[list[str]]:
-    """Collects one name per program this process gets compiled while the context is open. JAX records the event
-    around its compile-or-read-the-persistent-cache call, so an executable that tests/conftest.py's persistent
-    cache hands back (compiled by an earlier test) is counted as well."""
+    """Collects one name per program this process gets compiled while the context is open (the function JAX
+    names in the event, e.g. ``jit(slice)``). JAX records the event around its compile-or-read-the-persistent-cache
+    call, so an executable that tests/conftest.py's persistent cache hands back (compiled by an earlier test) is
+    counted as well."""
     compiles: list[str] = []
 
-    def on_duration(name: str, *_: Any, **__: Any) -> None:
+    def on_duration(name: str, *_: Any, **kwargs: Any) -> None:
         if name == BACKEND_COMPILE:
-            compiles.append(name)
+            compiles.append(str(kwargs.get("fun_name", name)))
 
     jax.monitoring.register_event_duration_secs_listener(on_duration)
     try:
