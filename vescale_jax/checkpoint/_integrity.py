@@ -18,7 +18,16 @@ import numpy as np
 from vescale_jax.layout._paths import key_name
 from vescale_jax.relayout._logical_leaves import words
 
-__all__ = ["check_against", "checksums", "compare", "flat_shapes", "raw_path", "stored_shapes", "words"]
+__all__ = [
+    "check_against",
+    "checksums",
+    "compare",
+    "compile_checksums",
+    "flat_shapes",
+    "raw_path",
+    "stored_shapes",
+    "words",
+]
 
 Shapes = Mapping[str, tuple[tuple[int, ...], str]]
 
@@ -99,6 +108,14 @@ def checksums(tree: Any) -> dict[str, list[int]]:
         return {}
     sums = jax.device_get(_sums([x for _, x in flat]))
     return {raw_path(p): [int(v) for v in np.asarray(s)] for (p, _), s in zip(flat, sums, strict=True)}
+
+
+def compile_checksums(tree: Any) -> None:
+    """Compiles, without running, what :func:`checksums` of ``tree`` runs (arrays, or ``jax.ShapeDtypeStruct`` s
+    with the shardings the arrays will have)."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    if leaves:
+        _sums.lower(leaves).compile()
 
 
 def compare(got: Mapping[str, list[int]], expected: Mapping[str, list[int]], *, item: str, where: str) -> None:

@@ -153,7 +153,7 @@ class Manager:
 
     A training loop asks :meth:`should_save` and :meth:`reached_preemption` after every step::
 
-        mngr.prepare(params=params, opt_state=opt_state)    # compile the save's conversion before timing
+        mngr.prepare(params=params, opt_state=opt_state)    # compile the save and restore before timing
         for step in range(first, last + 1):
             params, opt_state, metrics = train_step(params, opt_state, batch)
             preempted = mngr.reached_preemption(step)        # same step on every process after a SIGTERM
@@ -343,9 +343,13 @@ class Manager:
                 self._mngr.delete(s)
 
     def prepare(self, *, params: ShardedParams, opt_state: Any = None) -> None:
-        """Compiles what a :meth:`save` of this state (and a restore into its plan) runs, writing nothing.
+        """Compiles every executable a :meth:`save` of this state and a :meth:`restore` into it run, writing nothing.
 
-        Call it before a timed loop so the first save costs what later ones do.
+        The buckets' conversions both ways, each ``PerDevice`` layout's (Shampoo's blocks, compact moments, 8-bit
+        AdamW's scales), the checksums, Orbax's slicing of replicated storage blocks, and an offloaded node's joins
+        and cuts of its pieces: the first save and the first restore after it compile nothing (see
+        ``vescale_jax.checkpoint._storable.prepare``). Call it before a timed loop so the first save costs what
+        later ones do. Collective, like :meth:`save`: every process calls it with the same arguments.
 
         Args:
           params: the sharded parameters (or their ``jax.eval_shape``).

@@ -21,10 +21,19 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from vescale_jax.checkpoint import _integrity as _integrity
+from vescale_jax.checkpoint import _orbax_slices as _orbax_slices
 from vescale_jax.layout._plan import Plan
 from vescale_jax.optim._logical_view import check_layout_groups
 from vescale_jax.relayout import _logical_leaves as _logical
-from vescale_jax.state._offloaded import Offload, Offloaded, empty_node, full_shape, offload, onload
+from vescale_jax.state._offloaded import (
+    Offload,
+    Offloaded,
+    device_sharding,
+    empty_node,
+    full_shape,
+    offload,
+    onload,
+)
 from vescale_jax.state._sharded import PerDevice, ShardedParams
 
 __all__ = [
@@ -179,6 +188,17 @@ def _replicated(plan: Plan) -> NamedSharding:
     return NamedSharding(plan.mesh, P())
 
 
+def _description(node: Any, name: str) -> dict[str, Any]:
+    """The JSON description a save writes of one optimizer-state node (what a restore checks it against)."""
+    if isinstance(node, ShardedParams):
+        return {"path": name, "kind": "sharded", "plan": node.plan.fingerprint()}
+    if isinstance(node, PerDevice):
+        if getattr(node, "layout", None) is not None:
+            return {"path": name, "kind": "per_device_logical", "layout": type(node.layout).__name__}
+        return {"path": name, "kind": "per_device", "plan": node.plan.fingerprint(), "shape": list(node.value.shape)}
+    return {"path": name, "kind": "array"}
+
+
 def opt_state_items(opt_state: Any) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, list[int]]]:
     """``opt_state`` as a nested dict of storable values, the JSON description of each node, its checksums.
 
@@ -198,24 +218,16 @@ def opt_state_items(opt_state: Any) -> tuple[dict[str, Any], list[dict[str, Any]
             tree, node_sums = logical_and_sums(node, prefix=name + "/")
             items.append((parts, storable(tree) if host is None else _in_memory(storable(tree), host)))
             sums.update(node_sums)
-            info.append({"path": name, "kind": "sharded", "plan": node.plan.fingerprint()})
+            info.append(_description(node, name))
             continue
         if isinstance(node, PerDevice):
             layout = getattr(node, "layout", None)
             if layout is not None:
                 check_layout_groups(node, name)
                 value: Any = dict(layout.to_logical(node.value))
-                info.append({"path": name, "kind": "per_device_logical", "layout": type(layout).__name__})
             else:
                 value = node.value
-                info.append(
-                    {
-                        "path": name,
-                        "kind": "per_device",
-                        "plan": node.plan.fingerprint(),
-                        "shape": list(node.value.shape),
-                    }
-                )
+            info.append(_description(node, name))
             if host is not None:
                 early.update(_integrity.checksums(nest([(parts, value)])))
                 value = _in_memory(value, host)
@@ -224,7 +236,7 @@ def opt_state_items(opt_state: Any) -> tuple[dict[str, Any], list[dict[str, Any]
             # multi-process job: it is the same on every process, so store it as host data.
             is_global = isinstance(node, jax.Array) and (jax.process_count() == 1 or not node.is_fully_addressable)
             value = node if is_global else np.asarray(node)
-            info.append({"path": name, "kind": "array"})
+            info.append(_description(node, name))
         items.append((parts, value))
         others.append((parts, value))
     if early:
@@ -372,38 +384,156 @@ def _dtypes(node: ShardedParams) -> tuple[str, ...]:
     return tuple(np.dtype(b.dtype).name for b in node.buffers)
 
 
-def prepare(params: ShardedParams, opt_state: Any = None) -> None:
-    """Compiles, ahead of time, the conversions a save of this state and a restore into its plans run.
+def _empty_leaves(plan: Plan, buffers: Sequence[Any]) -> None:
+    """Runs the ``jnp.zeros`` :func:`pack` makes of each zero-size leaf (stored as ``None``) once."""
+    for s in plan.leaves:
+        if 0 in tuple(s.shape):
+            jax.numpy.zeros(s.shape, buffers[s.bucket].dtype)
 
-    Every ``ShardedParams`` (``params`` and the parameter-shaped nodes of ``opt_state``, offloaded ones included)
-    gets its bucket -> logical and logical -> bucket executables compiled and cached by plan and dtype; the
-    checksums of the other optimizer-state leaves (counts, scalars, ``PerDevice`` values without a layout) are
-    computed once where they are concrete arrays, which compiles them for the save. Nothing is written and no
-    bucket is converted, so a training loop can pay the compile before its timed steps. Not covered: a
-    ``PerDevice`` layout's own ``to_logical`` / ``from_logical`` and Orbax's own work (its replica slicing of
-    replicated storage blocks), which compile on their first use.
+
+def _prepare_sharded(node: ShardedParams) -> Any:
+    """Compiles a ``ShardedParams``' conversions both ways; returns the storable tree a save writes of it, as
+    ``jax.ShapeDtypeStruct`` s with their storage shardings."""
+    _logical.compile_conversions(node.plan, _dtypes(node))
+    _empty_leaves(node.plan, node.buffers)
+    return storable(abstract_logical(node.plan, node.buffers))
+
+
+def _on_mesh(x: Any, plan: Plan) -> Any:
+    """An abstract leaf (``jax.eval_shape`` on Explicit axes shards it over an ``AbstractMesh``) as the
+    ``ShapeDtypeStruct`` of the array it stands for, on ``plan``'s mesh; anything else as it is."""
+    sharding = getattr(x, "sharding", None)
+    if (
+        isinstance(x, jax.ShapeDtypeStruct)
+        and isinstance(sharding, NamedSharding)
+        and isinstance(sharding.mesh, jax.sharding.AbstractMesh)
+        and sharding.mesh == plan.mesh.abstract_mesh
+    ):
+        placed = NamedSharding(plan.mesh, sharding.spec, memory_kind=sharding.memory_kind)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed, weak_type=x.weak_type)
+    return x
+
+
+def _device_value(node: PerDevice) -> jax.Array:
+    """``node.value`` if it is an array; else (an abstract state) zeros of its shape placed as a device state is."""
+    x = _on_mesh(node.value, node.plan)
+    if isinstance(x, jax.Array):
+        return x
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(sharding, jax.sharding.Sharding) or isinstance(
+        getattr(sharding, "mesh", None), jax.sharding.AbstractMesh
+    ):
+        sharding = device_sharding(node, 0, tuple(x.shape))
+    return _orbax_slices.zeros(tuple(x.shape), x.dtype, sharding)
+
+
+def _prepare_pieces(off: Offloaded) -> None:
+    """Runs, on zeros, the joins of an offloaded node's pieces on the device (a save's ``vj.onload``) and the
+    cuts of its device buffers into pieces (a restore's ``vj.offload``), one child at a time."""
+    shell = empty_node(off.form, [None] * len(off.form.splits))
+    for i, (parts, split) in enumerate(zip(off.pieces, off.form.splits, strict=True)):
+        if split is None or split == -1:
+            continue
+        sharding = device_sharding(shell, i, split.full)
+        pieces = [_orbax_slices.zeros(split.piece_shape(r), parts[0].dtype, sharding) for r in range(split.count)]
+        whole = split.join(pieces)
+        jax.block_until_ready([split.take(whole, r) for r in range(split.count)])
+
+
+def _prepare_opt_state(opt_state: Any, default: Plan) -> list[Any]:
+    """Compiles what a save of ``opt_state`` and a restore into it run (see :func:`prepare`); returns the leaves a
+    save hands Orbax (arrays, or ``jax.ShapeDtypeStruct`` s with their shardings)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=is_node)
+    stored: list[Any] = []
+    info, others, early = [], [], []
+    logical: dict[str, dict[str, jax.Array]] = {}  # each PerDevice layout's to_logical, for its from_logical
+    # -- the save (as opt_state_items)
+    for path, node in flat:
+        parts, name = [_name(k) for k in path], _raw_path(path)
+        host = node.form.memory_kind if isinstance(node, Offloaded) else None
+        if host is not None:
+            _prepare_pieces(node)
+            node = _shell(node, name)
+        info.append(_description(node, name))
+        if isinstance(node, ShardedParams):
+            tree = _prepare_sharded(node)
+            stored += jax.tree.leaves(tree if host is None else _in_memory(tree, host))
+            continue
+        if isinstance(node, PerDevice):
+            if getattr(node, "layout", None) is not None:
+                check_layout_groups(node, name)
+                value: Any = dict(node.layout.to_logical(_device_value(node)))
+                logical[name] = value
+            else:
+                value = _on_mesh(node.value, node.plan)
+            if host is not None:
+                early.append((parts, value))
+                value = _in_memory(value, host)
+        else:
+            is_global = isinstance(node, jax.Array) and (jax.process_count() == 1 or not node.is_fully_addressable)
+            abstract = isinstance(node, jax.ShapeDtypeStruct)
+            value = node if is_global else _on_mesh(node, default) if abstract else np.asarray(node)
+        stored += jax.tree.leaves(value)
+        others.append((parts, value))
+    early_parts = [parts for parts, _ in early]
+    for parts, value in early:  # an offloaded PerDevice's checksums, on the device, one node at a time
+        _integrity.compile_checksums(nest([(parts, value)]))
+    _integrity.compile_checksums(nest([(parts, v) for parts, v in others if parts not in early_parts]))
+    # -- a restore (as opt_state_target and rebuild_state), into this state and into its jax.eval_shape
+    saved = {d["path"]: d for d in info}
+    templates = [opt_state]
+    if any(isinstance(x, jax.Array) for x in jax.tree.leaves(opt_state)):
+        templates.append(jax.eval_shape(lambda: opt_state))
+    for t, template in enumerate(templates):
+        target, rebuild = opt_state_target(template, saved, default)
+        flat_t, _ = jax.tree_util.tree_flatten_with_path(template, is_leaf=is_node)
+        restored = []
+        for (path, _), (kind, node, off) in zip(flat_t, rebuild, strict=True):
+            parts = [_name(k) for k in path]
+            got: Any = target
+            for k in parts:
+                got = got[k]
+            if off is not None:
+                got = _in_memory(got, "device")
+            if kind == "sharded":
+                continue
+            if off is None:
+                restored.append((parts, got))
+            else:
+                _integrity.compile_checksums(nest([(parts, got)]))
+            if kind == "per_device_logical" and t == 0:
+                arrays = logical[_raw_path(path)]
+                node.layout.from_logical({k: jax.device_put(x, got[k].sharding) for k, x in arrays.items()})
+        _integrity.compile_checksums(nest(restored))
+    return stored
+
+
+def prepare(params: ShardedParams, opt_state: Any = None) -> None:
+    """Compiles, ahead of time, every executable a save of this state and a restore into its plans run.
+
+    * every ``ShardedParams`` (``params`` and the parameter-shaped nodes of ``opt_state``, offloaded ones
+      included): its bucket -> logical and logical -> bucket executables, compiled without running and cached by
+      plan and dtype;
+    * every ``PerDevice`` with a layout (Shampoo's blocks, compact moments, 8-bit AdamW's scales): its
+      ``to_logical`` run once on the state's value (on zeros of its shape for an abstract state), and its
+      ``from_logical`` on what that gave, placed as a restore reads it;
+    * the checksums a save computes and those a restore computes (into this state, and into its
+      ``jax.eval_shape``), compiled without running;
+    * an offloaded node's joins of its pieces on the device and cuts back into pieces, run once on zeros;
+    * Orbax's slicing of replicated storage blocks (each replica writes a slice of its block): run once per
+      stored shape and sharding, on the stored arrays or on zeros of their shape (:mod:`._orbax_slices`).
+
+    Nothing is written, no bucket is converted, and the state is not changed; the device holds at most one
+    node's conversion (or one offloaded buffer) more while it runs.
 
     Args:
       params: the sharded parameters (real or abstract, ``jax.eval_shape``: only their plan and dtypes are read).
       opt_state: the optimizer state over them (real or abstract), or ``None``.
     """
-    _logical.compile_conversions(params.plan, _dtypes(params))
-    if opt_state is None:
-        return
-    flat, _ = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=is_node)
-    others = []
-    for path, node in flat:
-        parts, name = [_name(k) for k in path], _raw_path(path)
-        if isinstance(node, Offloaded):
-            node = _shell(node, name)
-        if isinstance(node, ShardedParams):
-            _logical.compile_conversions(node.plan, _dtypes(node))
-        elif isinstance(node, PerDevice):
-            if getattr(node, "layout", None) is None and isinstance(node.value, jax.Array):
-                others.append((parts, node.value))
-        elif isinstance(node, jax.Array):
-            others.append((parts, node))
-    _integrity.checksums(nest(others))
+    stored = jax.tree.leaves(_prepare_sharded(params))
+    if opt_state is not None:
+        stored += _prepare_opt_state(opt_state, params.plan)
+    _orbax_slices.precompile(stored)
 
 
 def first_plan(tree: Any) -> Plan:
