@@ -76,6 +76,9 @@ WARPGROUP = 128
 """Threads of the warpgroup that runs one Mosaic GPU program; a window of it holds a multiple of 128 elements."""
 VECTOR_BYTES = 16
 """Widest vector one thread loads or stores (``ld.global.v4.b32``)."""
+MOSAIC_VECTORS_PER_THREAD = 2
+"""Vectors each thread moves per iteration of a Mosaic GPU window's loop: the loop body is emitted once per
+segment whatever the window (a 256-tensor bucket lowers to small code), and two loads in flight per thread."""
 _MAX_ELEMENTS = 2**31 - 1  # window offsets are int32
 
 
@@ -204,7 +207,7 @@ def _dispatch_tree(pid: jax.Array, starts: Sequence[int], emit, lo: int, hi: int
         _dispatch_tree(pid, starts, emit, mid, hi)
 
 
-def _dispatch(schedule: Schedule, copy, serial: bool, pid: Any = None) -> None:
+def _dispatch(schedule: Schedule, copy, serial: bool, pid: Any = None, one_body: bool = False) -> None:
     """Calls ``copy(j, offset, width)`` for the piece(s) of segment ``j`` this program copies.
 
     ``serial=False`` (the GPU kernel): the grid has one program per window; each finds its segment by
@@ -216,9 +219,21 @@ def _dispatch(schedule: Schedule, copy, serial: bool, pid: Any = None) -> None:
         for j, seg in enumerate(schedule.segments):
             copy(j, 0, seg.length)
         return
-    emit = lambda j, k: _window(schedule.segments[j], k, lambda off: copy(j, off, schedule.segments[j].width))
+    if one_body:  # the tail's window is the last full one moved back: min(k * w, length - w), one body
+        emit = lambda j, k: copy(j, _one_body_offset(schedule.segments[j], k), schedule.segments[j].width)
+    else:
+        emit = lambda j, k: _window(schedule.segments[j], k, lambda off: copy(j, off, schedule.segments[j].width))
     pid = pl.program_id(0) if pid is None else pid
     _dispatch_tree(pid, schedule.starts, emit, 0, len(schedule.segments))
+
+
+def _one_body_offset(seg, k: jax.Array) -> Any:
+    """Window ``k``'s offset in ``seg``: ``k * width``, or ``length - width`` for the tail."""
+    if seg.num_windows == 1:
+        return 0
+    if not seg.has_tail:
+        return k * seg.width
+    return jnp.minimum(k * seg.width, seg.length - seg.width)
 
 
 def _window(seg, k: jax.Array, copy) -> None:
@@ -307,14 +322,24 @@ def _mosaic_body(schedule: Schedule, n_in: int, n_out: int, in_dtypes, out_dtype
             vec = vector_width(
                 seg, 1 if src_ref is None else np.dtype(in_dtypes[seg.src]).itemsize, np.dtype(dtype).itemsize
             )
-            layout = plgpu.Layout.WG_STRIDED((width,), vec_size=vec)
-            if src_ref is None:
-                val = plgpu.layout_cast(jnp.zeros((width,), dtype), layout)
-            else:
-                val = _convert(mosaic_gpu_load(src_ref, seg.src_start + off, width, layout), dtype, scale_val)
-            dst_ref[pl.ds(seg.dst_start + off, width)] = val
+            tile = min(width, WARPGROUP * vec * MOSAIC_VECTORS_PER_THREAD)
+            layout = plgpu.Layout.WG_STRIDED((tile,), vec_size=vec)
 
-        _dispatch(schedule, copy, serial=False, pid=jax.lax.axis_index("window"))
+            def piece(i, carry):  # one tile of the window: a few vectors per thread, in a loop (small code)
+                at = off + i * tile
+                if src_ref is None:
+                    val = plgpu.layout_cast(jnp.zeros((tile,), dtype), layout)
+                else:
+                    val = _convert(mosaic_gpu_load(src_ref, seg.src_start + at, tile, layout), dtype, scale_val)
+                dst_ref[pl.ds(seg.dst_start + at, tile)] = val
+                return carry
+
+            if width == tile:
+                piece(0, 0)
+            else:
+                jax.lax.fori_loop(0, width // tile, piece, 0)
+
+        _dispatch(schedule, copy, serial=False, pid=jax.lax.axis_index("window"), one_body=True)
 
     return kernel
 
@@ -354,6 +379,7 @@ def _launch(
             out_type=tuple(out_shapes),
             grid=(schedule.num_programs,),
             grid_names=("window",),
+            **_mosaic_params(),
             **({"interpret": mosaic_gpu_interpret_params()} if interpret else {}),
         )
         return _vary_like(list(call(*srcs, *extra)), srcs)
@@ -372,6 +398,15 @@ def _launch(
         **kwargs,
     )
     return list(call(*srcs, *extra, *into))
+
+
+def _mosaic_params() -> dict[str, Any]:
+    """Lane semantics: the layouts are the ones the body gives (``WG_STRIDED``), so Mosaic GPU runs no layout
+    inference, whose constraint solving grows with the segments (a 256-tensor bucket lowered in 53 s under the
+    Warpgroup semantics JAX 0.12 defaults to, 8 s under Lane; JAX 0.10 defaults to Lane)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return {"compiler_params": plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)}
 
 
 def _vary_like(outs: list[jax.Array], srcs: list[jax.Array]) -> list[jax.Array]:
