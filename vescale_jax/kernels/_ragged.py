@@ -292,8 +292,9 @@ def vector_width(seg: Segment, src_itemsize: int, dst_itemsize: int) -> int:
 
 
 def _mosaic_body(schedule: Schedule, n_in: int, n_out: int, in_dtypes, out_dtypes, scale: Any, scale_is_ref: bool):
-    """Mosaic GPU body: one warpgroup per window; the window is loaded into registers in a strided layout (thread
-    ``t`` holds vectors ``t, t + 128, ...``), scaled and cast there, and stored. A run under a warpgroup
+    """Mosaic GPU body: one warpgroup per window, which it moves in a loop of tiles of
+    :data:`MOSAIC_VECTORS_PER_THREAD` vectors per thread: each tile is loaded into registers in a strided layout
+    (thread ``t`` holds vectors ``t, t + 128, ...``), scaled and cast there, and stored. A run under a warpgroup
     (:data:`WARPGROUP` elements) is copied one element at a time by a loop in the same program."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
