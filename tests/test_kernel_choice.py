@@ -9,6 +9,7 @@ import vescale_jax as vj
 from vescale_jax.kernels import KernelPolicy, MeasuredTable, Record, _measured, shipped_table, size_class
 
 H200 = "NVIDIA H200"
+DEFAULT = vj.kernels.default_gpu_backend()  # what a policy without a backend compiles on this JAX
 BIG = vj.plan_bucket([4096 * 4096, 4096], [4096, 1], 8, align=4)  # 64 MiB fp32: "large"
 SMALL = vj.plan_bucket([64, 128, 8], [1, 1, 1], 8, align=4)  # < 1 MiB: "small"
 
@@ -16,7 +17,7 @@ SMALL = vj.plan_bucket([64, 128, 8], [1, 1, 1], 8, align=4)  # < 1 MiB: "small"
 def rec(**kw) -> Record:
     base = dict(
         device_kind=H200,
-        backend="triton",
+        backend=DEFAULT,
         direction="unpack",
         src="float32",
         dst="float32",
@@ -59,8 +60,8 @@ def test_shipped_table_is_json_and_empty_so_auto_is_xla_everywhere(gpu):
 def test_auto_picks_pallas_only_for_the_recorded_faster_case(gpu):
     policy = KernelPolicy(measured=SYNTHETIC)
     f32, bf16 = jnp.float32, jnp.bfloat16
-    assert policy.implementation(BIG, f32, f32, platform="gpu", direction="unpack") == "triton"
-    assert policy.implementation(BIG, f32, f32, platform="cuda", direction="unpack") == "triton"
+    assert policy.implementation(BIG, f32, f32, platform="gpu", direction="unpack") == DEFAULT
+    assert policy.implementation(BIG, f32, f32, platform="cuda", direction="unpack") == DEFAULT
     # not measured: other direction, other size class, other device kind, direction unknown
     assert policy.implementation(BIG, f32, f32, platform="gpu", direction="pack") == "xla"
     assert policy.implementation(SMALL, f32, f32, platform="gpu", direction="unpack") == "xla"
@@ -92,7 +93,7 @@ def test_conflicting_records_for_one_case_mean_xla():
     assert table.cases() == ()
     assert SYNTHETIC.cases() == (rec(),)
     assert not table.faster(
-        backend="triton", direction="unpack", src_dtype="float32", dst_dtype="float32", nbytes=1 << 30, device_kind=H200
+        backend=DEFAULT, direction="unpack", src_dtype="float32", dst_dtype="float32", nbytes=1 << 30, device_kind=H200
     )
 
 
@@ -103,7 +104,7 @@ def test_table_from_env_round_trips_through_json(tmp_path, gpu):
     policy = KernelPolicy.from_env({"VESCALE_JAX_KERNEL_TABLE": str(path)})
     assert policy.measured == SYNTHETIC and policy.mode == "auto"
     assert hash(policy) == hash(KernelPolicy(measured=SYNTHETIC))
-    assert policy.implementation(BIG, jnp.float32, jnp.float32, platform="gpu", direction="unpack") == "triton"
+    assert policy.implementation(BIG, jnp.float32, jnp.float32, platform="gpu", direction="unpack") == DEFAULT
     assert KernelPolicy.from_env({}).measured is None
 
 
