@@ -27,6 +27,7 @@ refused with an error naming it, never stored as one group's shards.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -35,6 +36,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from vescale_jax.checkpoint import _integrity as _integrity
+from vescale_jax.checkpoint import _local as _local
 from vescale_jax.checkpoint import _read_errors as _read_errors
 from vescale_jax.checkpoint import _storable as _stored
 from vescale_jax.checkpoint._preemption import Preemption
@@ -54,6 +56,7 @@ __all__ = [
 
 FORMAT = "vescale_jax.checkpoint/1"
 _VJ, _PARAMS, _OPT, _META = "vescale_jax", "params", "opt_state", "metadata"
+_log = logging.getLogger("vescale_jax.checkpoint")
 
 
 def _target_plan(params: ShardedParams | Plan) -> Plan:
@@ -123,6 +126,7 @@ class Restored(NamedTuple):
     params: ShardedParams | None
     opt_state: Any
     metadata: dict[str, Any]
+    source: str = "global"  # "global": the checkpoint directory; "local": every process's local copy
 
 
 class Manager:
@@ -150,6 +154,16 @@ class Manager:
       catch_sigterm: in a single-process job, catch ``SIGTERM`` from the Manager's creation (in the main thread)
         until :meth:`close`, for :meth:`reached_preemption` (a multi-process job's notice comes through JAX's
         coordination service either way).
+      local_dir: also keep local copies here for fast restarts: each process writes its own shards of the state's
+        arrays as they are (its device layout, no conversion) under ``local_dir/process_<i>_of_<n>/<step>/``
+        (``.npy`` files and a JSON manifest), every ``local_every`` steps and at every global save. :meth:`restore`
+        reads them when every process holds the same step locally (agreed through JAX's coordination service),
+        saved under the same plan, process layout and state structure, and no older than the newest global step;
+        otherwise every process reads the global checkpoint (``Restored.source`` says which).
+      local_every: the interval of local copies (default ``save_interval_steps``); :meth:`should_save` is true at
+        these steps too, and :meth:`save` writes only the local copy there unless the global one is due (its
+        interval, the preemption step, or ``force``).
+      local_keep: how many of the newest local steps each process keeps.
 
     A training loop asks :meth:`should_save` and :meth:`reached_preemption` after every step::
 
@@ -177,12 +191,19 @@ class Manager:
         save_interval_steps: int = 1,
         overwrite: bool = False,
         catch_sigterm: bool = True,
+        local_dir: str | os.PathLike | None = None,
+        local_every: int | None = None,
+        local_keep: int = 2,
     ):
         self.directory = os.path.abspath(os.fspath(directory))
         self.overwrite = bool(overwrite)
         self._interval = int(save_interval_steps)
         if self._interval < 1:
             raise ValueError(f"Manager: save_interval_steps must be >= 1, got {save_interval_steps!r}.")
+        self._local_every = self._interval if local_every is None else int(local_every)
+        if self._local_every < 1:
+            raise ValueError(f"Manager: local_every must be >= 1, got {local_every!r}.")
+        self._local = None if local_dir is None else _local.LocalCopies(local_dir, keep=local_keep)
         self._preemption = Preemption(catch_sigterm=catch_sigterm)
         self._resumed_from: int | None = None  # the step restore() read: it and earlier steps are this run's
         self._saved: set[int] = set()  # steps this Manager saved
@@ -233,12 +254,23 @@ class Manager:
         return self._preemption.reached(step)
 
     def should_save(self, step: int) -> bool:
-        """Whether to save ``step``: every ``save_interval_steps`` steps, and at the preemption step.
+        """Whether to save ``step``: every ``save_interval_steps`` steps, at the preemption step, and (with
+        ``local_dir``) every ``local_every`` steps.
 
         Args:
           step: the step just finished.
         """
+        return self._global_due(step) or self._local_due(step)
+
+    def _global_due(self, step: int) -> bool:
         return step % self._interval == 0 or self._preemption.reached(step)
+
+    def _local_due(self, step: int) -> bool:
+        return self._local is not None and step % self._local_every == 0
+
+    def local_steps(self) -> list[int]:
+        """This process's complete local steps (``local_dir``), oldest first."""
+        return self._local.steps() if self._local is not None else []
 
     def __enter__(self) -> Manager:
         return self
@@ -265,17 +297,23 @@ class Manager:
             (``vj.init_opt_state(..., offload=vj.Offload())``) are written as the device state they hold, brought
             to the device one node at a time.
           metadata: JSON-serialisable user data (data-loader position, RNG state, config).
-          force: save even if ``save_interval_steps`` says not to.
+          force: save the global checkpoint even if ``save_interval_steps`` says not to.
 
         Returns:
-          Whether a save was started.
+          Whether a save (global or local) was started.
         """
         if not isinstance(params, ShardedParams):
             raise TypeError(
                 f"Manager.save: params must be vj.ShardedParams, got {type(params).__name__}; "
                 "use ocp.StandardCheckpointer for a plain tree."
             )
-        if not force and not self.should_save(step):
+        to_global = force or self._global_due(step)
+        if self._local is not None and (to_global or self._local_due(step)):
+            state = {_PARAMS: list(params.buffers), _OPT: opt_state}
+            self._local.save(step, state, self._local_key(params.plan, opt_state), dict(metadata or {}))
+            if not to_global:
+                return True
+        if not to_global:
             return False
         self._claim(step)
         logical, param_sums = _stored.logical_and_sums(params)
@@ -358,6 +396,32 @@ class Manager:
         _stored.prepare(params, opt_state)
 
     # -- restore
+    @staticmethod
+    def _local_key(plan: Plan | None, opt_state: Any) -> str:
+        """What a local copy must match: the plan's fingerprint and the optimizer state's key paths, shapes, dtypes."""
+        opt = None if opt_state is None else _local.structure_digest(*_local.flatten({_OPT: opt_state}))
+        return f"{plan.fingerprint() if plan is not None else None}/{opt}"
+
+    def _restore_local(self, step: int | None, plan: Plan | None, opt_state: Any) -> Restored | None:
+        key = self._local_key(plan, opt_state)
+        newest = self._mngr.latest_step()
+        got, why = _local.agree_and_read(self._local, key, newest_global=newest, step=step)
+        if got is None:
+            _log.info("vj.checkpoint: restoring from the global checkpoint %s: %s", self.directory, why)
+            return None
+        leaves = got.arrays()
+        paths = [e["path"] for e in got.manifest["leaves"]]
+        ours = [p.startswith(f"['{_PARAMS}']") for p in paths]
+        buffers = [x for x, mine in zip(leaves, ours, strict=True) if mine]
+        sp = ShardedParams(buffers, plan) if plan is not None else None
+        state = None
+        if opt_state is not None:
+            treedef = jax.tree_util.tree_structure(opt_state)
+            state = jax.tree_util.tree_unflatten(treedef, [x for x, mine in zip(leaves, ours, strict=True) if not mine])
+        _log.info("vj.checkpoint: restored %s from %s", why, self._local.dir)
+        self._resumed_from = got.step
+        return Restored(got.step, sp, state, dict(got.manifest["metadata"]), "local")
+
     def _description(self, step: int) -> dict[str, Any]:
         try:
             out = self._mngr.restore(step, args=ocp.args.Composite(**{_VJ: ocp.args.JsonRestore()}))[_VJ]
@@ -411,12 +475,19 @@ class Manager:
             whichever form the state was saved from.
 
         Returns:
-          :class:`Restored` ``(step, params, opt_state, metadata)``; values are bit-equal to the saved ones.
+          :class:`Restored` ``(step, params, opt_state, metadata, source)``; values are bit-equal to the saved
+          ones; ``source`` is ``"local"`` where every process read its local copy (``local_dir``), else
+          ``"global"``.
 
         Raises:
           ValueError: a key path is missing or extra, or a shape or dtype differs (the message names the path,
             both shapes and the fix); also for a ``PerDevice`` state without a layout and a changed plan.
         """
+        if self._local is not None:  # collective: every process takes the same path
+            plan0 = _target_plan(params) if params is not None else None
+            local = self._restore_local(step, plan0, opt_state)
+            if local is not None:
+                return local
         step = self._step(step)
         desc = self._description(step)
         where = os.path.join(self.directory, str(step))
