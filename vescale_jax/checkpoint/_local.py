@@ -268,7 +268,7 @@ class LocalCopies:
 def structure_digest(paths: list[str], leaves: list[Any]) -> str:
     """SHA-256 of every leaf's key path, shape and dtype."""
     rows = [
-        [p, list(np.shape(x)), jnp.dtype(getattr(x, "dtype", np.asarray(x).dtype)).name]
+        [p, list(np.shape(x)), jnp.dtype(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype).name]
         for p, x in zip(paths, leaves, strict=True)
     ]
     return hashlib.sha256(json.dumps(rows).encode()).hexdigest()
