@@ -30,8 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from vescale_jax._compat import coordination_client
+from vescale_jax.state._sharded import ShardedParams
 
-__all__ = ["LocalCopies", "LocalRead"]
+__all__ = ["LocalCopies", "LocalRead", "agree_and_read", "key_of"]
 
 FORMAT = "vescale_jax.checkpoint.local/1"
 MANIFEST = "manifest.json"
@@ -95,6 +96,21 @@ class LocalRead:
 
     def __init__(self, step: int, manifest: dict[str, Any], data: list[dict[tuple, np.ndarray]]):
         self.step, self.manifest, self.data = step, manifest, data
+
+    def state(self, plan: Any, opt_state: Any) -> tuple[Any, Any]:
+        """``(params, opt_state)``: the saved buffers as ``ShardedParams`` under ``plan`` (``None``: none) and the
+        optimizer state in the form of the template ``opt_state`` (``None``: none)."""
+        leaves = self.arrays()
+        ours = [e["path"].startswith("['params']") for e in self.manifest["leaves"]]
+        buffers = [x for x, mine in zip(leaves, ours, strict=True) if mine]
+        rest = [x for x, mine in zip(leaves, ours, strict=True) if not mine]
+        sp = ShardedParams(buffers, plan) if plan is not None else None
+        state = (
+            jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(opt_state), rest)
+            if opt_state is not None
+            else None
+        )
+        return sp, state
 
     def arrays(self) -> list[Any]:
         """The leaves, placed back on their devices in their saved shardings."""
@@ -265,6 +281,13 @@ class LocalCopies:
         return LocalRead(step, m, data)
 
 
+def key_of(plan: Any, opt_state: Any) -> str:
+    """What a local copy must have been saved under: the plan's fingerprint and the optimizer state's key paths,
+    shapes and dtypes (``None`` for either that is absent)."""
+    opt = None if opt_state is None else structure_digest(*flatten({"opt_state": opt_state}))
+    return f"{plan.fingerprint() if plan is not None else None}/{opt}"
+
+
 def structure_digest(paths: list[str], leaves: list[Any]) -> str:
     """SHA-256 of every leaf's key path, shape and dtype."""
     rows = [
@@ -292,7 +315,7 @@ def agree_and_read(
     Args:
       copies: this process's local copies (``None``: the Manager has none; every process passes ``None`` alike).
       key: what the copy must have been saved under: the target plan's fingerprint and the optimizer state's
-        :func:`structure_digest` (``Manager._local_key``).
+        :func:`structure_digest` (:func:`key_of`).
       newest_global: the newest finished global step (a local step older than it is not used).
       step: the step asked for (``None``: the newest).
     """

@@ -14,6 +14,10 @@ finalisation, optional async save) with four items per step:
 * ``vescale_jax``: JSON describing the plan (:meth:`Plan.to_dict`), each optimizer-state leaf and the format;
 * ``metadata``: the user's JSON.
 
+With ``local_dir`` each process also keeps its own shards of the newest steps as they are on its devices
+(:mod:`vescale_jax.checkpoint._local`), and :meth:`Manager.restore` reads them when every process holds the same
+matching step, else the global checkpoint.
+
 Restore builds the target from a plan (or ``ShardedParams``) and an optimizer-state template, checks every key
 path, shape and dtype against the checkpoint's metadata first (raising with the path, both shapes and the fix),
 lets Orbax read each leaf straight into its storage sharding, and packs bucket by bucket
@@ -310,7 +314,7 @@ class Manager:
         to_global = force or self._global_due(step)
         if self._local is not None and (to_global or self._local_due(step)):
             state = {_PARAMS: list(params.buffers), _OPT: opt_state}
-            self._local.save(step, state, self._local_key(params.plan, opt_state), dict(metadata or {}))
+            self._local.save(step, state, _local.key_of(params.plan, opt_state), dict(metadata or {}))
             if not to_global:
                 return True
         if not to_global:
@@ -396,28 +400,15 @@ class Manager:
         _stored.prepare(params, opt_state)
 
     # -- restore
-    @staticmethod
-    def _local_key(plan: Plan | None, opt_state: Any) -> str:
-        """What a local copy must match: the plan's fingerprint and the optimizer state's key paths, shapes, dtypes."""
-        opt = None if opt_state is None else _local.structure_digest(*_local.flatten({_OPT: opt_state}))
-        return f"{plan.fingerprint() if plan is not None else None}/{opt}"
-
     def _restore_local(self, step: int | None, plan: Plan | None, opt_state: Any) -> Restored | None:
-        key = self._local_key(plan, opt_state)
-        newest = self._mngr.latest_step()
-        got, why = _local.agree_and_read(self._local, key, newest_global=newest, step=step)
+        """Every process's local copy (``local_dir``), or ``None`` on every process: then the global one is read."""
+        got, why = _local.agree_and_read(
+            self._local, _local.key_of(plan, opt_state), newest_global=self._mngr.latest_step(), step=step
+        )
         if got is None:
             _log.info("vj.checkpoint: restoring from the global checkpoint %s: %s", self.directory, why)
             return None
-        leaves = got.arrays()
-        paths = [e["path"] for e in got.manifest["leaves"]]
-        ours = [p.startswith(f"['{_PARAMS}']") for p in paths]
-        buffers = [x for x, mine in zip(leaves, ours, strict=True) if mine]
-        sp = ShardedParams(buffers, plan) if plan is not None else None
-        state = None
-        if opt_state is not None:
-            treedef = jax.tree_util.tree_structure(opt_state)
-            state = jax.tree_util.tree_unflatten(treedef, [x for x, mine in zip(leaves, ours, strict=True) if not mine])
+        sp, state = got.state(plan, opt_state)
         _log.info("vj.checkpoint: restored %s from %s", why, self._local.dir)
         self._resumed_from = got.step
         return Restored(got.step, sp, state, dict(got.manifest["metadata"]), "local")
