@@ -28,7 +28,10 @@ latest finished step (on any device count), ``--stop-after N`` ends the run afte
 ``--resume`` without a directory holding a finished step is an error (``--resume-if-exists`` starts afresh
 instead); a directory holding another run's steps is refused before training unless ``--overwrite``. On
 ``SIGTERM`` (a scheduler's preemption notice, sent to any process) every process saves the same step and the run
-exits 0; the next launch with ``--resume`` goes on from it. The save's conversion is compiled before the timed
+exits 0; the next launch with ``--resume`` goes on from it. ``--local-checkpoint-dir LOCAL`` also keeps each
+process's own shards of the newest 2 steps in LOCAL every ``--local-save-every`` steps (and at every global save),
+as they are on its devices; a resume with the same options and process layout reads them when every process has
+the same step there, else the global checkpoint. The save's conversion is compiled before the timed
 loop, and the first save's time and the later saves' are printed apart from s/step. A step that does not finish
 within the watchdog's timeout (``--watchdog-s``, default: a multiple of the median step time) prints every
 thread's stack and which processes are behind, and ends the process with a non-zero status.
@@ -204,6 +207,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint-dir", metavar="DIR", help="save checkpoints here (vj.checkpoint.Manager; default: none)"
     )
     p.add_argument("--save-every", type=int, default=50, help="steps between checkpoints (and the last step)")
+    p.add_argument(
+        "--local-checkpoint-dir",
+        metavar="LOCAL",
+        help="also keep each process's own shards of the newest 2 steps here, for fast restarts (default: none)",
+    )
+    p.add_argument(
+        "--local-save-every",
+        type=int,
+        help="steps between local copies (with --local-checkpoint-dir; default: --save-every)",
+    )
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
     p.add_argument(
         "--resume-if-exists",
@@ -229,6 +242,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     args = p.parse_args(argv)
     if (args.resume or args.resume_if_exists) and not args.checkpoint_dir:
         p.error("--resume needs --checkpoint-dir (the directory a previous run saved into)")
+    if (args.local_checkpoint_dir or args.local_save_every) and not args.checkpoint_dir:
+        p.error("--local-checkpoint-dir and --local-save-every need --checkpoint-dir (the global checkpoint)")
+    if args.local_save_every and not args.local_checkpoint_dir:
+        p.error("--local-save-every needs --local-checkpoint-dir")
     multi_process = args.coordinator is not None or args.num_processes is not None
     simulate_cpu_devices(None if multi_process else 8)  # a multi-process CPU job: --local-devices per process
     with compile_cache(compile_cache_dir(args)) as cache:
@@ -257,7 +274,15 @@ def train(
         hint = "; check the path, or pass --resume-if-exists to start afresh when there is nothing to resume"
         if args.resume and not os.path.isdir(args.checkpoint_dir):  # before the Manager creates it
             p.error(f"--resume: {args.checkpoint_dir} does not exist{hint}")
-        mngr = vj.checkpoint.Manager(args.checkpoint_dir, max_to_keep=2, async_save=True, overwrite=args.overwrite)
+        mngr = vj.checkpoint.Manager(
+            args.checkpoint_dir,
+            max_to_keep=2,
+            async_save=True,
+            overwrite=args.overwrite,
+            save_interval_steps=args.save_every,
+            local_dir=args.local_checkpoint_dir,
+            local_every=args.local_save_every,
+        )
         if args.resume and mngr.latest_step() is None:
             mngr.close()
             p.error(f"--resume: {args.checkpoint_dir} holds no finished checkpoint{hint}")
@@ -350,7 +375,8 @@ def train(
         params, opt_state, first = restored.params, restored.opt_state, restored.step + 1
         train_rng.bit_generator.state = restored.metadata["train_rng"]
         if lead:
-            print(f"resumed from step {restored.step} of {args.checkpoint_dir}")
+            where = f" (local copies in {args.local_checkpoint_dir})" if restored.source == "local" else ""
+            print(f"resumed from step {restored.step} of {args.checkpoint_dir}{where}")
 
     precision = None
     if args.bf16 or args.fp8_gather:
@@ -416,14 +442,15 @@ def train(
             if mngr is not None:
                 if mngr.reached_preemption(step):  # SIGTERM reached some process: all save this step
                     preempted = step
-                if preempted or step % args.save_every == 0 or step == last:
+                to_global = preempted or step % args.save_every == 0 or step == last
+                if to_global or mngr.should_save(step):  # should_save: also a --local-save-every step
                     t = time.perf_counter()
                     with progress.excluded("checkpoint saves"):
                         mngr.save(
                             step,
                             params=params,
                             opt_state=opt_state,
-                            force=True,
+                            force=to_global,  # else only the local copy
                             metadata={"train_rng": train_rng.bit_generator.state, "argv": sys.argv[1:]},
                         )
                     save_s.append(time.perf_counter() - t)
