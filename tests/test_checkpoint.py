@@ -133,11 +133,50 @@ def test_storage_split_rule():
     plan = plan_of(jax.eval_shape(tree_of), 8)
     st = _logical.leaf_storage((50, 12), plan)
     assert (st.dim, st.g) == (1, 4)  # 12 = 4 * 3 shares 2 * 2 with 8; 50 only 2
-    assert (_logical.leaf_storage((16, 24), plan).dim, _logical.leaf_storage((16, 24), plan).g) == (1, 8)
+    # A tie in g goes to the earlier dim (contiguous row blocks); before issue 42 the larger dim won it.
+    assert (_logical.leaf_storage((16, 24), plan).dim, _logical.leaf_storage((16, 24), plan).g) == (0, 8)
+    assert _logical.leaf_storage((16, 24), plan, earlier=False).dim == 1
+    assert _logical.leaf_storage((2, 24), plan).dim == 1  # 2 splits only 2 ways: the dim split 8 ways wins
     assert _logical.leaf_storage((3, 5), plan).g == 1 and _logical.leaf_storage((), plan).dim is None
     plan6 = plan_of(jax.eval_shape(tree_of), 6) if len(jax.devices()) >= 6 else None
     if plan6 is not None:
         assert _logical.leaf_storage((9, 4), plan6).g == 2  # factors (2, 3): the prefix 2 divides 4
+
+
+def _clear_conversions():
+    for fn in (_logical._out_executables, _logical._in_executables, _logical._to_logical_fn, _logical._from_logical_fn):
+        fn.cache_clear()
+
+
+def test_checkpoint_written_under_the_former_split_rule_restores(tmp_path, monkeypatch):
+    """A checkpoint whose (d, 3d)-like leaves were stored in column blocks (the split rule before issue 42: the
+    larger dim on a tie) restores under the current rule (row blocks), into its plan and into another one."""
+    rng = np.random.default_rng(5)
+    tree = {
+        "qkv": rng.standard_normal((16, 48), np.float32),
+        "blocks": {"w": rng.standard_normal((2, 8, 32), np.float32)},
+    }
+    plan = plan_of(tree, 8)
+    former = _logical.leaf_storage
+    assert former((16, 48), plan, earlier=False).dim == 1 and former((16, 48), plan).dim == 0
+    sp = host_shard(tree, plan)
+    monkeypatch.setattr(_logical, "leaf_storage", lambda shape, plan, earlier=True: former(shape, plan, earlier=False))
+    _clear_conversions()
+    try:
+        qkv = vj.checkpoint.logical_tree(sp)["qkv"]
+        assert qkv.sharding.spec[0] is None and qkv.sharding.spec[1] is not None  # column blocks, as written then
+        with vj.checkpoint.Manager(tmp_path / "ckpt") as mngr:
+            mngr.save(1, params=sp)
+            mngr.wait()
+    finally:
+        monkeypatch.undo()
+        _clear_conversions()
+    assert _logical.leaf_storage((16, 48), plan).dim == 0
+    with vj.checkpoint.Manager(tmp_path / "ckpt") as mngr:
+        for target in (plan, plan_of(tree, 3, vj.rows(2))):
+            r = mngr.restore(params=target)
+            assert r.params.plan == target
+            assert_trees_equal(host_unshard(r.params), tree)
 
 
 # ---------------------------------------------------------------------------------------- restore anywhere

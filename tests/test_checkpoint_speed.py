@@ -27,7 +27,13 @@ def stacked_tree(seed: int = 0, layers: int = 6, even: bool = False, scale: int 
     (w, u, b, rows) = ((12, 24), (8, 9), 16, 48) if even else odd
     return {
         "embed": f32(1, rows, 12)[0],
-        "blocks": {"w": f32(layers, *w), "u": f32(layers, *u), "b": f32(layers, b)},
+        "blocks": {
+            "w": f32(layers, *w),
+            "u": f32(layers, *u),
+            "b": f32(layers, b),
+            # 27 rows, columns split 8 ways: strided storage blocks (row windows), whatever the scale.
+            "c": rng.standard_normal((layers, 27, 40 * scale), np.float32),
+        },
         "aligned": {"w": f32(layers, 32, 16)},  # split on dim 0: each device's range is its storage block
         # Strided blocks of two rows, each longer than two shards: permute rounds.
         "wide": {"w": rng.standard_normal((layers, 2, 64 * scale), np.float32)},

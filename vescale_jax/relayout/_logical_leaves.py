@@ -7,7 +7,10 @@ inside ``shard_map``, and computes each leaf's checksums on the way.
 
 Storage sharding of a leaf (per layer for a stacked leaf): the plan's ``m`` devices are viewed as a mesh of
 ``m``'s prime factors (ascending); a leaf dim ``D`` is split over the longest prefix of those factors whose
-product ``g`` divides ``D`` (the dim with the largest ``g`` wins, then the larger dim). ``g == m`` for any dim
+product ``g`` divides ``D`` (the dim with the largest ``g`` wins, then the earlier dim: a leaf's storage blocks are
+then contiguous row blocks wherever its leading dim splits as far as any, which move by local copies and a few
+permutes instead of a strided all-to-all; before issue 42 the larger dim won ties, see
+:func:`leaf_storage`). ``g == m`` for any dim
 divisible by ``m``; a leaf with no dim sharing a factor with ``m`` is replicated (``g == 1``). Each device then
 holds ``size / g`` elements of the leaf. Both sides are placements of the relayout engine
 (:mod:`vescale_jax.relayout._moves`: the ragged ranges, and per storage block its ``A`` rows of ``R`` elements).
@@ -143,8 +146,14 @@ class LeafStorage:
         return P(*([None] if stacked else []), *parts)
 
 
-def leaf_storage(shape: Sequence[int], plan: Plan) -> LeafStorage:
-    """The storage split of a leaf of per-layer ``shape`` under ``plan`` (see the module docstring)."""
+def leaf_storage(shape: Sequence[int], plan: Plan, *, earlier: bool = True) -> LeafStorage:
+    """The storage split of a leaf of per-layer ``shape`` under ``plan`` (see the module docstring).
+
+    ``earlier=False`` is the rule before issue 42 (on a tie in ``g`` the larger dim, so a ``(d, 3d)``
+    projection was stored in column blocks and converted by a strided all-to-all). The stored arrays are the same
+    logical arrays either way (only Orbax's chunking follows the split), so checkpoints written under either rule
+    restore under the other; tests write one under the old rule to check that.
+    """
     shape = tuple(int(d) for d in shape)
     factors, names = _prime_factors(plan.num_devices), _factor_axes(plan)
     best = (1, -1, None, 0)  # (g, dim size, dim, prefix length)
@@ -152,7 +161,7 @@ def leaf_storage(shape: Sequence[int], plan: Plan) -> LeafStorage:
         g, j = 1, 0
         while j < len(factors) and factors[j] > 1 and size % (g * factors[j]) == 0:
             g, j = g * factors[j], j + 1
-        if g > 1 and (g, size) > best[:2]:
+        if g > 1 and (g > best[0] if earlier else (g, size) > best[:2]):
             best = (g, size, d, j)
     g, _, dim, j = best
     return LeafStorage(shape, dim, g, names[:j])
