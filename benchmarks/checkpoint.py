@@ -1,7 +1,7 @@
 """Checkpoint benchmarks: save and restore time against plain Orbax, and peak host memory per process.
 
-    python benchmarks/checkpoint.py time [--mib 600] [--repeats 3] [--bound 1.25] [--model stacked|gpt]
-    python benchmarks/checkpoint.py temp [--mib 64] [--model stacked|gpt]
+    python benchmarks/checkpoint.py time [--mib 600] [--repeats 3] [--bound 1.25] [--model all|stacked|gpt|llama|moe]
+    python benchmarks/checkpoint.py temp [--mib 64] [--model stacked|gpt|llama|moe]
     python benchmarks/checkpoint.py memory [--processes 4] [--devices 2] [--mib 256]
 
 ``time`` (8 simulated CPU devices, one process): a params + Adam state of about ``--mib`` MiB saved with
@@ -10,8 +10,11 @@
 same state as an unsharded tree on one device and restoring it onto that device; each round runs the four side
 by side; medians after a compiling round, and per direction the median of the rounds' ratios vj / plain.
 ``--model stacked`` (default): one stacked ``(1024, 1024)`` group (its leaves line up with the shards), its biases
-and a ragged embedding; ``--model gpt``: GPT-like layers whose leaves straddle the shards (:func:`gpt_shapes`).
-``--bound B`` exits non-zero if either ratio exceeds ``B``.
+and a ragged embedding; ``--model gpt``: GPT-like layers whose leaves straddle the shards (:func:`gpt_shapes`);
+``--model llama``: Llama-shaped layers with grouped-query attention and an untied head (:func:`llama_shapes`);
+``--model moe``: stacked mixture-of-experts layers (:func:`moe_shapes`); ``--model all``: the four, one after
+another, then a summary table. ``--bound B`` (default 1.25) exits non-zero if any model's save or restore ratio
+exceeds ``B`` (``--bound 0``: no bound).
 
 ``temp``: the per-device XLA figures (``compiled.memory_analysis()``) of every conversion executable of a
 ``--mib`` MiB parameter tree on 8 simulated devices, beside the one-layer bound.
@@ -110,8 +113,67 @@ def gpt_shapes(mib: float):
     }
 
 
+def llama_shapes(mib: float):
+    """A Llama-shaped tree of ~mib MiB: per layer grouped-query attention (8 query heads, 2 key / value heads of 64),
+    a SwiGLU MLP and two RMSNorm scales in one stacked group; a 32000-row embedding, an untied ``(d, vocab)`` head
+    and a final norm."""
+    import jax
+    import jax.numpy as jnp
+
+    d, heads, kv, hd, f, vocab = 512, 8, 2, 64, 1408, 32000
+    per_layer = d * heads * hd + 2 * d * kv * hd + heads * hd * d + 3 * d * f + 2 * d
+    top = 2 * vocab * d + d
+    layers = max(1, int((mib * MIB / 4 - top) / per_layer))
+    sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    return {
+        "embed": sds(vocab, d),
+        "norm": sds(d),
+        "lm_head": sds(d, vocab),
+        "blocks": {
+            "q": sds(layers, d, heads * hd),
+            "k": sds(layers, d, kv * hd),
+            "v": sds(layers, d, kv * hd),
+            "o": sds(layers, heads * hd, d),
+            "gate": sds(layers, d, f),
+            "up": sds(layers, d, f),
+            "down": sds(layers, f, d),
+            "attn_norm": sds(layers, d),
+            "mlp_norm": sds(layers, d),
+        },
+    }
+
+
+def moe_shapes(mib: float):
+    """A stacked mixture-of-experts tree of ~mib MiB: per layer attention (fused qkv, out), a router, 8 experts'
+    ``(d, f)`` / ``(f, d)`` matrices stacked on an expert dim and two norms in one stacked group; a ragged
+    16001-row embedding and a final norm."""
+    import jax
+    import jax.numpy as jnp
+
+    d, f, experts = 512, 1024, 8
+    per_layer = 4 * d * d + d * experts + 2 * experts * d * f + 2 * d
+    embed = 16001 * d
+    layers = max(1, int((mib * MIB / 4 - embed) / per_layer))
+    sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    return {
+        "embed": sds(16001, d),
+        "norm": sds(d),
+        "blocks": {
+            "qkv": sds(layers, d, 3 * d),
+            "o": sds(layers, d, d),
+            "router": sds(layers, d, experts),
+            "w_in": sds(layers, experts, d, f),
+            "w_out": sds(layers, experts, f, d),
+            "ln": sds(layers, 2, d),
+        },
+    }
+
+
+MODELS = {"stacked": model_shapes, "gpt": gpt_shapes, "llama": llama_shapes, "moe": moe_shapes}
+
+
 def shapes_of(model: str, mib: float):
-    return gpt_shapes(mib) if model == "gpt" else model_shapes(mib)
+    return MODELS[model](mib)
 
 
 def init_fn(shapes):
@@ -129,7 +191,37 @@ def init_fn(shapes):
 
 # ------------------------------------------------------------------------------------------------------ time
 def bench_time(args) -> int:
-    """Save and restore, vj against plain Orbax, side by side in each round; returns the exit status."""
+    """Every model of ``--model`` (``all``: each in turn), then a summary; returns the exit status (1 if any
+    model's save or restore ratio exceeds ``--bound``)."""
+    models = list(MODELS) if args.model == "all" else [args.model]
+    results = {}
+    for model in models:
+        print(f"## --model {model}", flush=True)
+        results[model] = bench_model(model, args)
+        print(flush=True)
+    bound = args.bound or None
+    print(
+        "| model | state MiB | vj save s | plain save s | save ratio | vj restore s | plain restore s | restore ratio |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for model, (total, med, ratios) in results.items():
+        print(
+            f"| {model} | {total:.0f} | {med['vj save']:.2f} | {med['plain save']:.2f} | {ratios['save']:.2f} "
+            f"| {med['vj restore']:.2f} | {med['plain restore']:.2f} | {ratios['restore']:.2f} |"
+        )
+    if bound is None:
+        return 0
+    over = [f"{m} {k} {v:.2f}" for m, (_, _, r) in results.items() for k, v in r.items() if v > bound]
+    if over:
+        print(f"FAIL: ratio vj / plain above the bound {bound}: {', '.join(over)}")
+        return 1
+    print(f"ok: every ratio within the bound {bound} ({len(results)} model(s), save and restore)")
+    return 0
+
+
+def bench_model(model: str, args):
+    """Save and restore of one model, vj against plain Orbax, side by side in each round: ``(state MiB, median
+    seconds per timing, median ratio per direction)``."""
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     import jax
     import numpy as np
@@ -139,7 +231,7 @@ def bench_time(args) -> int:
     import vescale_jax as vj
 
     mesh = jax.make_mesh((jax.device_count(),), ("fsdp",))
-    shapes = shapes_of(args.model, args.mib / 3)  # params + mu + nu
+    shapes = shapes_of(model, args.mib / 3)  # params + mu + nu
     plan = vj.plan(shapes, mesh, stacked=("blocks",))
     params = vj.init_sharded(init_fn(shapes), plan, jax.random.key(0))
     adam, *rest = vj.init_opt_state(optax.adam(1e-3), params)
@@ -213,13 +305,7 @@ def bench_time(args) -> int:
         f"ratio vj / plain (median of the rounds' ratios): save {ratios['save']:.2f}, restore {ratios['restore']:.2f}"
     )
     print(f"first, compiling round: {first}")
-    if args.bound is not None:
-        over = [f"{k} {v:.2f}" for k, v in ratios.items() if v > args.bound]
-        if over:
-            print(f"FAIL: ratio above the bound {args.bound}: {', '.join(over)}")
-            return 1
-        print(f"ok: both ratios within the bound {args.bound}")
-    return 0
+    return total, med, ratios
 
 
 # ------------------------------------------------------------------------------------------------------ temp
@@ -386,11 +472,11 @@ def main() -> None:
     t = sub.add_parser("time")
     t.add_argument("--mib", type=float, default=600)
     t.add_argument("--repeats", type=int, default=3)
-    t.add_argument("--bound", type=float, default=None, help="exit non-zero if vj / plain exceeds this (either)")
-    t.add_argument("--model", choices=("stacked", "gpt"), default="stacked")
+    t.add_argument("--bound", type=float, default=1.25, help="exit non-zero if vj / plain exceeds this (0: none)")
+    t.add_argument("--model", choices=("all", *MODELS), default="stacked")
     tmp = sub.add_parser("temp")
     tmp.add_argument("--mib", type=float, default=64)
-    tmp.add_argument("--model", choices=("stacked", "gpt"), default="stacked")
+    tmp.add_argument("--model", choices=tuple(MODELS), default="stacked")
     mem = sub.add_parser("memory")
     mem.add_argument("--processes", type=int, default=4)
     mem.add_argument("--devices", type=int, default=2)
