@@ -135,7 +135,8 @@ def logical_tree(params: ShardedParams) -> Any:
 
     Sharding:
       Each leaf is split over the plan's devices on its dim sharing the most factors with the device count (the
-      earlier dim on a tie; replicated only if none does); the buckets are converted by one all-to-all per leaf, never gathered.
+      earlier dim on a tie; replicated only if none does); the buckets are converted by one all-to-all per leaf,
+      never gathered.
       A leaf split over tensor / expert axes keeps that split (major) and its TP shard is split so inside each
       group: its shape is still the full logical one.
     """
