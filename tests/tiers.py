@@ -299,6 +299,9 @@ HEAVY: dict[str, tuple[str, ...]] = {
         "test_snippets_run_as_shown[docs/quant.md]",
         "test_snippets_run_as_shown[docs/huggingface.md]",
         "test_snippets_run_as_shown[docs/optax.md]",
+        "test_snippets_run_as_shown[docs/raggedshard.md]",
+        "test_snippets_run_as_shown[docs/planner.md]",
+        "test_snippets_run_as_shown[docs/architecture.md]",
     ),
     "test_transforms.py": ("test_construct_trains_as_unsharded[*-m8]",),
     "test_planner.py": ("test_invariants_hold_on_random_instances",),
@@ -353,6 +356,8 @@ HEAVY: dict[str, tuple[str, ...]] = {
         "test_parity_element[8]",
     ),
     "test_checkpoint_speed.py": ("test_prepare_compiles_every_conversion_ahead",),  # test_checkpoint_prepare's stays
+    # Moved to make room for the context-parallel and async-save tests (CI measured 2263 s, the bound 2400 s):
+    "test_tp_checkpoint.py": ("test_tp_to_fsdp_only_and_back_with_adamw_is_bitwise",),  # tp-to-tp cases stay
     "test_hf_models.py": ("test_hf_flax_model_trains_under_fsdp_as_unsharded[gpt2-m3]",),  # llama-m8 stays
     "test_checkpoint.py": ("test_plain_orbax_restores_vj_params_into_an_nnx_model[moved]",),  # linen stays
     "test_offload.py": (
