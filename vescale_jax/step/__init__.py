@@ -6,8 +6,10 @@ accumulate; batches are placed over the data axes; batch statistics reduce over 
 """
 
 from vescale_jax.step._accumulate import accumulate
+from vescale_jax.step._attention import attention
 from vescale_jax.step._batch import data_sharding, place_batch
 from vescale_jax.step._fsdp import apply, fsdp
+from vescale_jax.step._positions import positions
 from vescale_jax.step._precision import MixedPrecision
 from vescale_jax.step._scan_layers import LayerShard, scan_layers
 from vescale_jax.step._statistics import batch_mean, batch_sum
@@ -17,10 +19,12 @@ __all__ = [
     "MixedPrecision",
     "accumulate",
     "apply",
+    "attention",
     "batch_mean",
     "batch_sum",
     "data_sharding",
     "fsdp",
     "place_batch",
+    "positions",
     "scan_layers",
 ]

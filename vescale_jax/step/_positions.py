@@ -1,0 +1,58 @@
+"""``vj.positions``: the global positions of the tokens a model holds (for RoPE and learned position tables).
+
+Inside a ``vj.fsdp`` step with a context axis the model sees only this device's tokens, in the order of
+:func:`vescale_jax.step._context.sequence_order`; position-dependent layers must use the tokens' global positions,
+not ``jnp.arange`` of the local length.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from vescale_jax.step._context import enclosing_context, local_positions
+
+__all__ = ["positions"]
+
+
+def positions(length_or_x: int | Any, *, axis: int = 1) -> jax.Array:
+    """The global positions of the tokens of a sequence dim, as the model holds them.
+
+    Args:
+      length_or_x: an array whose dim ``axis`` is the sequence dim (e.g. token ids ``(B, T)`` or activations
+        ``(B, T, D)``), or that dim's length as the model sees it (the local length inside a step).
+      axis: the sequence dim of ``length_or_x`` when it is an array (default 1, after the batch dim).
+
+    Returns:
+      An int32 array of shape ``(T,)``: ``jnp.arange(T)`` outside a step with a context axis; inside one, the
+      global positions of this device's ``T`` local tokens in their local order (with causal balancing, the two
+      chunks ``i`` and ``2 * cp - 1 - i`` of the ``2 * cp`` chunks of the sequence on device ``i``).
+
+    Sharding:
+      Inside a context step the result varies over the context axis (it is derived from ``lax.axis_index``); use
+      it like any per-device value, e.g. ``table[vj.positions(tokens)]`` or the angles of a rotary embedding.
+    """
+    if isinstance(length_or_x, int) or (hasattr(length_or_x, "__index__") and not hasattr(length_or_x, "shape")):
+        length = operator.index(length_or_x)
+    else:
+        shape = jnp.shape(length_or_x)
+        if not shape:
+            raise ValueError(
+                "vj.positions: length_or_x is a scalar array of shape (): pass the sequence length as a Python int, "
+                "or an array whose dim `axis` is the sequence dim."
+            )
+        if not -len(shape) <= axis < len(shape):
+            raise ValueError(
+                f"vj.positions: axis={axis} is out of range for length_or_x of shape {tuple(shape)}: pass the index "
+                "of the sequence dim (axis=1 for (batch, sequence, ...) arrays)."
+            )
+        length = int(shape[axis])
+    if length < 0:
+        raise ValueError(f"vj.positions: length {length} is negative: pass the sequence length (>= 0).")
+    ctx = enclosing_context()
+    if ctx is None or ctx.size == 1:
+        return jnp.arange(length, dtype=jnp.int32)
+    return local_positions(length, ctx)
