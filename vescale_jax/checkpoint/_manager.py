@@ -39,6 +39,7 @@ from typing import Any, NamedTuple
 import jax
 import orbax.checkpoint as ocp
 
+from vescale_jax.checkpoint import _background as _background
 from vescale_jax.checkpoint import _integrity as _integrity
 from vescale_jax.checkpoint import _local as _local
 from vescale_jax.checkpoint import _read_errors as _read_errors
@@ -148,8 +149,12 @@ class Manager:
       directory: root directory; each step is a sub-directory ``<step>/`` with items ``params``,
         ``opt_state``, ``vescale_jax`` (JSON) and ``metadata`` (JSON).
       max_to_keep: keep at most this many finished steps (``None``: all).
-      async_save: return from :meth:`save` once the arrays are copied to host and write in the background
-        (call :meth:`wait` before reading the directory; :meth:`save` waits for the previous one).
+      async_save: return from :meth:`save` once the state is converted to its logical layout; a worker thread
+        then copies the converted arrays to the host and writes them while the next training steps run (see
+        "Saves that do not stall" below). One save is in flight at a time: the next :meth:`save`, :meth:`wait`,
+        :meth:`restore`, :meth:`close` and the step queries wait for it, and raise a
+        ``RuntimeError`` naming its step (its ``__cause__`` the original error) if it failed. In a multi-process job
+        Orbax's own async save is used instead (it returns once the arrays are on the host).
       save_interval_steps: the interval of :meth:`should_save` (``force=True`` overrides it).
       overwrite: let the first save delete what the directory holds that is not this run's: steps another run
         (or an earlier launch of this one) wrote, other than the step :meth:`restore` resumed from and those
@@ -181,6 +186,15 @@ class Manager:
                 mngr.wait()                                  # the save is complete: exit 0 within the grace
                 break
 
+    Saves that do not stall (``async_save=True``, single-process job):
+      :meth:`save` runs the conversion (the compiled bucket -> logical programs and the checksums, on the calling
+      thread, which dispatches every device program) and returns; the device -> host copy and the write run in a
+      worker thread, overlapping the next steps. The worker touches only the conversion's outputs and copies of
+      the leaves stored as they are (a step count), enqueued before the next step can donate the state, so the
+      checkpoint holds the values at the save. Device memory during the overlap: the step's own peak plus one
+      save's converted arrays (about the size of the sharded state it stores, ``(P + O) / m`` per device, where a
+      blocking save holds the same until it returns), freed as the worker finishes.
+
     Sharding:
       Save and restore are collective: every process calls them with the same arguments. Each writes and reads
       only its devices' storage blocks (see :func:`logical_tree`).
@@ -211,9 +225,13 @@ class Manager:
         self._preemption = Preemption(catch_sigterm=catch_sigterm)
         self._resumed_from: int | None = None  # the step restore() read: it and earlier steps are this run's
         self._saved: set[int] = set()  # steps this Manager saved
+        # Single-process: our worker thread runs Orbax's (blocking) save. Multi-process: Orbax's save holds
+        # barriers that run device collectives, which must stay on the thread that dispatches the steps.
+        background = async_save and jax.process_count() == 1
+        self._background = _background.Background(self.directory) if background else None
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
-            enable_async_checkpointing=async_save,
+            enable_async_checkpointing=async_save and not background,
             save_interval_steps=save_interval_steps,
             create=True,
         )
@@ -227,19 +245,43 @@ class Manager:
 
     # -- lifecycle
     def latest_step(self) -> int | None:
-        """The newest finished step (unfinished, e.g. killed, saves are ignored), or ``None``."""
+        """The newest finished step (unfinished, e.g. killed, saves are ignored), or ``None``; waits for a
+        background save in flight."""
+        self._join()
         return self._mngr.latest_step()
 
     def all_steps(self) -> list[int]:
+        """The finished steps, oldest first; waits for a background save in flight."""
+        self._join()
         return list(self._mngr.all_steps())
 
+    def _join(self) -> None:
+        """Waits for the background save in flight (``async_save``), re-raising its error naming the step."""
+        if self._background is None:
+            return
+        step = self._background.step
+        try:
+            self._background.join()
+        except _background.BackgroundSaveError:
+            self._saved.discard(step)
+            raise
+
     def wait(self) -> None:
-        """Blocks until an async save has finished and been finalised."""
+        """Blocks until an async save has finished and been finalised.
+
+        Raises:
+          RuntimeError: the background save failed; the message names its step and the cause.
+        """
+        self._join()
         self._mngr.wait_until_finished()
 
     def close(self) -> None:
-        self._mngr.close()
-        self._preemption.close()
+        """Finishes the save in flight and closes; raises a background save's error after closing."""
+        try:
+            self._join()
+        finally:
+            self._mngr.close()
+            self._preemption.close()
 
     # -- when to save
     def reached_preemption(self, step: int) -> bool:
@@ -305,12 +347,17 @@ class Manager:
 
         Returns:
           Whether a save (global or local) was started.
+
+        Raises:
+          RuntimeError: (``async_save``) the previous save, running in the background, failed; the message names
+            its step.
         """
         if not isinstance(params, ShardedParams):
             raise TypeError(
                 f"Manager.save: params must be vj.ShardedParams, got {type(params).__name__}; "
                 "use ocp.StandardCheckpointer for a plain tree."
             )
+        self._join()  # one save in flight: the previous one is written (or its error raised) first
         to_global = force or self._global_due(step)
         if self._local is not None and (to_global or self._local_due(step)):
             state = {_PARAMS: list(params.buffers), _OPT: opt_state}
@@ -336,10 +383,24 @@ class Manager:
         }
         items[_VJ] = ocp.args.JsonSave(description)
         items[_META] = ocp.args.JsonSave(dict(metadata or {}))
+        if self._background is not None:
+            # Leaves sharing a buffer with the state would be donated by the next step: the worker gets copies.
+            state = [*params.buffers, *jax.tree.leaves(opt_state)]
+            for item in (_PARAMS, _OPT) if opt_state is not None else (_PARAMS,):
+                items[item] = ocp.args.StandardSave(_background.detach(items[item].item, state))
+            args = ocp.args.Composite(**items)
+            self._saved.add(int(step))
+            self._background.start(step, lambda: self._write(step, args))
+            return True
         started = self._mngr.save(step, args=ocp.args.Composite(**items), force=True)
         if started:
             self._saved.add(int(step))
         return started
+
+    def _write(self, step: int, args: ocp.args.Composite) -> None:
+        """The worker's part of a background save: Orbax's save (device -> host copy, write, finalise)."""
+        if not self._mngr.save(step, args=args, force=True):
+            raise RuntimeError(f"Orbax's CheckpointManager declined to save step {step} (force=True).")
 
     def _foreign(self, step: int) -> list[int]:
         """Finished steps of the directory that are not this run's before ``step``: another run's, or any at or
@@ -362,6 +423,7 @@ class Manager:
           ValueError: the directory holds another run's steps, or steps at or after ``step``, and ``overwrite``
             is off; the message lists them and the fixes.
         """
+        self._join()
         self._refuse(step, self._foreign(step))
 
     def _refuse(self, step: int, foreign: list[int]) -> None:
@@ -440,6 +502,7 @@ class Manager:
         return self._description(self._step(step))["plan"]
 
     def _step(self, step: int | None) -> int:
+        self._join()
         if step is None:
             step = self.latest_step()
             if step is None:
@@ -474,6 +537,7 @@ class Manager:
           ValueError: a key path is missing or extra, or a shape or dtype differs (the message names the path,
             both shapes and the fix); also for a ``PerDevice`` state without a layout and a changed plan.
         """
+        self._join()
         if self._local is not None:  # collective: every process takes the same path
             plan0 = _target_plan(params) if params is not None else None
             local = self._restore_local(step, plan0, opt_state)
