@@ -18,7 +18,7 @@ whole sequence needs the other devices' keys and values. Two ways are built:
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -231,44 +231,156 @@ def _and(a, b):
 # Ring
 
 
+class _RingConfig(NamedTuple):
+    axis: str
+    size: int
+    balance: str | None
+    causal: bool
+    scale: float
+
+
 def _ring(q, k, v, seg_q, seg_k, mask, bias, *, causal, scale, ctx: Context) -> jax.Array:
-    cp, T = ctx.size, q.shape[1]
-    i = jax.lax.axis_index(ctx.axis)
-    q_pos = _chunk_positions(i, T, ctx)
-    block = jax.checkpoint(functools.partial(_block, causal=causal, scale=scale))
-    perm = [(j, (j + 1) % cp) for j in range(cp)]
-    half = T // 2
-    kv = (k, v, seg_k)
+    cfg = _RingConfig(ctx.axis, ctx.size, ctx.balance, causal, scale)
+    q_pos = _chunk_positions(jax.lax.axis_index(ctx.axis), q.shape[1], ctx)
+    return _ring_attention(cfg, q, k, v, q_pos, seg_q, seg_k, mask, bias)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring_attention(cfg, q, k, v, q_pos, seg_q, seg_k, mask, bias):
+    return _ring_forward(cfg, q, k, v, q_pos, seg_q, seg_k, mask, bias)[0]
+
+
+def _ring_forward(cfg: _RingConfig, q, k, v, q_pos, seg_q, seg_k, mask, bias):
+    """The output ``(B, T, N, H)`` and the log-sum-exp ``(B, N, T)`` (``+inf`` on a row with no key)."""
+    T = q.shape[1]
+    block = functools.partial(_block, causal=cfg.causal, scale=cfg.scale)
     stats = None
-    for s in range(cp):
-        if s:
-            kv = jax.tree.map(lambda x: jax.lax.ppermute(x, ctx.axis, perm), kv)
-        kb, vb, segb = kv
-        src = (i - s) % cp  # the device whose keys this step holds
-        k_pos = _chunk_positions(src, T, ctx)
-        m_b = None if mask is None or mask.shape[-1] == 1 else jnp.take(mask, k_pos, axis=-1)
-        b_b = None if bias is None or bias.shape[-1] == 1 else jnp.take(bias, k_pos, axis=-1)
-        m_b = mask if m_b is None else m_b
-        b_b = bias if b_b is None else b_b
-        args = (q, q_pos, seg_q, kb, vb, k_pos, segb, m_b, b_b)
-        if not causal or s == 0:
-            new = block(*args)
-        elif ctx.balance is None:
-            # Contiguous chunks: keys of an earlier device are all visible, of a later one all masked.
-            new = jax.lax.cond(s <= i, lambda a: block(*a), lambda a: _empty(a[0], a[3]), args)
-        else:
-            # Balanced chunks: from an earlier device only its head chunk is visible (to all local queries); from a
-            # later one both its chunks are visible, to the local tail chunk only.
-            new = jax.lax.cond(
-                s <= i,
-                lambda a: block(*_keys_slice(a, slice(0, half))),
-                lambda a: _join_rows(_empty(a[0][:, :half], a[3]), block(*_queries_slice(a, slice(half, T)))),
-                args,
-            )
+    for s, (kb, vb, seg_b), k_pos in _ring_steps(cfg, (k, v, seg_k), T):
+        a = (q, q_pos, seg_q, kb, vb, k_pos, seg_b, _cols(mask, k_pos), _cols(bias, k_pos))
+        new = _forward_step(cfg, s, a, block)
         stats = new if stats is None else _merge(stats, new)
-    o, _, total = stats
-    total = jnp.swapaxes(total, 1, 2)[..., None]  # (B, T, N, 1)
-    return jnp.where(total > 0, o / jnp.where(total > 0, total, 1.0), 0.0).astype(q.dtype)
+    o, m, total = stats
+    rows = jnp.swapaxes(total, 1, 2)[..., None]  # (B, T, N, 1)
+    out = jnp.where(rows > 0, o / jnp.where(rows > 0, rows, 1.0), 0.0).astype(q.dtype)
+    lse = jnp.where(total > 0, m + jnp.log(jnp.where(total > 0, total, 1.0)), jnp.inf)
+    return out, lse
+
+
+def _ring_fwd(cfg, q, k, v, q_pos, seg_q, seg_k, mask, bias):
+    out, lse = _ring_forward(cfg, q, k, v, q_pos, seg_q, seg_k, mask, bias)
+    return out, (q, k, v, q_pos, seg_q, seg_k, mask, bias, out, lse)
+
+
+def _ring_bwd(cfg, res, d_out):
+    """The keys and values go round the ring again, each with the gradient accumulated for it so far; after the
+    last step one more hop brings the gradients home."""
+    q, k, v, q_pos, seg_q, seg_k, mask, bias, out, lse = res
+    T = q.shape[1]
+    delta = jnp.swapaxes(jnp.sum(d_out.astype(_F32) * out.astype(_F32), axis=-1), 1, 2)  # (B, N, T)
+    grads = functools.partial(_block_grads, causal=cfg.causal, scale=cfg.scale)
+    dq = jnp.zeros(q.shape, _F32)
+    d_bias = None if bias is None else jnp.zeros(bias.shape, _F32)
+    carry = (jnp.zeros(k.shape, _F32), jnp.zeros(v.shape, _F32))
+    perm = [(j, (j + 1) % cfg.size) for j in range(cfg.size)]
+    for s, (kb, vb, seg_b), k_pos in _ring_steps(cfg, (k, v, seg_k), T):
+        if s:
+            carry = jax.tree.map(lambda x: jax.lax.ppermute(x, cfg.axis, perm), carry)
+        a = (q, q_pos, seg_q, kb, vb, k_pos, seg_b, _cols(mask, k_pos), _cols(bias, k_pos), d_out, lse, delta)
+        g = _backward_step(cfg, s, a, grads, bias)
+        dq = dq + g[0]
+        carry = (carry[0] + g[1], carry[1] + g[2])
+        if bias is not None:
+            d_bias = _add_cols(d_bias, g[3], k_pos)
+    dk, dv = jax.tree.map(lambda x: jax.lax.ppermute(x, cfg.axis, perm), carry) if cfg.size > 1 else carry
+    no_grad = (None, None, None, None)  # positions, segment ids and the boolean mask
+    d_bias = None if bias is None else _like(d_bias, bias)
+    return (_like(dq, q), _like(dk, k), _like(dv, v), *no_grad, d_bias)
+
+
+_ring_attention.defvjp(_ring_fwd, _ring_bwd)
+
+
+def _forward_step(cfg: _RingConfig, s: int, a, block):
+    """Step ``s``'s statistics, of the part of the block a causal mask leaves visible (:func:`_dispatch`)."""
+    q, k, T = a[0], a[3], a[0].shape[1]
+    head, tail = slice(0, T // 2), slice(T // 2, T)
+    return _dispatch(
+        cfg,
+        s,
+        full=lambda: block(*a),
+        keys_head=lambda: block(*_keys_slice(a, head)),
+        queries_tail=lambda: _join_rows(_empty(q[:, head], k), block(*_queries_slice(a, tail))),
+        none=lambda: _empty(q, k),
+    )
+
+
+def _backward_step(cfg: _RingConfig, s: int, a, grads, bias):
+    """Step ``s``'s ``(d_query, d_key, d_value, d_bias columns)``, full-shaped, of the visible part of the block."""
+    q, k, v, T = a[0], a[3], a[4], a[0].shape[1]
+    half = T // 2
+    head, tail = slice(0, half), slice(half, T)
+    pad_cols = bias is not None and bias.shape[-1] != 1
+    pad_rows = bias is not None and bias.shape[-2] != 1
+
+    def keys_head():
+        dq, dk, dv, db = grads(*_keys_slice(a[:9], head), *a[9:])
+        return dq, _pad(dk, 1, 0, half), _pad(dv, 1, 0, half), _pad(db, -1, 0, half) if pad_cols else db
+
+    def queries_tail():
+        dq, dk, dv, db = grads(*_queries_slice(a[:9], tail), a[9][:, tail], a[10][..., tail], a[11][..., tail])
+        return _pad(dq, 1, half, 0), dk, dv, _pad(db, -2, half, 0) if pad_rows else db
+
+    def none():
+        zeros = (jnp.zeros(q.shape, _F32), jnp.zeros(k.shape, _F32), jnp.zeros(v.shape, _F32))
+        zeros += (None if bias is None else jnp.zeros(a[8].shape, _F32),)
+        return _varying(zeros, q, k)
+
+    return _dispatch(cfg, s, full=lambda: grads(*a), keys_head=keys_head, queries_tail=queries_tail, none=none)
+
+
+def _ring_steps(cfg: _RingConfig, kv, local_len: int):
+    """Yields ``(step, kv block, its key positions)`` for the ``cp`` steps: at step ``s`` device ``i`` holds the
+    block of device ``(i - s) % cp``, passed on by one ``ppermute`` hop per step."""
+    ctx = Context(cfg.axis, cfg.size, cfg.balance)
+    i = jax.lax.axis_index(cfg.axis)
+    perm = [(j, (j + 1) % cfg.size) for j in range(cfg.size)]
+    for s in range(cfg.size):
+        if s:
+            kv = jax.tree.map(lambda x: jax.lax.ppermute(x, cfg.axis, perm), kv)
+        yield s, kv, _chunk_positions((i - s) % cfg.size, local_len, ctx)
+
+
+def _dispatch(cfg: _RingConfig, s: int, *, full, keys_head, queries_tail, none):
+    """Runs the part of step ``s``'s block that a causal mask leaves visible (all of it when not causal).
+
+    At step ``s > 0`` device ``i`` holds the keys of device ``i - s``: an earlier device when ``s <= i``. With
+    contiguous chunks an earlier device's keys are all visible and a later one's all masked; with balanced chunks
+    only an earlier device's head chunk is visible (to all local queries), and a later device's keys are visible
+    to the local tail chunk only.
+    """
+    if not cfg.causal or s == 0:
+        return full()
+    earlier = s <= jax.lax.axis_index(cfg.axis)
+    if cfg.balance is None:
+        return jax.lax.cond(earlier, full, none)
+    return jax.lax.cond(earlier, keys_head, queries_tail)
+
+
+def _cols(x, k_pos):
+    """The columns of a natural-order ``(..., S_global|1)`` mask or bias for keys at ``k_pos``."""
+    return x if x is None or x.shape[-1] == 1 else jnp.take(x, k_pos, axis=-1)
+
+
+def _add_cols(acc, g, k_pos):
+    return acc + g if acc.shape[-1] == 1 else acc.at[..., k_pos].add(g)
+
+
+def _pad(x, dim, before, after):
+    if x is None:
+        return None
+    widths = [(0, 0)] * x.ndim
+    widths[dim] = (before, after)
+    return jnp.pad(x, widths)
 
 
 def _keys_slice(a, sl):
@@ -285,41 +397,85 @@ def _queries_slice(a, sl):
     return q[:, sl], q_pos[sl], seg_q, k, v, k_pos, seg_k, rows(m), rows(b)
 
 
-def _block(q, q_pos, seg_q, k, v, k_pos, seg_k, mask, bias, *, causal: bool, scale: float):
-    """One block's unnormalised attention: ``(o (B, T, N, H), max (B, N, T), total (B, N, T))``, fp32."""
+def _logits(q, q_pos, seg_q, k, k_pos, seg_k, mask, bias, *, causal: bool, scale: float):
+    """The block's masked fp32 logits ``(B, N, T, S)`` and its mask (None: every key visible)."""
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
-    G = N // K
-    logits = jnp.einsum("btkgh,bskh->bkgts", q.reshape(B, T, K, G, H), k, preferred_element_type=_F32).reshape(
-        B, N, T, S
-    )
-    logits = logits * scale
+    q = q.reshape(B, T, K, N // K, H)
+    logits = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=_F32).reshape(B, N, T, S) * scale
     if bias is not None:
         logits = logits + bias.astype(_F32)
     keep = _and(_mask(q_pos, k_pos, seg_q, seg_k, causal), mask)
     if keep is not None:
         logits = jnp.where(keep, logits, _NEG)
-    m = jax.lax.stop_gradient(jnp.max(logits, axis=-1))
+    return logits, keep
+
+
+def _block(q, q_pos, seg_q, k, v, k_pos, seg_k, mask, bias, *, causal: bool, scale: float):
+    """One block's unnormalised attention: ``(o (B, T, N, H), max (B, N, T), total (B, N, T))``, fp32."""
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    logits, keep = _logits(q, q_pos, seg_q, k, k_pos, seg_k, mask, bias, causal=causal, scale=scale)
+    m = jnp.max(logits, axis=-1)
     p = jnp.exp(logits - m[..., None])
     if keep is not None:
         p = jnp.where(keep, p, 0.0)
     total = jnp.sum(p, axis=-1)
-    o = jnp.einsum(
-        "bkgts,bskh->btkgh", p.reshape(B, K, G, T, S).astype(v.dtype), v, preferred_element_type=_F32
-    ).reshape(B, T, N, H)
+    p = p.reshape(B, K, N // K, T, S).astype(v.dtype)
+    o = jnp.einsum("bkgts,bskh->btkgh", p, v, preferred_element_type=_F32).reshape(B, T, N, H)
     return o, m, total
+
+
+def _block_grads(q, q_pos, seg_q, k, v, k_pos, seg_k, mask, bias, d_out, lse, delta, *, causal: bool, scale: float):
+    """One block's ``(d_query, d_key, d_value, d_bias)`` (fp32; ``d_bias`` reduced to the bias's shape) given the
+    final log-sum-exp ``lse`` and ``delta = sum(d_out * out, -1)``, both ``(B, N, T)``."""
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    G = N // K
+    logits, keep = _logits(q, q_pos, seg_q, k, k_pos, seg_k, mask, bias, causal=causal, scale=scale)
+    p = jnp.exp(logits - lse[..., None])
+    if keep is not None:
+        p = jnp.where(keep, p, 0.0)
+    do = d_out.reshape(B, T, K, G, H)
+    dv = jnp.einsum("bkgts,btkgh->bskh", p.reshape(B, K, G, T, S).astype(do.dtype), do, preferred_element_type=_F32)
+    dp = jnp.einsum("btkgh,bskh->bkgts", do, v, preferred_element_type=_F32).reshape(B, N, T, S)
+    ds = p * (dp - delta[..., None])  # d logits
+    dsg = (ds * scale).reshape(B, K, G, T, S)
+    dq = jnp.einsum("bkgts,bskh->btkgh", dsg.astype(k.dtype), k, preferred_element_type=_F32).reshape(B, T, N, H)
+    qg = q.reshape(B, T, K, G, H)
+    dk = jnp.einsum("bkgts,btkgh->bskh", dsg.astype(q.dtype), qg, preferred_element_type=_F32)
+    d_bias = None
+    if bias is not None:
+        dims = tuple(d for d in range(4) if bias.shape[d] == 1)
+        d_bias = jnp.sum(ds, axis=dims, keepdims=True) if dims else ds
+    return dq, dk, dv, d_bias
 
 
 def _empty(q, k):
     """The statistics of a block with every key masked, varying over the same mesh axes as ``q`` and ``k``."""
     B, T, N, H = q.shape
-    o = jnp.zeros((B, T, N, H), _F32)
-    m = jnp.full((B, N, T), _NEG, _F32)
-    total = jnp.zeros((B, N, T), _F32)
-    axes = tuple(sorted(_compat.varying_axes(q) | _compat.varying_axes(k)))
-    if axes:
-        o, m, total = (jax.lax.pcast(x, axes, to="varying") for x in (o, m, total))
-    return o, m, total
+    stats = (jnp.zeros((B, T, N, H), _F32), jnp.full((B, N, T), _NEG, _F32), jnp.zeros((B, N, T), _F32))
+    return _varying(stats, q, k)
+
+
+def _varying(tree, *like):
+    """``tree`` marked varying over the mesh axes ``like`` vary over (the branches of a ``cond`` must agree)."""
+    axes = frozenset().union(*(_compat.varying_axes(x) for x in like))
+
+    def cast(x):
+        missing = tuple(sorted(axes - _compat.varying_axes(x)))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree)
+
+
+def _like(g, x):
+    """Cotangent ``g`` in ``x``'s dtype and varying axes: summed over the mesh axes ``x`` does not vary over (the
+    transpose of using an invariant value in varying code), marked varying over those it does."""
+    extra = tuple(sorted(_compat.varying_axes(g) - _compat.varying_axes(x)))
+    if extra:
+        g = jax.lax.psum(g, extra)
+    return _varying(g, x).astype(x.dtype)
 
 
 def _join_rows(a, b):
