@@ -38,6 +38,8 @@ from vescale_jax._compat import (
     summed_axes,
     while_parts,
 )
+from vescale_jax.step._context import over_context
+from vescale_jax.step._context_check import check_sequence_mixing
 from vescale_jax.step._jaxpr import evaluate, read
 from vescale_jax.step._statistics import WHOLE_BATCH_VALUE, over_batch
 from vescale_jax.step._wire import varying_axes
@@ -50,10 +52,17 @@ class _Context:
     axes: tuple[str, ...]
     typed: bool
     fn: str
+    positional: tuple[str, ...] = ()  # axes whose index is a position in the sequence, not a batch slice
 
 
 def batch_dependence(
-    jaxpr: Any, inputs: Sequence[bool], axes: tuple[str, ...], *, typed: bool, fn: str = "vj.apply"
+    jaxpr: Any,
+    inputs: Sequence[bool],
+    axes: tuple[str, ...],
+    *,
+    typed: bool,
+    fn: str = "vj.apply",
+    positional: tuple[str, ...] = (),
 ) -> list[bool]:
     """Per output of ``jaxpr``, whether it depends on the device's slice of the batch; raises on a ``cond`` /
     ``switch`` / ``while`` whose predicate does.
@@ -64,6 +73,8 @@ def batch_dependence(
       axes: the data axes.
       typed: whether ``shard_map`` checks varying axes (then a value not varying over ``axes`` is batch-free).
       fn: the API named in the message.
+      positional: data axes whose ``axis_index`` is not batch-dependent (the context axis: a device's place in
+        the sequence, on which ``vj.attention`` branches to skip masked blocks).
 
     Returns:
       Per output, whether it depends on the batch slice.
@@ -71,7 +82,7 @@ def batch_dependence(
     Raises:
       ValueError: naming the operation, where it is (source line, enclosing bodies) and the fix.
     """
-    return _dependence(jaxpr, list(inputs), _Context(tuple(axes), typed, fn), ())
+    return _dependence(jaxpr, list(inputs), _Context(tuple(axes), typed, fn, tuple(positional)), ())
 
 
 def _dependence(jaxpr: Any, inputs: list[bool], ctx: _Context, within: tuple[str, ...]) -> list[bool]:
@@ -91,7 +102,7 @@ def _dependence(jaxpr: Any, inputs: list[bool], ctx: _Context, within: tuple[str
 def _equation(eqn: Any, ins: list[bool], ctx: _Context, within: tuple[str, ...]) -> list[bool]:
     """Per output of ``eqn``, whether it depends on the batch slice (before the equation's own sum or type)."""
     inner = (*within, body_name(eqn))
-    if set(indexed_axes(eqn)) & set(ctx.axes):
+    if set(indexed_axes(eqn)) & (set(ctx.axes) - set(ctx.positional)):
         return [True]  # the device's index over a data axis: differs between devices as the batch slice does
     cond = cond_parts(eqn)
     if cond is not None:
@@ -159,6 +170,7 @@ def checked_model(
     typed: bool,
     dependence: list[bool] | None = None,
     whole: Sequence[bool] | None = None,
+    sequence: Any = None,
 ) -> Callable[..., Any]:
     """``fn(tree, *args)`` traced with :func:`vescale_jax.batch_mean` reducing over ``axes``, its control flow
     checked (:func:`batch_dependence`: ``args`` are the batch, ``tree`` the parameters), then evaluated.
@@ -171,6 +183,10 @@ def checked_model(
         order): whether it depends on the batch slice.
       whole: per argument after ``tree``, whether it is passed whole (the same on every device: not batch); by
         default every argument is batch unless its type says it does not vary over ``axes``.
+      sequence: under a context axis, the call's :class:`vescale_jax.step._context_batch.ContextBatch`: the model
+        is traced with the context announced (:func:`vescale_jax.step._context.over_context`) and an operation
+        that mixes tokens outside ``vj.attention`` / ``vj.batch_mean`` is refused
+        (:func:`vescale_jax.step._context_check.check_sequence_mixing`).
 
     Returns:
       The wrapped model (same signature and outputs).
@@ -186,12 +202,16 @@ def checked_model(
         free = [
             w or (typed and not (varying_axes(x) & set(axes))) for x, w in zip(flat[n_params:], per_leaf, strict=True)
         ]
-        with over_batch(axes, typed=typed):
+        with over_batch(axes, typed=typed), over_context(None if sequence is None else sequence.ctx):
             closed, out_shape = jax.make_jaxpr(lambda *xs: fn(*jax.tree.unflatten(structure, xs)), return_shape=True)(
                 *flat
             )
         inputs = [False] * n_params + [not f for f in free]
-        outs = batch_dependence(closed.jaxpr, inputs, axes, typed=typed)
+        if sequence is not None:  # the sequence leaves: not passed whole, two or more dims (dim 1 the tokens)
+            tokens = [not w and x.ndim >= 2 for x, w in zip(flat[n_params:], per_leaf, strict=True)]
+            check_sequence_mixing(closed.jaxpr, [False] * n_params + tokens, sequence.ctx.axis)
+        positional = () if sequence is None else (sequence.ctx.axis,)
+        outs = batch_dependence(closed.jaxpr, inputs, axes, typed=typed, positional=positional)
         if dependence is not None:
             dependence[:] = outs
         env = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))

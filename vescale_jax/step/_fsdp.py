@@ -40,6 +40,8 @@ from vescale_jax.state._padding import zero_padding
 from vescale_jax.state._placement import constrain_outputs
 from vescale_jax.step._batch import _check_batch, _check_placed, _data_size, place_batch
 from vescale_jax.step._checks import check_kernel_policy, check_microbatches, check_precision_type, check_step_outputs
+from vescale_jax.step._context import Context
+from vescale_jax.step._context_batch import ContextBatch, context_batch
 from vescale_jax.step._control_flow import checked_model
 from vescale_jax.step._fp32_grads import widened
 from vescale_jax.step._model_call import model_call
@@ -236,7 +238,16 @@ def apply(
         plan, data_axes, kernels, reshard_after_forward=reshard_after_forward, prefetch=prefetch, precision=precision
     )
     fn, args, in_specs, out_specs, finish = _model_specs(
-        fn, args, kwargs, state, plan, policy.data_axes, in_specs, out_specs, typed=policy.kernels.check_vma
+        fn,
+        args,
+        kwargs,
+        state,
+        plan,
+        policy.data_axes,
+        in_specs,
+        out_specs,
+        typed=policy.kernels.check_vma,
+        context=policy.context,
     )
 
     how = policy.wire()
@@ -252,7 +263,9 @@ def apply(
     return finish(mapped(params.buffers, *args))
 
 
-def _model_specs(fn, args, kwargs, state, plan: Plan, axes: tuple[str, ...], in_specs: Any, out_specs: Any, *, typed):
+def _model_specs(
+    fn, args, kwargs, state, plan: Plan, axes: tuple[str, ...], in_specs: Any, out_specs: Any, *, typed, context=None
+):
     """``(fn, args, in_specs, out_specs, finish)`` over flat inputs: the positional batch (split on dim 0 over
     ``axes`` by default: checked and, on Explicit axes, required to be placed so), then the keyword arrays (split
     or whole, :mod:`vescale_jax.step._model_call`) and the state (whole, returned whole).
@@ -261,7 +274,11 @@ def _model_specs(fn, args, kwargs, state, plan: Plan, axes: tuple[str, ...], in_
     device's part of the unsharded draw (:mod:`vescale_jax.step._random`); its control flow is checked and
     ``vj.batch_mean`` reduces over ``axes`` while it is traced (:mod:`vescale_jax.step._control_flow`); by default
     its outputs are per-example or, for those that do not depend on the batch, whole
-    (:mod:`vescale_jax.step._outputs`; ``finish`` maps the ``shard_map``'s outputs to the model's)."""
+    (:mod:`vescale_jax.step._outputs`; ``finish`` maps the ``shard_map``'s outputs to the model's).
+
+    With a ``context`` axis the batch leaves of two or more dims also have dim 1 split over it, in the balanced
+    order, and per-token outputs come back in the global order (:mod:`vescale_jax.step._context_batch`)."""
+    default_specs = in_specs is None
     if in_specs is None:
         _check_batch(args, _data_size(plan.mesh, axes), axes, what="vj.apply argument")
         _check_placed(args, plan, axes)
@@ -277,6 +294,17 @@ def _model_specs(fn, args, kwargs, state, plan: Plan, axes: tuple[str, ...], in_
     # The model at the global arguments' shapes (known when each argument is split on dim 0 or passed whole).
     known = all(spec == P(axes) or spec == P() for spec in in_specs)
     shapes = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in jax.tree.leaves(flat_args)] if known else None
+    seq = None
+    if context is not None:
+        if not default_specs:
+            raise ValueError(
+                f"vj.apply: in_specs= with a context axis ({context.axis!r}): the step splits the batch's dim 0 "
+                "over the data axes and its dim 1 over the context axis itself; leave in_specs out."
+            )
+        seq = context_batch(context, args, call.split)
+    if seq is not None:
+        flat_args, in_specs = _sequence_split(flat_args, in_specs, axes, seq, plan.mesh)
+    model_axes = axes if seq is None else (*axes, context.axis)
 
     def global_outputs(tree, *local_args):
         if shapes is None:
@@ -287,17 +315,51 @@ def _model_specs(fn, args, kwargs, state, plan: Plan, axes: tuple[str, ...], in_
 
     fn = split_draws(call.fn, axes=axes, size=size, check_vma=typed, global_args=_global_args(shapes))
     dependence: list[bool] = []
-    fn = checked_model(fn, axes, typed=typed, dependence=dependence, whole=[spec == P() for spec in in_specs])
+    whole = [spec == P() for spec in in_specs]
+    fn = checked_model(fn, model_axes, typed=typed, dependence=dependence, whole=whole, sequence=seq)
     finish = lambda out: out
     if out_specs is None:
-        out_specs = P(axes)
+        out_specs = P(axes) if seq is None else seq.spec(axes)
         batch = None if call.batch is None else call.batch // size
         fn, finish = split_or_whole(
-            fn, axes, plan.mesh, dependence, state=state is not None, batch=batch, global_outputs=global_outputs
+            fn,
+            axes,
+            plan.mesh,
+            dependence,
+            state=state is not None,
+            batch=batch,
+            global_outputs=global_outputs,
+            sequence=seq,
+        )
+    elif seq is not None:
+        raise ValueError(
+            f"vj.apply: out_specs= with a context axis ({context.axis!r}): per-token outputs come back in the "
+            "global order, which needs the default outputs; leave out_specs out."
         )
     if state is not None:
         out_specs = (out_specs, P())
     return fn, flat_args, in_specs, out_specs, finish
+
+
+def _sequence_split(flat_args, in_specs, axes: tuple[str, ...], seq: ContextBatch, mesh: jax.sharding.Mesh):
+    """The batch arguments with each sequence leaf in the devices' order and its spec splitting dim 1 over the
+    context axis (arguments passed whole keep ``P()``); on Explicit axes resharded so (``shard_map`` does not
+    move an input)."""
+    explicit = any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+
+    def place(x):
+        x = seq.to_devices(x)
+        return jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, seq.spec(axes))) if explicit else x
+
+    args, specs = [], []
+    for arg, spec in zip(flat_args, in_specs, strict=True):
+        if spec != P(axes):
+            args.append(arg)
+            specs.append(spec)
+            continue
+        args.append(jax.tree.map(lambda x: place(x) if seq.carries(x) else x, arg))
+        specs.append(jax.tree.map(lambda x: seq.spec(axes) if seq.carries(x) else P(axes), arg))
+    return tuple(args), tuple(specs)
 
 
 def _global_args(shapes: list[Any] | None) -> Callable[[Any], Any] | None:
@@ -348,6 +410,8 @@ def fsdp(
     donate: bool = True,
     kernels: KernelPolicy | None = None,
     offload: Offload | None = None,
+    context_axis: str | None = None,
+    balance: str | None = "causal",
 ) -> Callable[..., Any]:
     """Compiles a train step ``step(params, opt_state, batch, *rest) -> (params, opt_state, ...)`` for FSDP.
 
@@ -383,6 +447,16 @@ def fsdp(
         piece at a time (a layer of a stacked group when the update is element-wise, else the whole bucket);
         the results are bit for bit those of the step without offload. The step must return
         ``(params, opt_state, *rest)``.
+      context_axis: a mesh axis (not the plan's axis nor a data axis) to split the batch's sequence over: context
+        parallelism. Inside :func:`vj.apply` every batch leaf of two or more dims has its dim 1 (the sequence)
+        split over it; the model must then attend with :func:`vj.attention`, take positions from
+        :func:`vj.positions` and reduce over tokens with :func:`vj.batch_mean` (a hand-written mix of tokens is
+        refused when the step is traced, naming its line). Parameters stay sharded over the plan's axis only,
+        gathered once per point of use on every device; gradients are summed over the context axis.
+        See ``docs/context.md``.
+      balance: with ``context_axis``: ``"causal"`` (the default) gives each device chunks ``i`` and
+        ``2·cp − 1 − i`` of ``2·cp`` equal chunks, so causal attention costs every device the same; ``None``
+        gives device ``i`` the ``i``-th contiguous chunk.
 
     Returns:
       The compiled step. It checks its inputs (params and every ``ShardedParams`` / ``PerDevice`` of the
@@ -396,7 +470,8 @@ def fsdp(
 
     Sharding:
       Params and optimizer state stay sharded over the plan's axis; the batch (argument 2 and any further
-      arguments) is split on dim 0 over ``data_axes``; other outputs (loss, metrics) are global values.
+      arguments) is split on dim 0 over ``data_axes`` (and, inside :func:`vj.apply`, on dim 1 over
+      ``context_axis``); other outputs (loss, metrics) are global values.
     """
     if isinstance(step, Plan):
         raise TypeError(
@@ -423,8 +498,13 @@ def fsdp(
             donate=donate,
             kernels=kernels,
             offload=offload,
+            context_axis=context_axis,
+            balance=balance,
         )
     check_precision_type(precision, "vj.fsdp")
+    if context_axis is not None and not isinstance(context_axis, str):
+        raise TypeError(f"vj.fsdp: context_axis= must be a mesh axis name, got {context_axis!r}.")
+    Context("context", 1, balance)  # checks balance=
     if offload is not None and not isinstance(offload, Offload):
         raise TypeError(f"vj.fsdp: offload= must be a vj.Offload, got {type(offload).__name__}.")
     kernels = KernelPolicy.from_env() if kernels is None else check_kernel_policy(kernels, "vj.fsdp")
@@ -435,6 +515,8 @@ def fsdp(
         precision=precision,
         microbatches=microbatches,
         kernels=kernels,
+        context_axis=context_axis,
+        balance=balance,
     )
 
     @plan_cache
@@ -538,13 +620,33 @@ class _Compiled:
     ordered: Callable[..., Any]  # ``jitted`` with the offloaded state's transfers ordered (for lowering to a GPU)
 
 
+def _context(plan: Plan, axis: str | None, balance: str | None) -> Context | None:
+    """The step's context axis on ``plan``'s mesh (``None`` without one), checked."""
+    if axis is None:
+        return None
+    mesh = dict(plan.mesh.shape)
+    if axis not in mesh:
+        raise ValueError(
+            f"vj.fsdp: context_axis={axis!r} is not an axis of the plan's mesh {mesh}; make a mesh with a context "
+            f"axis, e.g. jax.make_mesh((fsdp, cp), ('{plan.axis}', '{axis}')), and plan the parameters on it."
+        )
+    if axis == plan.axis or (not isinstance(plan.axis, str) and axis in plan.axis):
+        raise ValueError(
+            f"vj.fsdp: context_axis={axis!r} is the plan's axis: the parameters are sharded over it. The context "
+            "axis is another mesh axis, over which the parameters are replicated; plan over the fsdp axis alone."
+        )
+    return Context(axis, mesh[axis], balance)
+
+
 def _compile(
     step: Callable[..., Any], plan: Plan, donate: bool, options: dict[str, Any], offload: Offload | None = None
 ) -> _Compiled:
     """The step over ``plan``: the options checked against it, gathered into one :class:`StepPolicy`, and the
     step jitted with that policy enclosing its trace."""
     _check_precision(options["precision"], plan)
-    policy = StepPolicy.for_plan(plan, **options)
+    options = dict(options)
+    context = _context(plan, options.pop("context_axis"), options.pop("balance"))
+    policy = StepPolicy.for_plan(plan, **options, context=context)
     auto = all(t == jax.sharding.AxisType.Auto for t in plan.mesh.axis_types)
 
     def inner(params, opt_state, batch, *rest, streamed=False):

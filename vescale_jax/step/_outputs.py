@@ -21,6 +21,13 @@ tracing. With ``b`` the device's batch rows:
 
 The trace at the global shapes runs only for those ambiguous outputs, and when it cannot run (a model that
 traces only at its local shapes) the leading-dim rule decides: dim 0 equal to ``b`` is per-example.
+
+Under a context axis (:mod:`vescale_jax.step._context_batch`) every output leaves the ``shard_map`` split on dim 0
+over the data axes and on dim 1 over the context axis: an output that varies over the context axis is per-token
+(``(b, l, ...)`` with ``l`` the device's tokens) and comes back with dim 1 in the global order; a per-example
+output that does not vary over it gets a length-1 dim 1 inside, dropped outside; a whole output two leading
+length-1 dims. An output that varies over the context axis but is not per-token (a sum over the device's tokens)
+is refused, naming it.
 """
 
 from __future__ import annotations
@@ -35,12 +42,14 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from vescale_jax.step._context_batch import ContextBatch
 from vescale_jax.step._statistics import WHOLE_BATCH_VALUE
+from vescale_jax.step._wire import varying_axes
 
 __all__ = ["split_or_whole"]
 
 
-_SPLIT, _WHOLE = "split", "whole"
+_SPLIT, _WHOLE, _TOKENS = "split", "whole", "tokens"
 
 
 def split_or_whole(
@@ -52,6 +61,7 @@ def split_or_whole(
     state: bool = False,
     batch: int | None = None,
     global_outputs: Callable[..., Sequence[Any] | None] | None = None,
+    sequence: ContextBatch | None = None,
 ) -> tuple[Callable[..., Any], Callable[[Any], Any]]:
     """``(wrapped fn, finish)`` for outputs with ``out_specs=P(axes)``: ``finish`` turns the ``shard_map``'s
     results into the model's outputs (see the module docstring).
@@ -67,6 +77,7 @@ def split_or_whole(
       batch: the device's batch rows ``b`` (``None``: no argument has a batch dim).
       global_outputs: ``(*fn's arguments) -> the output leaves' shapes`` of the model at the global arguments'
         shapes, or ``None`` when that trace cannot run; called only for an ambiguous output.
+      sequence: the context axis's split of the batch (then ``out_specs`` is ``P(axes, context axis)``).
 
     Returns:
       The wrapped model and the function to apply to the ``shard_map``'s outputs (after the wrapped model was
@@ -76,7 +87,7 @@ def split_or_whole(
       Per-example outputs: dim 0 split over ``axes``. Whole outputs: replicated.
     """
     size = math.prod(mesh.shape[a] for a in axes)
-    whole: list[bool] = []
+    whole: list[str] = []  # per output leaf: its kind
 
     @functools.wraps(fn)
     def wrapped(*a: Any) -> Any:
@@ -102,8 +113,15 @@ def split_or_whole(
             )
             for i, ((path, leaf), dep) in enumerate(zip(flat, dependence[: len(flat)], strict=True))
         ]  # the outputs' leaves come first in ``dependence`` (before the state's)
-        whole[:] = [k == _WHOLE for k in kinds]
-        out = jax.tree_util.tree_unflatten(tree, [x[None] if w else x for (_, x), w in zip(flat, whole, strict=True)])
+        if sequence is not None:
+            kinds = [
+                _per_token(jax.tree_util.keystr(path) or "<root>", x, k, sequence)
+                for (path, x), k in zip(flat, kinds, strict=True)
+            ]
+        whole[:] = kinds
+        out = jax.tree_util.tree_unflatten(
+            tree, [_inside(x, k, sequence) for (_, x), k in zip(flat, kinds, strict=True)]
+        )
         return (out, result[1]) if state else out
 
     replicated = NamedSharding(mesh, P())
@@ -113,13 +131,49 @@ def split_or_whole(
         if len(whole) != len(leaves):  # not traced by this call (cannot happen: each call wraps afresh)
             raise RuntimeError("vj.apply: the model's outputs were not traced")
         return jax.tree.unflatten(
-            tree, [jax.sharding.reshard(x, replicated)[0] if w else x for x, w in zip(leaves, whole, strict=True)]
+            tree, [_outside(x, k, sequence, replicated) for x, k in zip(leaves, whole, strict=True)]
         )
 
     def finish(result: Any) -> Any:
         return (finish_outputs(result[0]), result[1]) if state else finish_outputs(result)
 
     return wrapped, finish
+
+
+def _inside(x: jax.Array, kind: str, sequence: ContextBatch | None) -> jax.Array:
+    """An output as it leaves the ``shard_map`` (``out_specs`` ``P(axes)``, or ``P(axes, context)``)."""
+    if sequence is None:
+        return x[None] if kind == _WHOLE else x
+    return {_TOKENS: x, _SPLIT: x[:, None] if np.ndim(x) else x, _WHOLE: x[None, None]}[kind]
+
+
+def _outside(x: jax.Array, kind: str, sequence: ContextBatch | None, replicated: NamedSharding) -> jax.Array:
+    """The model's output from the ``shard_map``'s (see :func:`_inside`)."""
+    if kind == _WHOLE:
+        x = jax.sharding.reshard(x, replicated)
+        return x[0] if sequence is None else x[0, 0]
+    if sequence is None:
+        return x
+    return sequence.to_global(x) if kind == _TOKENS else x[:, 0]
+
+
+def _per_token(name: str, x: jax.Array, kind: str, sequence: ContextBatch) -> str:
+    """Under a context axis: an output that varies over it is per-token (``_TOKENS``) or refused."""
+    axis = sequence.ctx.axis
+    vary = varying_axes(x)
+    over = axis in vary if vary else kind == _SPLIT  # untyped (check_vma off): split outputs are taken as varying
+    if not over:
+        return kind
+    shape = tuple(np.shape(x))
+    if len(shape) >= 2 and shape[1] == sequence.local:
+        return _TOKENS
+    raise ValueError(
+        f"vj.apply: output {name} of the model (shape {shape} on each device) is computed from this device's "
+        f"tokens (the sequence is split over the context axis {axis!r}, {sequence.local} of {sequence.length} "
+        "tokens per device) but is not per-token: it is not the unsharded model's value. Reduce over tokens with "
+        "vj.batch_mean / vj.batch_sum (every token counted once, the same on every device), or return per-token "
+        "values with dim 1 the sequence, (B, L, ...), and reduce outside the model."
+    )
 
 
 def _kind(

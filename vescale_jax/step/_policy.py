@@ -20,6 +20,7 @@ from vescale_jax.kernels import KernelPolicy
 from vescale_jax.kernels._dispatch import DEFAULT_KERNELS
 from vescale_jax.layout._plan import Plan
 from vescale_jax.step._batch import _axes, data_sharding
+from vescale_jax.step._context import Context
 from vescale_jax.step._precision import MixedPrecision
 from vescale_jax.step._wire import Gather
 
@@ -32,8 +33,9 @@ class StepPolicy:
 
     Attributes:
       data_axes: mesh axes the batch's dim 0 is split over.
-      replica_axes: the data axes that are not the plan's axis (HSDP): shards are replicated over them and
-        gradients summed over them after the reduce-scatter.
+      replica_axes: the data axes that are not the plan's axis (HSDP), and the context axis: shards are
+        replicated over them and gradients summed over them after the reduce-scatter.
+      context: the context axis the batch's sequence dim (dim 1) is split over (context parallelism), or ``None``.
       reshard_after_forward: drop gathered parameters after the forward and gather them again in backward.
       prefetch: in ``vj.scan_layers``, gather layer ``j + 1`` while layer ``j`` computes.
       precision: the :class:`vescale_jax.MixedPrecision` policy (gather / compute dtype, reduce dtype, FP8
@@ -47,6 +49,7 @@ class StepPolicy:
 
     data_axes: tuple[str, ...]
     replica_axes: tuple[str, ...] = ()
+    context: Context | None = None
     reshard_after_forward: bool = True
     prefetch: bool = False
     precision: MixedPrecision | None = None
@@ -66,18 +69,26 @@ class StepPolicy:
         microbatches: int | None = None,
         kernels: KernelPolicy = DEFAULT_KERNELS,
         wide_grads: bool = False,
+        context: Context | None = None,
     ) -> StepPolicy:
         """The policy of a step over ``plan``: ``data_axes`` checked against its mesh (default: the plan's axis)
-        and the replica axes derived from them.
+        and the replica axes derived from them (the context axis among them).
 
         Returns:
           The policy.
         """
         axes = _axes(plan.axis if data_axes is None else data_axes)
         data_sharding(plan, axes)  # checks the axes
+        if context is not None and context.axis in axes:
+            raise ValueError(
+                f"vj.fsdp: context_axis={context.axis!r} is also a data axis {axes}: the batch's dim 0 is split "
+                "over the data axes and its sequence dim over the context axis; name another mesh axis for each."
+            )
+        replicas = tuple(a for a in axes if a not in _axes(plan.axis))
         return cls(
             data_axes=axes,
-            replica_axes=tuple(a for a in axes if a not in _axes(plan.axis)),
+            replica_axes=replicas + (() if context is None else (context.axis,)),
+            context=context,
             reshard_after_forward=reshard_after_forward,
             prefetch=prefetch,
             precision=precision,
@@ -112,6 +123,7 @@ class StepPolicy:
             microbatches=self.microbatches,
             kernels=self.kernels if kernels is None else kernels,
             wide_grads=self.wide_grads,
+            context=self.context,
         )
         return self if refined == self else refined  # unchanged: the enclosing step's own policy object
 
