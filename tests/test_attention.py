@@ -108,19 +108,15 @@ def test_outside_a_step_is_jax_dot_product_attention():
 # --- Under a context axis: the whole sequence's attention ---------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "impl,cp,balance,K",
-    [("all_gather", 4, "causal", 2), ("ring", 4, "causal", 1), ("ring", 2, None, 2)],
-    ids=["all_gather-cp4-causal-K2", "ring-cp4-causal-K1", "ring-cp2-contiguous-K2"],
-)
-def test_context_attention_matches_whole_sequence(impl, cp, balance, K):
-    _compare(_mesh((cp,), ("context",)), Context("context", cp, balance), K=K, impl=impl)
+def test_context_all_gather_matches_whole_sequence():
+    # Balanced causal chunks on 4 devices, packed documents, grouped-query attention (N=4, K=2).
+    _compare(_mesh((4,), ("context",)), Context("context", 4), K=2, impl="all_gather")
 
 
-@pytest.mark.parametrize("impl", ["all_gather", "ring"])
-def test_context_mask_and_bias_from_positions_data_and_context_axes(impl):
-    # A (data, context) mesh of 3 x 2: mask and bias built from vj.positions, the non-causal case.
-    _compare(_mesh((3, 2), ("data", "context")), Context("context", 2), impl=impl, causal=False, extras=True)
+def test_context_ring_with_mask_and_bias_on_data_and_context_axes():
+    # A (data, context) mesh of 3 x 2: multi-query attention (K=1), packed documents, and a window mask and an
+    # ALiBi-like bias built from vj.positions, by the ring with causal block skipping.
+    _compare(_mesh((3, 2), ("data", "context")), Context("context", 2), K=1, impl="ring", extras=True)
 
 
 def test_positions_under_a_context_axis():
@@ -165,6 +161,15 @@ def test_errors_name_the_argument_and_the_fix():
 
     with pytest.raises(ValueError, match=r"mask of shape \(1, 1, 16, 16\) under context axis 'context'"):
         jax.shard_map(bad_mask, mesh=mesh, in_specs=P(None, "context"), out_specs=P(None, "context"))(q, k, v)
+
+    def odd(q, k, v):
+        with over_context(ctx):
+            return vj.attention(q, k, v)
+
+    with pytest.raises(ValueError, match=r"query sequence length 6 does not split .* multiple of 2 x 2"):
+        jax.shard_map(odd, mesh=mesh, in_specs=P(None, "context"), out_specs=P(None, "context"))(
+            *(x[:, :6] for x in (q, k, v))
+        )
 
 
 # --- The broad matrix ---------------------------------------------------------------------------------------------
