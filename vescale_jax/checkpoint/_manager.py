@@ -151,7 +151,7 @@ class Manager:
       max_to_keep: keep at most this many finished steps (``None``: all).
       async_save: return from :meth:`save` once the state is converted to its logical layout; a worker thread
         then copies the converted arrays to the host and writes them while the next training steps run (see
-        "Saves that do not stall" below). One save is in flight at a time: the next :meth:`save`, :meth:`wait`,
+        "Saves that do not stall" below). One save is in flight at a time: the next global save, :meth:`wait`,
         :meth:`restore`, :meth:`close` and the step queries wait for it, and raise a
         ``RuntimeError`` naming its step (its ``__cause__`` the original error) if it failed. In a multi-process job
         Orbax's own async save is used instead (it returns once the arrays are on the host).
@@ -349,15 +349,14 @@ class Manager:
           Whether a save (global or local) was started.
 
         Raises:
-          RuntimeError: (``async_save``) the previous save, running in the background, failed; the message names
-            its step.
+          RuntimeError: (``async_save``) the previous global save, running in the background, failed; the message
+            names its step.
         """
         if not isinstance(params, ShardedParams):
             raise TypeError(
                 f"Manager.save: params must be vj.ShardedParams, got {type(params).__name__}; "
                 "use ocp.StandardCheckpointer for a plain tree."
             )
-        self._join()  # one save in flight: the previous one is written (or its error raised) first
         to_global = force or self._global_due(step)
         if self._local is not None and (to_global or self._local_due(step)):
             state = {_PARAMS: list(params.buffers), _OPT: opt_state}
@@ -366,6 +365,7 @@ class Manager:
                 return True
         if not to_global:
             return False
+        self._join()  # one global save in flight: the previous one is written (or its error raised) first
         self._claim(step)
         logical, param_sums = _stored.logical_and_sums(params)
         items: dict[str, Any] = {_PARAMS: ocp.args.StandardSave(_stored.storable(logical))}
