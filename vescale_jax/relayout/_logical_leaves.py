@@ -19,9 +19,14 @@ How a leaf (one layer of it) moves, chosen per leaf from its runs: a leaf whose 
 (split on its first dim, or few rows) has few runs per device pair, mostly one that stays on its device; it moves
 by collective-permute rounds (:func:`vescale_jax.relayout._execute.permute_rounds`: a local copy, then one small
 permute per round for the pieces that cross a shard boundary). A strided storage block (split on a later dim,
-many rows per device) moves by one padded all-to-all (:func:`vescale_jax.relayout._execute.all_to_all`); the
-block rows of one device pair are ``P`` apart on the ragged side, so its run tables compress them into at most
-three periodic runs per pair, whatever the leaf size.
+many rows per device, e.g. a ragged embedding stored in column blocks) moves as whole rows
+(:class:`_RowOwners`): each row belongs to the device holding its first element, which completes its last row
+with the next device's first elements (one small permute), and one all-to-all of ``(m, H, R)`` carries every
+owner's rows cut into column blocks; each device's block is then what it got, source after source, in one
+static concatenation (restore: the same the other way, each owner writing the part of its rows in its range
+and passing the rest of its last row on). Where a row spans more than two devices' ranges, it moves by one padded
+all-to-all (:func:`vescale_jax.relayout._execute.all_to_all`), whose run tables compress a pair's block rows
+(``P`` apart on the ragged side) into at most three periodic runs, whatever the leaf size.
 
 Executables (:func:`compile_conversions`): one per bucket and direction, compiled ahead of time and cached by
 plan and dtype, so a second save or restore under the same plan compiles nothing. A stacked bucket whose every
@@ -510,28 +515,44 @@ def _by_permutes(moves: Moves) -> bool:
     return int(np.bincount(moves.src * m + moves.dst).max()) <= _FEW_RUNS
 
 
-def _window(rt: _Route) -> tuple[np.ndarray, int] | None:
-    """Per device the first leaf row (of ``P`` elements) its range touches, and ``H``, the most rows a range
-    touches; ``None`` unless the storage blocks are strided (``A > 1`` rows) and ``H`` rows hold at most about
-    twice a shard (rows no longer than a shard), so a window of ``H`` whole rows costs no more than a range."""
-    if not rt.R or rt.block_size // rt.R <= 1:
-        return None
-    some = rt.ends > rt.starts
-    first = np.where(some, rt.starts // rt.P, 0)
-    rows = int(np.where(some, -(-rt.ends // rt.P) - first, 0).max(initial=0))
-    if not rows or rows * rt.P > 2 * rt.S + rt.P:  # a range touches up to S + 2 P elements of rows
-        return None
-    return first, rows
+class _RowOwners:
+    """The static tables of a strided leaf moved as whole rows: row ``a`` (its ``P`` elements) is owned by the
+    device whose range holds its first element, and the elements of an owner's last row that lie past its range
+    (``need``, fewer than ``P``) are the first of the next device's range.
 
+    Attributes:
+      first: ``(m,)`` each device's first owned row (0 where it owns none).
+      count: ``(m,)`` how many rows it owns (the counts add up to the leaf's ``A`` rows).
+      rows: ``H``, the most rows a device owns.
+      need: ``(m,)`` elements of its last owned row past its range (taken from the next device).
+      halo: the largest ``need``.
+      window: ``(m,)`` where its first owned row starts in its bucket row (0 where it owns none).
+    """
 
-def _in_window(rt: _Route, first: np.ndarray, rows: int, k: jax.Array, col0: Any = 0) -> jax.Array:
-    """``(rows, P)`` (or ``(rows, R)`` from column ``col0``) mask of the leaf elements in device ``k``'s range,
-    over the window of ``rows`` rows from its first row."""
-    width = rt.P if isinstance(col0, int) and col0 == 0 else rt.R
-    i32 = jnp.int32
-    index = (_t(first)[k] + jax.lax.broadcasted_iota(i32, (rows, width), 0)) * i32(rt.P) + col0
-    index = index + jax.lax.broadcasted_iota(i32, (rows, width), 1)
-    return (index >= _t(rt.starts)[k]) & (index < _t(rt.ends)[k])
+    def __init__(self, rt: _Route, first: np.ndarray, count: np.ndarray, need: np.ndarray):
+        self.first, self.count, self.need = first, count, need
+        self.rows, self.halo = int(count.max(initial=0)), int(need.max(initial=0))
+        self.window = np.where(count > 0, rt.o + first * rt.P - np.arange(rt.m) * rt.S, 0)
+        self.pairs = [(k + 1, k) for k in np.nonzero(need)[0].tolist()]  # next device -> owner
+
+    @classmethod
+    def of(cls, rt: _Route) -> _RowOwners | None:
+        """The tables, or ``None`` unless the storage blocks are strided (``A > 1`` rows), a device owns at most
+        about two shards' worth of rows, and every owner's missing tail lies in the next device's range."""
+        if not rt.R or rt.block_size // rt.R <= 1:
+            return None
+        P, some = rt.P, rt.ends > rt.starts
+        first = np.where(some, -(-rt.starts // P), 0)
+        count = np.where(some, np.maximum(-(-rt.ends // P) - first, 0), 0)
+        need = np.where(count > 0, (first + count) * P - rt.ends, 0)
+        rows = int(count.max(initial=0))
+        if not rows or rows * P > 2 * rt.S + P or int(need.max(initial=0)) > rt.S:
+            return None
+        for k in np.nonzero(need)[0]:
+            nxt = k + 1
+            if nxt >= rt.m or rt.starts[nxt] != rt.ends[k] or rt.ends[nxt] < rt.ends[k] + need[k]:
+                return None
+        return cls(rt, first, count, need)
 
 
 def _exchange(msgs: jax.Array, axes: tuple[str, ...]) -> jax.Array:
@@ -541,50 +562,55 @@ def _exchange(msgs: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     return jnp.reshape(jax.lax.all_to_all(flat, axes, 0, 0, tiled=False), msgs.shape)
 
 
-def _window_out(row: jax.Array, rt: _Route, k: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    """:func:`_layer_out` of a strided leaf with short rows: each device cuts the whole rows its range touches
-    into the ``g`` column blocks, one all-to-all of ``(m, H, R)`` sends each block to its storage devices, and
-    each device places the rows it got from every source (whose first row is static) in its block."""
-    first, rows = _window(rt)
-    P, R, g, r, m = rt.P, rt.R, rt.g, rt.r, rt.m
-    blocks = rt.block_size // R
-    padded = jnp.pad(row, (P, rows * P))
-    start = _t(rt.o + first * P - np.arange(m) * rt.S + P)[k]
-    win = jnp.reshape(jax.lax.dynamic_slice_in_dim(padded, start, rows * P), (rows, P))
-    win = jnp.where(_in_window(rt, first, rows, k), win, jnp.zeros((), row.dtype))
-    msgs = jnp.swapaxes(jnp.reshape(win, (rows, g, R)), 0, 1)  # (g, H, R): block b for its devices
+def _rows_out(row: jax.Array, rt: _Route, ow: _RowOwners, k: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    """:func:`_layer_out` of a strided leaf by whole rows: each owner completes its last row with the next
+    device's first elements (one small permute), cuts its ``H`` rows into the ``g`` column blocks, one
+    all-to-all of ``(m, H, R)`` sends each block to its storage devices, and each device's block is what it got,
+    source after source (``count[s]`` rows each, static): no mask, every element copied once per pass."""
+    P, R, g, r, H = rt.P, rt.R, rt.g, rt.r, ow.rows
+    if ow.halo:
+        row = jnp.concatenate([row, jax.lax.ppermute(row[: ow.halo], axes, ow.pairs)])
+    row = jnp.pad(row, (0, max(0, int((ow.window + H * P).max()) - row.shape[0])))  # a window never clamps
+    win = jnp.reshape(jax.lax.dynamic_slice_in_dim(row, _t(ow.window)[k], H * P), (H, g, R))
+    msgs = jnp.swapaxes(win, 0, 1)  # (g, H, R): block b of every owned row, for its storage devices
     if r > 1:
         msgs = jnp.repeat(msgs, r, axis=0)  # device d stores block d // r
     got = _exchange(msgs, axes)  # [s]: from device s
-    col0 = (k // r) * R
-    out = jnp.zeros((blocks + rows, R), row.dtype)
-    for s in range(m):
-        if rt.ends[s] <= rt.starts[s]:
-            continue
-        a = int(first[s])
-        mine = _in_window(rt, np.full(m, a), rows, jnp.int32(s), col0)
-        out = out.at[a : a + rows].set(jnp.where(mine, got[s], out[a : a + rows]))
-    return jnp.reshape(out[:blocks], (-1,))
+    blk = jnp.concatenate([got[s, :n] for s, n in enumerate(ow.count.tolist()) if n], axis=0)
+    return jnp.reshape(blk, (-1,))
 
 
-def _window_in(block: jax.Array, out: jax.Array, rt: _Route, k: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-    """:func:`_layer_in` of a strided leaf with short rows: each device sends every device the rows of its block
-    that device's range touches, one all-to-all; each takes one replica of every block and writes its range."""
-    first, rows = _window(rt)
-    P, R, g, r, m = rt.P, rt.R, rt.g, rt.r, rt.m
-    blk = jnp.pad(jnp.reshape(block, (-1, R)), ((0, rows), (0, 0)))
-    msgs = jnp.stack([blk[int(a) : int(a) + rows] for a in first])  # (m, H, R): for device d, its rows
+def _rows_in(block: jax.Array, out: jax.Array, rt: _Route, ow: _RowOwners, k, axes: tuple[str, ...]) -> jax.Array:
+    """:func:`_layer_in` of a strided leaf by whole rows: each device sends every owner its owned rows of the
+    block (one all-to-all of ``(m, H, R)``); each owner joins one replica of every block into whole rows, writes
+    the part of them in its range and sends the rest (the head of the next device's range) on by one permute."""
+    P, R, g, r, H = rt.P, rt.R, rt.g, rt.r, ow.rows
+    blk = jnp.reshape(block, (-1, R))
+    A = blk.shape[0]
+    msgs = jnp.stack(  # (m, H, R): for device d, its rows (zeros past the block's end)
+        [blk[a : a + H] if a + H <= A else jnp.pad(blk[a:], ((0, a + H - A), (0, 0))) for a in ow.first.tolist()]
+    )
     got = _exchange(msgs, axes)
-    # From one replica of each block: device b * r + k % r (the replicas spread the reads).
-    parts = jnp.take(got, jnp.arange(g, dtype=jnp.int32) * r + k % r, axis=0)  # (g, H, R)
-    win = jnp.reshape(jnp.swapaxes(parts, 0, 1), (rows, P))
-    size = out.shape[-1]
-    padded = jnp.pad(out, (P, rows * P))
-    start = _t(rt.o + first * P - np.arange(m) * rt.S + P)[k]
-    cur = jnp.reshape(jax.lax.dynamic_slice_in_dim(padded, start, rows * P), (rows, P))
-    new = jnp.where(_in_window(rt, first, rows, k), win.astype(out.dtype), cur)
-    padded = jax.lax.dynamic_update_slice_in_dim(padded, jnp.reshape(new, (-1,)), start, 0)
-    return padded[P : P + size]
+    if r > 1:  # one replica of each block: device b * r + k % r (the replicas spread the reads)
+        got = jnp.take(got, jnp.arange(g, dtype=jnp.int32) * r + k % r, axis=0)
+    rows = jnp.reshape(jnp.swapaxes(got, 0, 1), (H * P,)).astype(out.dtype)  # elements from first[k] * P
+    mine = np.where(ow.count > 0, rt.ends - (ow.first * P), 0)  # how many of them are in this device's range
+    size, n = out.shape[-1], _t(mine)[k]
+    short = int((ow.window + H * P).max()) - size  # a window never clamps
+    padded = jnp.pad(out, (0, short)) if short > 0 else out
+    at = _t(ow.window)[k]
+    cur = jax.lax.dynamic_slice_in_dim(padded, at, H * P)
+    new = jnp.where(jnp.arange(H * P, dtype=jnp.int32) < n, rows, cur)
+    out = jax.lax.dynamic_update_slice_in_dim(padded, new, at, 0)
+    out = out[:size] if short > 0 else out
+    if ow.halo:  # the rest of my last row: the head of the next device's range, at its offset 0
+        tail = jax.lax.dynamic_slice_in_dim(jnp.pad(rows, (0, ow.halo)), n, ow.halo)  # never clamped
+        tail = jax.lax.ppermute(tail, axes, [(s, d) for d, s in ow.pairs])
+        head = np.zeros(rt.m, np.int64)
+        head[[d for d, _ in ow.pairs]] = ow.need[[s for _, s in ow.pairs]]
+        keep = jnp.arange(ow.halo, dtype=jnp.int32) < _t(head)[k]
+        out = jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep, tail, out[: ow.halo]), 0, 0)
+    return out
 
 
 def _layer_out(row: jax.Array, rt: _Route, st: LeafStorage, gran: Any, k: jax.Array, axes: tuple[str, ...]):
@@ -593,8 +619,9 @@ def _layer_out(row: jax.Array, rt: _Route, st: LeafStorage, gran: Any, k: jax.Ar
         return _tiled_out(row[None], rt, st, gran, k, axes)[0]
     if _by_permutes(rt.to_blocks):
         return permute_rounds(row, jnp.zeros((rt.block_size,), row.dtype), rt.to_blocks, axis=axes)
-    if _window(rt) is not None:
-        return _window_out(row, rt, k, axes)
+    owners = _RowOwners.of(rt)
+    if owners is not None:
+        return _rows_out(row, rt, owners, k, axes)
     return all_to_all(row[None], rt.to_blocks, axis=axes, size=rt.block_size)[0]
 
 
@@ -604,8 +631,9 @@ def _layer_in(block: jax.Array, out: jax.Array, rt: _Route, st: LeafStorage, gra
         return _tiled_in(block[None], out[None], rt, st, gran, k, axes)[0]
     if _by_permutes(rt.to_ranges):
         return permute_rounds(block, out, rt.to_ranges, axis=axes)
-    if _window(rt) is not None:
-        return _window_in(block, out, rt, k, axes)
+    owners = _RowOwners.of(rt)
+    if owners is not None:
+        return _rows_in(block, out, rt, owners, k, axes)
     return all_to_all(block[None], rt.to_ranges, axis=axes, size=out.shape[-1], out=out[None])[0]
 
 
