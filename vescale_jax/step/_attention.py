@@ -70,11 +70,13 @@ def attention(
     Sharding:
       Inside a ``vj.fsdp`` step with a context axis of ``cp`` devices, ``query``, ``key`` and ``value`` are this
       device's ``T = S`` local tokens (cross-attention with a different key length is refused), the output is
-      the local queries' attention over all ``cp * T`` keys of the sequence, exactly as the unsharded model
-      computes it. ``implementation=None`` takes the all-gather unless the gathered keys and values would be
-      larger than twice the local queries, i.e. the ring when ``cp * K > 2 * N`` (full multi-head attention on
-      more than 2 devices; grouped-query attention with ``N / K = 8`` from 17 devices on). A query row with no
-      key to attend to gives ``0`` in the ring (``jax.nn.dot_product_attention`` gives the mean of the values).
+      the local queries' attention over all ``cp * T`` keys of the sequence, as the unsharded model computes it
+      (up to rounding). ``implementation=None`` takes the all-gather unless the gathered keys and values
+      (``2 * cp * T * K * H`` elements) would outgrow four times the local queries (``T * N * H``), i.e. the ring
+      when ``cp * K > 2 * N``: full multi-head attention on more than 2 devices, grouped-query attention with
+      ``N / K = 8`` from 17 devices on. The all-gather's gradient reduce-scatters the keys' and values'
+      gradients; the ring's backward pass is a ring too. A query row with no key to attend to gives ``0`` in the
+      ring (``jax.nn.dot_product_attention`` gives the mean of the values).
     """
     q, k, v = (jnp.asarray(a) for a in (query, key, value))
     _check_shapes(q, k, v)

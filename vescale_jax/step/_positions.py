@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from vescale_jax.step._context import enclosing_context, local_positions
 
@@ -35,7 +36,7 @@ def positions(length_or_x: int | Any, *, axis: int = 1) -> jax.Array:
       Inside a context step the result varies over the context axis (it is derived from ``lax.axis_index``); use
       it like any per-device value, e.g. ``table[vj.positions(tokens)]`` or the angles of a rotary embedding.
     """
-    if isinstance(length_or_x, int) or (hasattr(length_or_x, "__index__") and not hasattr(length_or_x, "shape")):
+    if isinstance(length_or_x, (int, np.integer)):
         length = operator.index(length_or_x)
     else:
         shape = jnp.shape(length_or_x)
