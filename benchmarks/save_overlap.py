@@ -1,6 +1,6 @@
 """Saves that do not stall: step time right after an async save against steps with no save, on the example GPT.
 
-    python benchmarks/save_overlap.py [--layers 4] [--d-model 256] [--batch 16] [--seq 128] [--rounds 6] [--bound 1.10]
+    python benchmarks/save_overlap.py [--layers 4] [--d-model 256] [--batch 16] [--seq 64] [--rounds 8] [--bound 1.10]
 
 The example GPT (``examples/gpt.py``, trained as ``examples/train_gpt.py`` does: ``vj.fsdp`` over every device,
 ``rows(1)`` plan, clipped AdamW) on 8 simulated CPU devices, one process, saved with
@@ -96,9 +96,9 @@ def main() -> int:
     p.add_argument("--d-model", type=int, default=256, help="model width (the MLP is 4x wider)")
     p.add_argument("--heads", type=int, default=4, help="attention heads")
     p.add_argument("--batch", type=int, default=16, help="global batch (a multiple of the device count)")
-    p.add_argument("--seq", type=int, default=128, help="tokens per sequence")
+    p.add_argument("--seq", type=int, default=64, help="tokens per sequence")
     p.add_argument("--window", type=int, default=5, help="steps timed after each save, and without a save")
-    p.add_argument("--rounds", type=int, default=6, help="rounds (a window without and one after a save each)")
+    p.add_argument("--rounds", type=int, default=8, help="rounds (a window without and one after a save each)")
     p.add_argument("--bound", type=float, default=1.10, help="goal for the ratio; exit 1 above it (0: no bound)")
     p.add_argument("--dir", help="checkpoint directory (default: a temporary one, deleted after)")
     args = p.parse_args()
