@@ -28,7 +28,9 @@ class GPTConfig:
     scan_unroll: int | bool = 1  # passed to the layer scan (True unrolls it: used to count FLOPs)
     remat: bool = False  # each block call under nnx.remat: its activations recomputed in the backward pass
     # "einsum": the scores as one B x H x T x T tensor (two einsums and a softmax); "dot_product":
-    # jax.nn.dot_product_attention (cuDNN's fused attention on a GPU where it applies, XLA's elsewhere)
+    # jax.nn.dot_product_attention (cuDNN's fused attention on a GPU where it applies, XLA's elsewhere);
+    # "context": vj.attention and vj.positions, exact over the whole sequence also when a vj.fsdp step splits it
+    # over a context axis (context parallelism; outside one the same as "dot_product")
     attention: str = "einsum"
     attention_implementation: str | None = None  # dot_product's implementation= (None: JAX picks)
 
@@ -40,8 +42,8 @@ class Block(nnx.Module):
         d, f = cfg.d_model, cfg.d_ff
         self.num_heads = cfg.num_heads
         self.attention, self.implementation = cfg.attention, cfg.attention_implementation
-        if cfg.attention not in ("einsum", "dot_product"):
-            raise ValueError(f"GPTConfig(attention={cfg.attention!r}); use 'einsum' or 'dot_product'.")
+        if cfg.attention not in ("einsum", "dot_product", "context"):
+            raise ValueError(f"GPTConfig(attention={cfg.attention!r}); use 'einsum', 'dot_product' or 'context'.")
         self.ln1 = nnx.LayerNorm(d, rngs=rngs)
         self.qkv = nnx.Linear(d, 3 * d, use_bias=False, rngs=rngs)  # a key bias has zero gradient
         self.proj = nnx.Linear(d, d, rngs=rngs)
@@ -54,7 +56,9 @@ class Block(nnx.Module):
         h = self.num_heads
         q, k, v = jnp.split(self.qkv(self.ln1(x_BxTxD)), 3, axis=-1)
         q, k, v = (a.reshape(b, t, h, d // h) for a in (q, k, v))
-        if self.attention == "dot_product":
+        if self.attention == "context":  # the whole sequence, wherever its tokens are
+            att = vj.attention(q, k, v, causal=True, implementation=self.implementation).reshape(b, t, d)
+        elif self.attention == "dot_product":
             att = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.implementation)
             att = att.reshape(b, t, d)
         else:
@@ -85,7 +89,9 @@ class GPT(nnx.Module):
 
     def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
         t = tokens_BxT.shape[1]
-        x_BxTxD = self.embed(tokens_BxT) + self.pos[:t]
+        # under a context axis the model holds only its tokens: their global positions index the table
+        pos_TxD = self.pos[vj.positions(tokens_BxT)] if self.cfg.attention == "context" else self.pos[:t]
+        x_BxTxD = self.embed(tokens_BxT) + pos_TxD
         call = (lambda block, h: nnx.remat(lambda m, h: m(h))(block, h)) if self.cfg.remat else None
         x_BxTxD = vj.flax.nnx_scan_layers(self.blocks, x_BxTxD, call, unroll=self.cfg.scan_unroll)
         return self.head(self.ln_f(x_BxTxD))

@@ -135,7 +135,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     p.add_argument("--steps", type=int, default=250, help="training steps (the learning-rate schedule's length)")
     p.add_argument("--batch", type=int, default=32, help="global batch (a multiple of the device count)")
-    p.add_argument("--seq", type=int, default=128, help="bytes per training sequence (the model's context)")
+    p.add_argument(
+        "--seq", "--seq-len", type=int, default=128, help="bytes per training sequence (the model's context)"
+    )
+    p.add_argument(
+        "--context",
+        type=int,
+        metavar="N",
+        help="context parallelism: a (devices/N, N) ('fsdp', 'context') mesh, each sequence split over N devices "
+        "(causal load balancing), the model attending with vj.attention; --context 1 is the same model without "
+        "the split (default: off, an 'fsdp' mesh and the einsum attention)",
+    )
     p.add_argument("--layers", type=int, default=4, help="transformer blocks (stacked, scanned one at a time)")
     p.add_argument("--d-model", type=int, default=128, help="model width (the MLP is 4x wider)")
     p.add_argument("--heads", type=int, default=4, help="attention heads (dividing --d-model)")
@@ -294,8 +304,21 @@ def train(
                 p.error(f"{e} (the flag: --overwrite)")
     lead = jax.process_index() == 0
     devices = jax.devices()
-    mesh = jax.make_mesh((len(devices),), ("fsdp",))
+    cp = args.context
+    if cp is not None and (cp < 1 or len(devices) % cp or args.seq % (2 * cp)):
+        p.error(
+            f"--context {cp}: needs a divisor of the {len(devices)} devices, and --seq-len {args.seq} a multiple "
+            f"of 2 x {cp} (causal load balancing cuts each sequence into 2 x {cp} chunks)"
+        )
+    if cp is not None and args.microbatches > 1:
+        p.error("--context with --microbatches is not supported: leave one of them out")
+    if cp is None:
+        mesh = jax.make_mesh((len(devices),), ("fsdp",))
+    else:  # parameters sharded over fsdp only, replicated over context
+        mesh = jax.make_mesh((len(devices) // cp, cp), ("fsdp", "context"))
     cfg = GPTConfig(
+        attention="einsum" if cp is None else "context",
+        attention_implementation=None if cp is None else "all_gather",  # K and V gathered over the context axis
         vocab=256,
         max_len=args.seq,
         d_model=args.d_model,
@@ -390,6 +413,7 @@ def train(
         precision=precision,
         microbatches=args.microbatches if args.microbatches > 1 else None,
         offload=offload,
+        context_axis=None if cp is None else "context",
     )
     def train_step(params, opt_state, batch):
         def loss_of(p, b):
@@ -402,7 +426,7 @@ def train(
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
 
-    @vj.fsdp(plan=plan, donate=False)
+    @vj.fsdp(plan=plan, donate=False, context_axis=None if cp is None else "context")
     def eval_step(params, _, batch):
         return loss_fn(vj.flax.nnx_apply(graphdef, params, batch["x"]), batch["y"])
 

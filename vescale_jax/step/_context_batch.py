@@ -59,9 +59,15 @@ class ContextBatch:
         """A global sequence leaf with dim 1 in the order the devices hold it."""
         return x if self._identity else jnp.take(jnp.asarray(x), self.order, axis=1)
 
-    def to_global(self, x: jax.Array) -> jax.Array:
-        """A per-token output (dim 1 in the devices' order) with dim 1 back in the global order."""
-        return x if self._identity else jnp.take(x, self.inverse, axis=1)
+    def to_global(self, x: jax.Array, mesh: jax.sharding.Mesh | None = None) -> jax.Array:
+        """A per-token output (dim 1 in the devices' order) with dim 1 back in the global order (on ``mesh``'s
+        Explicit axes first resharded to dim 0's split alone, as the gather needs)."""
+        if self._identity:
+            return x
+        if mesh is not None and any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+            spec = tuple(getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or ())
+            x = jax.sharding.reshard(x, jax.sharding.NamedSharding(mesh, P(spec[0] if spec else None)))
+        return jnp.take(x, self.inverse, axis=1)
 
 
 def _sequence_length(trees: Sequence[Any]) -> int | None:

@@ -37,9 +37,10 @@ from vescale_jax._compat import (
 __all__ = ["check_sequence_mixing"]
 
 _EXACT_MODULES = tuple(
-    os.path.join("vescale_jax", "step", name) for name in ("_attention.py", "_statistics.py", "_positions.py")
+    os.path.join("vescale_jax", "step", name) for name in ("_attention", "_statistics.py", "_positions.py")
 )
-"""Source files of the functions that are exact over the whole sequence: their operations are not judged."""
+"""Source files (``_attention*``: the module and its companions) of the functions that are exact over the whole
+sequence: their operations are not judged."""
 
 _Dims = frozenset[int]
 _NONE: _Dims = frozenset()

@@ -154,7 +154,7 @@ def _outside(x: jax.Array, kind: str, sequence: ContextBatch | None, replicated:
         return x[0] if sequence is None else x[0, 0]
     if sequence is None:
         return x
-    return sequence.to_global(x) if kind == _TOKENS else x[:, 0]
+    return sequence.to_global(x, replicated.mesh) if kind == _TOKENS else x[:, 0]
 
 
 def _per_token(name: str, x: jax.Array, kind: str, sequence: ContextBatch) -> str:
