@@ -148,6 +148,21 @@ def test_positions_under_a_context_axis():
     np.testing.assert_array_equal(got.reshape(-1), sequence_order(T, ctx))
     np.testing.assert_array_equal(by_length.reshape(-1), sequence_order(T, ctx))
 
+    # Positions within packed documents: they restart where the id changes, also across devices.
+    ids = _inputs(2, jnp.float32)[3]
+    within = vj.positions(ids, segment_ids=ids)
+    starts = [np.flatnonzero(np.diff(row, prepend=-1)) for row in np.asarray(ids)]
+    want = [np.arange(T) - s[np.searchsorted(s, np.arange(T), side="right") - 1] for s in starts]
+    np.testing.assert_array_equal(within, np.stack(want))
+
+    def local_within(ids):
+        with over_context(ctx):
+            return vj.positions(ids, segment_ids=ids)
+
+    order = sequence_order(T, ctx)
+    mapped = jax.shard_map(local_within, mesh=mesh, in_specs=P(None, "context"), out_specs=P(None, "context"))
+    np.testing.assert_array_equal(mapped(ids[:, order])[:, np.argsort(order)], within)
+
 
 def test_errors_name_the_argument_and_the_fix():
     q, k, v, ids, _ = _inputs(2, jnp.float32)
