@@ -152,18 +152,24 @@ def test_an_error_in_the_background_surfaces_at_wait_naming_the_step(tmp_path, s
 
 def test_async_save_keeps_local_copies(tmp_path, state):
     plan, sp, opt, step, _ = state
+    release = threading.Event()
     with vj.checkpoint.Manager(
         tmp_path / "global", async_save=True, save_interval_steps=4, local_dir=tmp_path / "local", local_every=2
     ) as mngr:
-        for s in (2, 4):
+        orbax_save = mngr._mngr.save
+        mngr._mngr.save = lambda *a, **kw: (release.wait(60), orbax_save(*a, **kw))[1]  # held until released
+        for s in (2, 4, 6):
             sp, opt = step(sp, opt)
             assert mngr.should_save(s)
             mngr.save(s, params=sp, opt_state=opt)
-        want = host(sp)
+            if s == 4:
+                want = host(sp)
+        assert not release.is_set() and mngr.local_steps() == [4, 6]  # step 6's local copy: not behind step 4
+        release.set()
         mngr.wait()
-        assert mngr.all_steps() == [4] and mngr.local_steps() == [2, 4]
+        assert mngr.all_steps() == [4]
     with vj.checkpoint.Manager(tmp_path / "global", local_dir=tmp_path / "local") as mngr:
-        r = mngr.restore(params=plan, opt_state=jax.eval_shape(lambda: opt))
+        r = mngr.restore(4, params=plan, opt_state=jax.eval_shape(lambda: opt))
     assert r.source == "local" and r.step == 4
     assert_trees_equal(host(r.params), want)
 
