@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from vescale_jax.kernels import _ragged, _tiles
 from vescale_jax.kernels._policy import KernelPolicy
 from vescale_jax.layout import _tiles as tiles
+from vescale_jax.layout._blocks import BucketBlocks
 from vescale_jax.layout._bucket_layout import BucketLayout
 
 __all__ = ["DEFAULT_KERNELS", "kernel_choices", "pack", "per_platform", "unpack", "unpack_differentiable"]
@@ -72,15 +73,22 @@ def per_platform(choices: Mapping[str, Any], run: Callable[..., Any], *args: Any
 
 
 def kernel_choices(
-    policy: KernelPolicy, layout: BucketLayout, src: Any, dst: Any, *, direction: str | None = None
+    policy: KernelPolicy,
+    layout: BucketLayout,
+    src: Any,
+    dst: Any,
+    *,
+    direction: str | None = None,
+    blocks: BucketBlocks | None = None,
 ) -> dict[str, tuple[tuple[str, Any], ...] | None] | None:
     """The fused kernels' options per lowering platform (None: the XLA path there), or None when no platform
-    runs them: interpreted, or Triton compiled (:meth:`KernelPolicy.fused_implementation`)."""
+    runs them: interpreted, or compiled (:meth:`KernelPolicy.fused_implementation`; ``blocks``: the FP8
+    kernels' block index)."""
     if policy.mode != "pallas" or not layout.total_size:
         return None
     out: dict[str, tuple[tuple[str, Any], ...] | None] = {}
     for p in policy.lowering_platforms():
-        impl = policy.fused_implementation(layout, src, dst, platform=p, direction=direction)
+        impl = policy.fused_implementation(layout, src, dst, platform=p, direction=direction, blocks=blocks)
         out[p] = None if impl == "xla" else _how(impl)[1]
     return out if any(v is not None for v in out.values()) else None
 

@@ -17,7 +17,10 @@ units. :func:`dequantize_unpack` is one kernel from the gathered codes and scale
 dtype, writing each band at its *logical* (row-major) place, so a tile-major leaf is relaid out in the same
 pass. Both are bit-exact against the references (same fp32 operations per element).
 
-Backends: the interpreter and ``"triton"``; ``"mosaic_gpu"`` raises ``NotImplementedError`` (per-lane gathers).
+Backends: the interpreter and ``"triton"`` for every bucket the band units take (:func:`supported`);
+``"mosaic_gpu"`` (no per-lane gathers) for the buckets whose blocks are contiguous runs
+(:func:`vescale_jax.kernels._fp8_mosaic.takes`: tile-major leaves whose tiles are the blocks' row bands, blocks of
+whole rows, exact leaves), by :mod:`vescale_jax.kernels._fp8_mosaic`, else ``NotImplementedError``.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vescale_jax.kernels import _bands, _fused
+from vescale_jax.kernels import _bands, _fp8_mosaic, _fused
 from vescale_jax.kernels._reference import unpack_reference
 from vescale_jax.layout import _tiles
 from vescale_jax.layout._blocks import BucketBlocks, local_slots
@@ -166,7 +169,9 @@ def quantize(
       table: the bucket's block index (:func:`vescale_jax.step._fp8.block_table`).
       k: the device's position on the plan's axis (``jax.lax.axis_index`` inside ``shard_map``).
       interpret: run in the Pallas interpreter; None means on CPU.
-      backend: ``"triton"`` (default) when compiled; ``"mosaic_gpu"`` raises NotImplementedError.
+      backend: ``"triton"`` (default) when compiled; ``"mosaic_gpu"`` for a bucket
+        :func:`vescale_jax.kernels._fp8_mosaic.takes` (else NotImplementedError), compiled, or in Mosaic GPU's
+        own interpreter with ``interpret=True`` (None: on CPU).
       chunk: most elements of one unit's register block (default ``_fused.DEFAULT_UNIT``).
 
     Returns:
@@ -176,6 +181,8 @@ def quantize(
       Inside ``shard_map``: ``x`` is device ``k``'s ``[k*S, (k+1)*S)``; the device's units are row ``k`` of a
       static ``(m, U, 5)`` table, so one program serves every device.
     """
+    if backend == "mosaic_gpu":
+        return _fp8_mosaic.quantize(x, table, k, interpret=_mosaic_interpret(interpret))
     interpret, backend = _fused.resolve(interpret, backend, "quantize")
     if x.ndim != 1:
         raise ValueError(f"quantize: expects one (S,) shard, got shape {x.shape}; vmap over stacked layers.")
@@ -192,6 +199,11 @@ def quantize(
         zero_init=(0, 1),
     )
     return codes, scales
+
+
+def _mosaic_interpret(interpret: bool | None) -> bool:
+    """Mosaic GPU's interpreter when asked, or by default on CPU."""
+    return jax.default_backend() == "cpu" if interpret is None else bool(interpret)
 
 
 def _dequantize_body(cls, row, in_refs, out_refs):
@@ -235,7 +247,8 @@ def dequantize_unpack(
     Sharding:
       Replicated in, replicated out (after the all-gather): every device unpacks every leaf.
     """
-    interpret, backend = _fused.resolve(interpret, backend, "dequantize_unpack")
+    if backend != "mosaic_gpu":
+        interpret, backend = _fused.resolve(interpret, backend, "dequantize_unpack")
     m, size = (int(d) for d in codes.shape)
     if tuple(scales.shape) != (m, num_blocks(table)):
         raise ValueError(f"dequantize_unpack: scales {scales.shape}, expected {(m, num_blocks(table))}.")
@@ -246,6 +259,14 @@ def dequantize_unpack(
     for i, lb in zip(used, table.leaves, strict=True):
         if math.prod(shapes[i]) != math.prod(lb.shape) or (storage and storage[i] != lb.storage):
             raise ValueError(f"dequantize_unpack: slot {i} has shape {shapes[i]}, the block index {lb.shape}.")
+    if backend == "mosaic_gpu":
+        leaves = _fp8_mosaic.dequantize_unpack(
+            codes, scales, table, shapes, used, dtype=dtype, storage=storage, interpret=_mosaic_interpret(interpret)
+        )
+        out_m: list[Any] = [jnp.zeros(s, dtype) for s in shapes]
+        for i, x in zip(used, leaves, strict=True):
+            out_m[i] = x
+        return out_m
     units = _bands.dequantize_units(table, size, chunk=chunk or _fused.DEFAULT_UNIT[backend])
     flat = _fused.launch(
         units,

@@ -16,8 +16,10 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
+from vescale_jax.kernels import _fp8, _fp8_mosaic
 from vescale_jax.kernels._measured import MeasuredTable, auto_implementation
 from vescale_jax.kernels._ragged import BACKENDS, choose_backend, default_gpu_backend, refusal
+from vescale_jax.layout._blocks import BucketBlocks
 from vescale_jax.layout._bucket_layout import BucketLayout
 
 __all__ = ["Implementation", "KernelPolicy"]
@@ -220,16 +222,47 @@ class KernelPolicy:
         return self.backend or default_gpu_backend()
 
     def fused_implementation(
-        self, layout: BucketLayout, src_dtype: Any, dst_dtype: Any, *, platform: str | None = None, direction=None
+        self,
+        layout: BucketLayout,
+        src_dtype: Any,
+        dst_dtype: Any,
+        *,
+        platform: str | None = None,
+        direction=None,
+        blocks: BucketBlocks | None = None,
     ) -> Implementation:
         """What runs the fused FP8 quantize / dequantize and tile relayout kernels of this bucket when lowered for
-        ``platform``: ``"xla"``, ``"interpret"`` or ``"triton"``.
+        ``platform``: ``"xla"``, ``"interpret"``, ``"triton"`` or ``"mosaic_gpu"``.
 
-        Those kernels gather and scatter per lane (a block's scale, a tile's rows), which Pallas lowers through
-        Triton only; where :meth:`implementation` answers a compiled backend, they take Triton while JAX ships it
-        and XLA where it does not.
+        The tile relayout (``blocks=None``) and the FP8 kernels of a bucket whose blocks are not contiguous runs
+        gather and scatter per lane (a block's scale, a tile's rows), which Pallas lowers through Triton only:
+        where :meth:`implementation` answers a compiled backend, they take Triton while JAX ships it and XLA
+        where it does not. The FP8 kernels of a bucket whose blocks are contiguous runs
+        (:func:`vescale_jax.kernels._fp8_mosaic.takes`: tile-major leaves whose tiles are the blocks' row bands,
+        blocks of whole rows, exact leaves) run on Mosaic GPU when that is the backend the policy compiles (the
+        default on JAX 0.11 and later), or when Triton is missing.
+
+        Args:
+          layout: the bucket layout.
+          src_dtype, dst_dtype: the dtypes read and written.
+          platform: the platform lowered for (default: ``jax.default_backend()``).
+          direction: ``"pack"`` or ``"unpack"`` (what ``mode="auto"`` looks up).
+          blocks: for the FP8 kernels, the bucket's block index (which layouts Mosaic GPU and the band units
+            take); None for the tile relayout.
+
+        Returns:
+          The implementation.
         """
         impl = self.implementation(layout, src_dtype, dst_dtype, platform=platform, direction=direction)
-        if impl in ("xla", "interpret"):
+        size = layout.shard_size
+        bands = blocks is None or _fp8.supported(blocks, size)
+        if impl == "xla":
             return impl
-        return "triton" if not refusal(layout, src_dtype, dst_dtype, backend="triton") else "xla"
+        if impl == "interpret":
+            return impl if bands else "xla"
+        mosaic = blocks is not None and not refusal(layout, src_dtype, dst_dtype, backend="mosaic_gpu")
+        mosaic = mosaic and _fp8_mosaic.takes(blocks, size)
+        triton = bands and not refusal(layout, src_dtype, dst_dtype, backend="triton")
+        if mosaic and (impl == "mosaic_gpu" or not triton):
+            return "mosaic_gpu"
+        return "triton" if triton else "xla"

@@ -122,13 +122,14 @@ def fused(
 ) -> dict[str, tuple[tuple[str, Any], ...] | None] | None:
     """The fused FP8 kernels' options per lowering platform under ``kernels_policy`` (None: the XLA path).
 
-    The Pallas policy (``KernelPolicy(mode="pallas")``) runs them interpreted on CPU and with Triton when
-    lowered for CUDA (Mosaic GPU has no per-lane gathers, so a ``backend="mosaic_gpu"`` policy takes Triton
-    here); a bucket the kernels cannot take (:func:`vescale_jax.kernels._fp8.supported`) stays on the XLA
-    path."""
-    if kernels_policy is None or not kfp8.supported(table, layout.shard_size):
+    The Pallas policy (``KernelPolicy(mode="pallas")``) runs them interpreted on CPU and compiled when lowered
+    for CUDA: on Mosaic GPU for a bucket whose blocks are contiguous runs under a Mosaic GPU policy (the default
+    on JAX 0.11 and later), else with Triton (per-lane gathers) while JAX ships it;
+    :meth:`KernelPolicy.fused_implementation` answers per bucket and platform. A bucket no kernel takes stays on
+    the XLA path."""
+    if kernels_policy is None:
         return None
-    return kernel_choices(kernels_policy, layout, jnp.float32, FP8)
+    return kernel_choices(kernels_policy, layout, jnp.float32, FP8, blocks=table)
 
 
 def _wire(
