@@ -154,3 +154,19 @@ def test_stacked_layers_inside_shard_map():
             rc, rs = kfp8.quantize_reference(rows[k, layer], table, jnp.int32(k))
             _same(np.asarray(codes)[k, layer], rc)
             _same(np.asarray(scales)[k, layer], rs)
+
+
+def test_integer_fp8_codes_round_as_xla():
+    """The element-by-element path's FP8 codes (integer arithmetic: no scalar of an 8-bit float on Mosaic GPU)
+    are XLA's conversion bit for bit: normals, subnormals, ties, signed zeros; and the 256 codes decode alike."""
+    rng = np.random.default_rng(0)
+    edges = [0.0, -0.0, 448.0, -448.0, 2**-6, 2**-7, 2**-9, 2**-10, 3 * 2**-10, 1.5 * 2**-9, 2.5 * 2**-9, 241, 1e-40]
+    y = np.concatenate(
+        [rng.uniform(-448, 448, 50_000), rng.normal(size=50_000) * 1e-2, rng.normal(size=20_000) * 1e-3, edges]
+    ).astype(np.float32)
+    got = np.asarray(jax.jit(jax.vmap(_fp8_mosaic.code_bits))(jnp.asarray(y))).astype(np.uint8)
+    want = np.asarray(jnp.asarray(y).astype(jnp.float8_e4m3fn)).view(np.uint8)
+    np.testing.assert_array_equal(got, want)
+    codes = jnp.arange(256, dtype=jnp.int32)
+    values = jax.jit(jax.vmap(_fp8_mosaic.code_value))(codes)
+    _same(values, jax.lax.bitcast_convert_type(codes.astype(jnp.uint8), jnp.float8_e4m3fn).astype(F32))
