@@ -73,6 +73,12 @@ class PeakRSS:
         return (self.peak - self.base) / MIB
 
 
+def layers_for(mib: float, per_layer: int, fixed: int) -> int:
+    """How many stacked layers of ``per_layer`` float32 elements make, beside ``fixed`` other elements, about
+    ``mib`` MiB (at least one)."""
+    return max(1, int((mib * MIB / 4 - fixed) / per_layer))
+
+
 def model_shapes(mib: float):
     """A stacked block group plus an embedding whose rows do not divide the device count (ragged), ~mib MiB."""
     import jax
@@ -96,8 +102,7 @@ def gpt_shapes(mib: float):
 
     d, f = 512, 2048
     per_layer = d * 3 * d + d * d + 2 * d * f + 2 * d + f
-    embed = 16001 * d
-    layers = max(1, int((mib * MIB / 4 - embed) / per_layer))
+    layers = layers_for(mib, per_layer, 16001 * d)
     sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
     return {
         "embed": sds(16001, d),
@@ -122,8 +127,7 @@ def llama_shapes(mib: float):
 
     d, heads, kv, hd, f, vocab = 512, 8, 2, 64, 1408, 32000
     per_layer = d * heads * hd + 2 * d * kv * hd + heads * hd * d + 3 * d * f + 2 * d
-    top = 2 * vocab * d + d
-    layers = max(1, int((mib * MIB / 4 - top) / per_layer))
+    layers = layers_for(mib, per_layer, 2 * vocab * d + d)
     sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
     return {
         "embed": sds(vocab, d),
@@ -152,8 +156,7 @@ def moe_shapes(mib: float):
 
     d, f, experts = 512, 1024, 8
     per_layer = 4 * d * d + d * experts + 2 * experts * d * f + 2 * d
-    embed = 16001 * d
-    layers = max(1, int((mib * MIB / 4 - embed) / per_layer))
+    layers = layers_for(mib, per_layer, 16001 * d)
     sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
     return {
         "embed": sds(16001, d),

@@ -170,8 +170,13 @@ def pack(
     item: str = "params",
     where: str = "",
     buffers: Sequence[Any] | None = None,
+    donate: bool = False,
 ) -> ShardedParams:
-    """Packs restored logical leaves into ``plan``'s buckets, checking their checksums against ``expected``."""
+    """Packs restored logical leaves into ``plan``'s buckets, checking their checksums against ``expected``.
+
+    ``donate``: ``tree``'s arrays are not used afterwards (a restore's freshly read arrays); a bucket that holds
+    one leaf split as its shards then takes that leaf's memory (no copy) and the leaf is deleted.
+    """
     leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: x is None)
     if len(leaves) != len(plan.leaves):
         raise ValueError(f"vj.checkpoint: restored {len(leaves)} leaves for a plan of {len(plan.leaves)}.")
@@ -179,7 +184,7 @@ def pack(
     leaves = [
         jax.numpy.zeros(s.shape, d) if x is None else x for x, s, d in zip(leaves, plan.leaves, dtypes, strict=True)
     ]
-    buffers, sums = _logical.from_logical(leaves, plan)
+    buffers, sums = _logical.from_logical(leaves, plan, donate=donate)
     if expected is not None:
         _integrity.compare(_named(plan, sums, prefix), expected, item=item, where=where)
     return ShardedParams(buffers, plan)
@@ -362,6 +367,7 @@ def rebuild_state(
                 item=OPT,
                 where=where,
                 buffers=node.buffers,
+                donate=True,  # read for this node alone, used by nothing else
             )
         else:
             parts = [_name(k) for k in path]
@@ -392,10 +398,10 @@ def _empty_leaves(plan: Plan, buffers: Sequence[Any]) -> None:
             jax.numpy.zeros(s.shape, buffers[s.bucket].dtype)
 
 
-def _prepare_sharded(node: ShardedParams) -> Any:
-    """Compiles a ``ShardedParams``' conversions both ways; returns the storable tree a save writes of it, as
-    ``jax.ShapeDtypeStruct`` s with their storage shardings."""
-    _logical.compile_conversions(node.plan, _dtypes(node))
+def _prepare_sharded(node: ShardedParams, donate: bool = False) -> Any:
+    """Compiles a ``ShardedParams``' conversions both ways (restore's with ``donate``, as :func:`pack` runs it);
+    returns the storable tree a save writes of it, as ``jax.ShapeDtypeStruct`` s with their storage shardings."""
+    _logical.compile_conversions(node.plan, _dtypes(node), donate=donate)
     _empty_leaves(node.plan, node.buffers)
     return storable(abstract_logical(node.plan, node.buffers))
 
@@ -457,7 +463,7 @@ def _prepare_opt_state(opt_state: Any, default: Plan) -> list[Any]:
             node = _shell(node, name)
         info.append(_description(node, name))
         if isinstance(node, ShardedParams):
-            tree = _prepare_sharded(node)
+            tree = _prepare_sharded(node, donate=True)  # rebuild_state packs with donate=True
             stored += jax.tree.leaves(tree if host is None else _in_memory(tree, host))
             continue
         if isinstance(node, PerDevice):

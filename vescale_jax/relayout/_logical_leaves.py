@@ -36,7 +36,10 @@ largest layer (one call instead of one per layer). Any other stacked bucket runs
 outputs donated and written in place, so the transient memory per device is one layer's moved pieces (about twice
 its share of the layer), whatever the layer count. No collective runs inside a loop (XLA:CPU's in-process
 rendezvous intermittently aborts on one there). Checksums are reduced per device where each block lands (one
-pass per leaf, a variadic reduction) and summed over the devices in the same executable.
+pass per leaf, a variadic reduction) and summed over the devices in the same executable. A restore whose leaves
+are its own (:func:`from_logical` with ``donate=True``, as the optimizer state's restore runs it) donates them:
+a bucket holding one leaf whose storage blocks are its devices' ranges (split ``m`` ways on its first dim) then
+takes the leaf's memory as its buffer, and its conversion only reads the leaf for the checksums.
 
 ``_to_logical_fn`` / ``_from_logical_fn`` are the former single-executable form (one all-to-all per leaf and
 layer, unrolled); the conversions no longer run them, tests inspect their collectives and lowering.
@@ -778,25 +781,52 @@ def _out_executables(plan: Plan, b: int, dtype: str) -> tuple[Any, Any]:
     return _zeros(io.leaves, io.sums), step
 
 
+@functools.lru_cache(maxsize=256)
+def _reshapes(plan: Plan, b: int) -> bool:
+    """Whether bucket ``b`` holds one leaf whose storage blocks are its devices' ranges, whole and in order (a
+    leaf split ``m`` ways on its first dim, filling the bucket): each device's buffer row (every layer's, for a
+    stacked bucket) is then its storage block reshaped, and a logical -> bucket conversion that may donate its
+    input writes nothing (the output is the input's memory)."""
+    bucket = plan.buckets[b]
+    if len(bucket.leaves) != 1 or (bucket.storage and bucket.storage[0] is not None):
+        return False
+    (st,) = _bucket_storages(plan, b)
+    rt = _Route(bucket, 0, st, plan.num_devices)
+    S = bucket.layout.shard_size
+    return rt.o == 0 and rt.g == plan.num_devices and rt.block_size == S and rt.n == rt.g * S and st.view()[0] == 1
+
+
+def _in_step(plan: Plan, b: int, dtype: str, donate: bool = False) -> tuple[Any, Any]:
+    """:func:`_in_executables` of bucket ``b``; ``donate``: the caller's leaves are not used afterwards (a restore's
+    freshly read arrays), so a bucket that :func:`_reshapes` takes them as its buffer without a copy."""
+    return _in_executables(plan, b, dtype, donate and _reshapes(plan, b))
+
+
 @plan_cache
-def _in_executables(plan: Plan, b: int, dtype: str) -> tuple[Any, Any]:
+def _in_executables(plan: Plan, b: int, dtype: str, donate: bool = False) -> tuple[Any, Any]:
     """Logical leaves -> bucket ``b``'s buffer, compiled: ``(start, step)`` as in :func:`_out_executables`.
 
     A stacked bucket: ``start()`` makes the zero buffer and checksum shares, ``step(leaves, buffer, sums,
     layer)`` writes layer ``layer`` of the buffer in place (``buffer`` and ``sums`` donated) and adds the
-    checksums of that layer of every leaf; otherwise ``step(leaves) -> (buffer, sums)``.
+    checksums of that layer of every leaf; otherwise ``step(leaves) -> (buffer, sums)``. ``donate`` (only for a
+    bucket that :func:`_reshapes`): ``step`` donates ``leaves``, whose memory becomes the buffer.
     """
     mesh, axes, io = storage_mesh(plan), _factor_axes(plan), _BucketIO(plan, b, dtype)
     bucket, storages = plan.buckets[b], _bucket_storages(plan, b)
     routes = [_Route(bucket, j, st, plan.num_devices) for j, st in enumerate(storages)]
     stacked, S = bucket.layers is not None, bucket.layout.shard_size
-    whole = _whole(plan, bucket, routes, "to_ranges")
+    reshapes = _reshapes(plan, b)
+    whole = reshapes or _whole(plan, bucket, routes, "to_ranges")
     pad = 0 if whole else max([rt.local_max for rt in routes], default=0)
 
     def local(leaves, *rest):
         buf, sums, layer = rest if stacked and not whole else (None, None, None)
         k = jax.lax.axis_index(axes)
-        lead = (bucket.layers,) if whole else ()
+        lead = (bucket.layers,) if whole and stacked else ()
+        if reshapes:  # the storage block is the buffer row: checksums, and a reshape (no copy if donated)
+            (i,), (st,), (rt,) = bucket.leaves, storages, routes
+            share = _summed([_own_sums(leaves[0], plan, bucket, i, st, rt, k, None)], mesh)
+            return jnp.reshape(leaves[0], (*lead, S)), share
         out = jnp.zeros((*lead, S + pad), io.buffer.dtype)
         parts = []
         for j, (i, st, rt) in enumerate(zip(bucket.leaves, storages, routes, strict=True)):
@@ -820,7 +850,7 @@ def _in_executables(plan: Plan, b: int, dtype: str) -> tuple[Any, Any]:
     buf_spec, sums_spec = io.buffer.sharding.spec, io.sums.sharding.spec
     if whole or not stacked:
         fn = jax.shard_map(local, mesh=mesh, in_specs=(leaf_specs,), out_specs=(buf_spec, sums_spec), check_vma=False)
-        return None, jax.jit(fn).lower(io.leaves).compile()
+        return None, jax.jit(fn, donate_argnums=(0,) if donate else ()).lower(io.leaves).compile()
     in_specs = (leaf_specs, buf_spec, sums_spec, P())
     fn = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(buf_spec, sums_spec), check_vma=False)
     step = jax.jit(fn, donate_argnums=(1, 2)).lower(io.leaves, io.buffer, io.sums, io.layer).compile()
@@ -856,12 +886,12 @@ def _bucket_dtypes(plan: Plan, dtypes: Sequence[str] | None) -> tuple[str, ...]:
     return tuple(np.dtype(d).name for d in dtypes)
 
 
-def compile_conversions(plan: Plan, dtypes: Sequence[str] | None = None) -> None:
+def compile_conversions(plan: Plan, dtypes: Sequence[str] | None = None, *, donate: bool = False) -> None:
     """Compiles (ahead of time, cached by plan) every executable :func:`to_logical` and :func:`from_logical`
-    run for ``plan`` with bucket dtypes ``dtypes`` (default the plan's); runs nothing."""
+    (with its ``donate``) run for ``plan`` with bucket dtypes ``dtypes`` (default the plan's); runs nothing."""
     for b, dtype in enumerate(_bucket_dtypes(plan, dtypes)):
         _out_executables(plan, b, dtype)
-        _in_executables(plan, b, dtype)
+        _in_step(plan, b, dtype, donate)
 
 
 def _relabel(x: jax.Array, sharding: NamedSharding) -> jax.Array:
@@ -928,12 +958,17 @@ def logical_shardings(plan: Plan) -> list[NamedSharding]:
     return [leaf_sharding(plan, i) for i in range(len(plan.leaves))]
 
 
-def from_logical(leaves: Sequence[jax.Array], plan: Plan) -> tuple[tuple[jax.Array, ...], np.ndarray]:
+def from_logical(
+    leaves: Sequence[jax.Array], plan: Plan, *, donate: bool = False
+) -> tuple[tuple[jax.Array, ...], np.ndarray]:
     """Inverse of :func:`to_logical`: bucket buffers with the plan's shardings, and the leaves' checksums.
 
     Args:
       leaves: the flattened logical leaves (any sharding; storage sharding avoids a reshard).
       plan: the target plan.
+      donate: the leaves are not used afterwards (e.g. freshly read by a restore): a one-leaf bucket whose
+        storage blocks are its devices' ranges then takes the leaf's memory as its buffer (no copy), and the
+        leaf is deleted.
 
     Returns:
       ``(buffers, sums)``: one buffer per bucket with ``plan.shardings()`` (padding zero), and the input
@@ -947,7 +982,7 @@ def from_logical(leaves: Sequence[jax.Array], plan: Plan) -> tuple[tuple[jax.Arr
     dtypes = tuple(np.dtype(leaves[b.leaves[0]].dtype).name if b.leaves else b.dtype for b in plan.buckets)
     bufs, shares = [], []
     for b, bucket in enumerate(plan.buckets):
-        start, step = _in_executables(plan, b, dtypes[b])
+        start, step = _in_step(plan, b, dtypes[b], donate)
         mine = tuple(_relabel(leaves[i], leaf_sharding(plan, i)) for i in bucket.leaves)
         buf, sums = _run(plan, bucket, start, step, mine)
         bufs.append(buf)
