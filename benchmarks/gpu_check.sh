@@ -12,8 +12,8 @@
 # Parts, in order, each under its own timeout (capped by what is left of BUDGET_S, default 470 s: the whole check
 # fits 8 minutes), results written as they go (a part that times out or fails does not stop the rest):
 #   env      (10 s)  nvidia-smi, JAX / jaxlib versions, devices.
-#   tests    (60 s)  tests/test_kernels.py, tests/test_mosaic_kernels.py and the one-device cases of
-#                    tests/test_fused_kernels.py compiled on the GPU (JAX_PLATFORMS=cuda: interpret=None means
+#   tests    (60 s)  tests/test_kernels.py, tests/test_mosaic_kernels.py, tests/test_mosaic_fp8.py and the
+#                    one-device cases of tests/test_fused_kernels.py compiled on the GPU (JAX_PLATFORMS=cuda: interpret=None means
 #                    compiled) with this JAX's default backend (Mosaic GPU from JAX 0.11), slow cases left out.
 #   bench    (90 s)  benchmarks/kernels.py: pack / unpack bandwidth against a device copy of the same buffer
 #                    (goal >= 0.85 of the copy) and against XLA, Mosaic GPU and Triton on the 1.7 GB GPT bucket,
@@ -125,7 +125,7 @@ fi
 if want tests; then
   # The kernels compiled on the GPU against their references; the fused kernels' one-device cases (the
   # others need 3 or 8 devices). tests/test_cuda_lowering.py is a CPU-machine test (8 simulated devices).
-  KTESTS=(tests/test_kernels.py tests/test_mosaic_kernels.py tests/test_fused_kernels.py
+  KTESTS=(tests/test_kernels.py tests/test_mosaic_kernels.py tests/test_mosaic_fp8.py tests/test_fused_kernels.py
     -k "not test_fused_kernels or m1 or lower")
   if (( DRY )); then  # the same command on CPU, narrowed to the policy tests (the kernels interpret on CPU)
     say "   would run on GPU: JAX_PLATFORMS=cuda ${PYTEST[*]} ${KTESTS[*]}"

@@ -103,7 +103,7 @@ def test_which_buckets_mosaic_gpu_takes(m):
 @needs_kernels
 @pytest.mark.parametrize(
     ("gran", "m", "dtype"),
-    [("tiles", 3, F32), ("tiles", 8, BF16), pytest.param("rows", 3, BF16, marks=pytest.mark.slow)],
+    [("tiles", 1, F32), ("tiles", 3, F32), ("tiles", 8, BF16), pytest.param("rows", 3, BF16, marks=pytest.mark.slow)],
 )
 def test_quantize_and_dequantize_unpack_match_the_references(gran, m, dtype):
     params, plan, bucket, table = _bucket(gran, m)
