@@ -152,9 +152,9 @@ class Manager:
       async_save: return from :meth:`save` once the state is converted to its logical layout; a worker thread
         then copies the converted arrays to the host and writes them while the next training steps run (see
         "Saves that do not stall" below). One save is in flight at a time: the next global save, :meth:`wait`,
-        :meth:`restore`, :meth:`close` and the step queries wait for it, and raise a
-        ``RuntimeError`` naming its step (its ``__cause__`` the original error) if it failed. In a multi-process job
-        Orbax's own async save is used instead (it returns once the arrays are on the host).
+        :meth:`restore`, :meth:`close` and the step queries wait for it, and raise a ``RuntimeError`` naming its
+        step (its ``__cause__`` the original error) if it failed. In a multi-process job Orbax's own async save is
+        used instead (it returns once the arrays are on the host).
       save_interval_steps: the interval of :meth:`should_save` (``force=True`` overrides it).
       overwrite: let the first save delete what the directory holds that is not this run's: steps another run
         (or an earlier launch of this one) wrote, other than the step :meth:`restore` resumed from and those
