@@ -33,6 +33,7 @@ class GPTConfig:
     # over a context axis (context parallelism; outside one the same as "dot_product")
     attention: str = "einsum"
     attention_implementation: str | None = None  # dot_product's implementation= (None: JAX picks)
+    attention_dtype: str | None = None  # "context": q, k, v cast to it (cuDNN attends in bf16 / fp16)
 
 
 class Block(nnx.Module):
@@ -42,6 +43,7 @@ class Block(nnx.Module):
         d, f = cfg.d_model, cfg.d_ff
         self.num_heads = cfg.num_heads
         self.attention, self.implementation = cfg.attention, cfg.attention_implementation
+        self.attention_dtype = cfg.attention_dtype
         if cfg.attention not in ("einsum", "dot_product", "context"):
             raise ValueError(f"GPTConfig(attention={cfg.attention!r}); use 'einsum', 'dot_product' or 'context'.")
         self.ln1 = nnx.LayerNorm(d, rngs=rngs)
@@ -57,7 +59,9 @@ class Block(nnx.Module):
         q, k, v = jnp.split(self.qkv(self.ln1(x_BxTxD)), 3, axis=-1)
         q, k, v = (a.reshape(b, t, h, d // h) for a in (q, k, v))
         if self.attention == "context":  # the whole sequence, wherever its tokens are
-            att = vj.attention(q, k, v, causal=True, implementation=self.implementation).reshape(b, t, d)
+            qkv = (q, k, v) if self.attention_dtype is None else (a.astype(self.attention_dtype) for a in (q, k, v))
+            att = vj.attention(*qkv, causal=True, implementation=self.implementation)
+            att = att.astype(x_BxTxD.dtype).reshape(b, t, d)
         elif self.attention == "dot_product":
             att = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.implementation)
             att = att.reshape(b, t, d)
