@@ -169,7 +169,7 @@ def test_bf16_compute_under_context_parallelism_is_the_unsharded_bf16_model():
         _compare((2, 4), CP, dtype=jnp.bfloat16, tol=2e-3)
 
 
-def _by_hand(q, k, v, *, causal=True, segment_ids=None):
+def _by_hand(q, k, v, *, causal=True, segment_ids=None, implementation=None):
     s = jnp.einsum("bqhc,bkhc->bhqk", q, k) / np.float32(np.sqrt(q.shape[-1]))  # refused: the line named
     if causal:
         t = q.shape[1]
