@@ -150,7 +150,9 @@ def batch_mean(
     Sharding:
       Inside ``vj.apply``: the local sum (and, with ``where``, the local count) all-reduced (``psum``) over the data
       axes ``x`` varies over, divided by the global count; every device's slice has the same number of examples.
-      The result does not vary over the data axes. Outside: ``jnp.mean``.
+      Under a context axis (``vj.fsdp(context_axis=...)``) it is among the axes summed over: a mean over tokens
+      counts every token of every sequence once. The result does not vary over the data axes. Outside:
+      ``jnp.mean``.
     """
     dims = _dims(x, axis, "vj.batch_mean")
     axes, _ = _over(x, where)
