@@ -23,6 +23,7 @@ import numpy as np
 
 from vescale_jax.step._attention_ring import chunk_positions, ring_attention, visible
 from vescale_jax.step._context import Context, enclosing_context, sequence_order
+from vescale_jax.step._wire import varying_axes
 
 __all__ = ["IMPLEMENTATIONS", "attention"]
 
@@ -200,4 +201,15 @@ def _all_gather(q, k, v, seg_q, seg_k, mask, bias, *, causal, scale, ctx: Contex
         full = mask if full is None else jnp.logical_and(full, mask)
     if bias is not None and bias.shape[-1] != 1:
         bias = bias[..., order]
+    full, bias = (_vary_like_query(x, q) for x in (full, bias))
     return jax.nn.dot_product_attention(q, k_all, v_all, bias, full, scale=scale, implementation=kernel)
+
+
+def _vary_like_query(x: jax.Array | None, q: jax.Array) -> jax.Array | None:
+    """``x`` (the mask or bias, built from positions that vary over the context axis only) typed as varying over
+    every mesh axis the queries vary over: cuDNN's fused attention is a ``custom_vjp`` whose backward types the
+    mask's and bias's cotangents like the queries, which ``shard_map``'s varying-axes check would refuse."""
+    if x is None:
+        return None
+    missing = tuple(sorted(varying_axes(q) - varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
