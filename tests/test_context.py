@@ -154,6 +154,9 @@ slow = pytest.mark.slow
         pytest.param((2, 4), CP, {"kv_heads": 2, "packed": True}, id="2x4-gqa-packed", marks=slow),
         pytest.param((2, 4), CP, {"balance": None}, id="2x4-causal-unbalanced", marks=slow),
         pytest.param((2, 2, 2), (*CP, "tensor"), {}, id="2x2x2-tensor", marks=slow),
+        # the ring inside vj.scan_layers (the layer's backward replays its forward with positions typed anew)
+        pytest.param((2, 4), CP, {"impl": "ring"}, id="2x4-causal-ring"),
+        pytest.param((3, 2), CP, {"impl": "ring", "kv_heads": 2, "packed": True}, id="3x2-ring-gqa-packed", marks=slow),
     ],
 )
 def test_context_parallel_steps_are_the_unsharded_models(shape, names, kw):

@@ -41,9 +41,16 @@ def chunk_positions(index: Any, local_len: int, ctx: Context) -> jax.Array:
 
 
 def visible(q_pos, k_pos, seg_q, seg_k, causal: bool) -> jax.Array | None:
-    """``(1|B, 1, T, S)`` boolean mask of the causal and segment conditions, or None when there are none."""
-    out = (q_pos[:, None] >= k_pos[None, :])[None, None] if causal else None
+    """``(1|B, 1, T, S)`` boolean mask of the causal and segment conditions, or None when there are none.
+
+    The query and key sides may vary over different mesh axes (inside ``vj.scan_layers`` a saved position varies
+    over every axis of the step): each side is marked varying over the other's axes first."""
+    out = None
+    if causal:
+        q_pos, k_pos = _varying((q_pos, k_pos), q_pos, k_pos)
+        out = (q_pos[:, None] >= k_pos[None, :])[None, None]
     if seg_q is not None:
+        seg_q, seg_k = _varying((seg_q, seg_k), seg_q, seg_k)
         out = _and(out, (seg_q[:, :, None] == seg_k[:, None, :])[:, None])
     return out
 
@@ -67,7 +74,7 @@ def ring_attention(q, k, v, seg_q, seg_k, mask, bias, *, causal: bool, scale: fl
     their columns the global key positions in natural order, or None. Inside ``shard_map`` over ``ctx.axis``.
     """
     cfg = _RingConfig(ctx.axis, ctx.size, ctx.balance, causal, scale)
-    q_pos = chunk_positions(jax.lax.axis_index(ctx.axis), q.shape[1], ctx)
+    q_pos = _varying(chunk_positions(jax.lax.axis_index(ctx.axis), q.shape[1], ctx), q)  # typed like q throughout
     return _ring_attention(cfg, q, k, v, q_pos, seg_q, seg_k, mask, bias)
 
 
@@ -173,7 +180,7 @@ def _ring_steps(cfg: _RingConfig, kv, local_len: int):
     for s in range(cfg.size):
         if s:
             kv = jax.tree.map(lambda x: jax.lax.ppermute(x, cfg.axis, perm), kv)
-        yield s, kv, chunk_positions((i - s) % cfg.size, local_len, ctx)
+        yield s, kv, _varying(chunk_positions((i - s) % cfg.size, local_len, ctx), kv[0])
 
 
 def _dispatch(cfg: _RingConfig, s: int, *, full, keys_head, queries_tail, none):
