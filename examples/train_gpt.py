@@ -453,7 +453,7 @@ def train(
         remat = "each block under nnx.remat" if args.remat else "no remat"
         print(f"compiled train step: {peak_bytes / 2**20:.2f} MiB peak per device ({remat})", flush=True)
     preempted = None
-    save_s: list[float] = []  # wall time of each save call (async: until the arrays are on the host)
+    save_s: list[float] = []  # wall time of each save call (async: the conversion; the write runs behind)
     watchdog = vj.distributed.Watchdog(args.watchdog_s)
     with watchdog:
         for step in range(first, last + 1):
