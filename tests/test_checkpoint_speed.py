@@ -114,14 +114,14 @@ def test_conversion_temp_is_at_most_one_layer(granularity):
                     continue
                 temp = compiled.memory_analysis().temp_size_in_bytes
                 assert temp <= bound, (direction.__name__, bucket.name, temp, bound)
-    # Every way a leaf moves is covered: a bucket converted whole, one layer by layer, row windows, all-to-all.
+    # Every way a leaf moves is covered: a bucket converted whole, one layer by layer, whole rows, all-to-all.
     stays = [_logical._whole(plan, b, _routes(plan, i), "to_blocks") for i, b in enumerate(plan.buckets)]
     stacked = [b.layers is not None for b in plan.buckets]
     assert any(s and w for s, w in zip(stacked, stays, strict=True))
     assert any(s and not w for s, w in zip(stacked, stays, strict=True))
     routes = [rt for b in range(len(plan.buckets)) for rt in _routes(plan, b) if rt.n]
     strided = [rt for rt in routes if not _logical._by_permutes(rt.to_blocks)]
-    assert any(_logical._window(rt) is not None for rt in strided)  # row windows
+    assert any(_logical._RowOwners.of(rt) is not None for rt in strided)  # whole rows
 
 
 def _routes(plan, b):
@@ -134,7 +134,7 @@ def all_to_all_only(monkeypatch):
     """Every strided leaf by the padded all-to-all (the path of many long rows, which needs more than 16 devices),
     the conversions compiled afresh before and after."""
     monkeypatch.setattr(_logical, "_FEW_RUNS", 0)
-    monkeypatch.setattr(_logical, "_window", lambda rt: None)
+    monkeypatch.setattr(_logical._RowOwners, "of", classmethod(lambda cls, rt: None))
     for cached in (_logical._out_executables, _logical._in_executables):
         cached.cache_clear()
     yield
