@@ -281,12 +281,16 @@ def _export(f, *avals):
         )(*avals)
 
 
+@pytest.mark.parametrize("backend", ["triton", "mosaic_gpu"])
 @pytest.mark.parametrize("kernel", ["quantize", "dequantize_unpack", "unpack_tiled", "pack_tiled"])
-def test_kernels_lower_for_triton(kernel):
-    pytest.importorskip("jax.experimental.pallas.triton")
+def test_kernels_lower_for_cuda(kernel, backend):
+    """Each fused kernel of a tiles(16, 16) bucket with 16x16 FP8 blocks (every block one tile: a contiguous run)
+    lowers for CUDA on either backend, to that backend's custom call."""
+    if backend == "triton":
+        pytest.importorskip("jax.experimental.pallas.triton")
     bucket, table, _, shapes = _bucket("tiles", 3, BF16)
     layout, s, nb = bucket.layout, bucket.layout.shard_size, kfp8.num_blocks(table)
-    kw = dict(interpret=False, backend="triton")
+    kw = dict(interpret=False, backend=backend)
     av = jax.ShapeDtypeStruct
     if kernel == "quantize":
         exported = _export(lambda x, k: kfp8.quantize(x, table, k, **kw), av((s,), BF16), av((), jnp.int32))
@@ -299,25 +303,17 @@ def test_kernels_lower_for_triton(kernel):
     else:
         f = lambda *xs: ktiles.pack_tiled(xs, layout, storage=bucket.storage, dtype=F32, **kw)
         exported = _export(f, *[av(x, BF16) for x in shapes])
-    assert TRITON in exported.mlir_module()
+    text = exported.mlir_module()
+    assert (TRITON in text) == (backend == "triton") and ("@mosaic_gpu" in text) == (backend == "mosaic_gpu")
 
 
 def test_mosaic_gpu_refuses_naming_triton():
     """Blocks that are pieces of rows (16x16 blocks of a row-major 70x45 matrix) are no contiguous runs: Mosaic
-    GPU's FP8 kernels refuse them (tests/test_mosaic_fp8.py runs the ones it takes); so does the tile relayout."""
+    GPU's FP8 kernels refuse them (tests/test_mosaic_fp8.py runs the ones it takes; tests/test_mosaic_kernels.py
+    the tile relayout, which it always takes)."""
     _, rows_table, row_shards, _ = _bucket("rows", 3, BF16)
     with pytest.raises(NotImplementedError, match=r"mosaic_gpu.*backend='triton'"):
         kfp8.quantize(row_shards[0], rows_table, 0, interpret=False, backend="mosaic_gpu")
-    bucket, _, shards, shapes = _bucket("tiles", 3, BF16)
-    with pytest.raises(NotImplementedError, match=r"mosaic_gpu.*backend='triton'"):
-        ktiles.unpack_tiled(
-            jnp.reshape(shards, (-1,)),
-            bucket.layout,
-            shapes,
-            storage=bucket.storage,
-            interpret=False,
-            backend="mosaic_gpu",
-        )
 
 
 def test_fp8_gather_path_lowers_for_triton_inside_shard_map(monkeypatch):

@@ -21,6 +21,7 @@ import pytest
 import vescale_jax as vj
 from vescale_jax import kernels as K
 from vescale_jax._compat import mosaic_gpu_interpret_params
+from vescale_jax.kernels import _tiles as ktiles
 
 INTERPRET = jax.default_backend() == "cpu"  # on a GPU (benchmarks/gpu_check.sh) the kernels run compiled
 pytestmark = pytest.mark.skipif(
@@ -107,3 +108,31 @@ def test_inside_shard_map_on_each_device_count(m):
         _assert_same(buf[d], want)
         for g, w in zip(back, K.unpack_reference(want, layout, shapes, dtype=F32), strict=True):
             _assert_same(g[d], w)
+
+
+# --- The tile relayout (tile rows as vectors) ---------------------------------------------------------------------
+
+TILE_SHAPES = [(70, 45), (45,), (3, 32, 36), (0, 5), (8, 8), (5, 160)]
+
+
+@pytest.mark.parametrize(
+    ("gran", "src", "dst"),
+    [((16, 16), F32, BF16), ((8, 128), BF16, F32), pytest.param((4, 32), F32, F32, marks=pytest.mark.slow)],
+    ids=["16x16-f32-bf16", "8x128-bf16-f32", "4x32-f32"],
+)
+def test_tile_relayout_pack_and_unpack_match_the_references(gran, src, dst):
+    """Tile-major slots with edge tiles, leading dims, an empty and a row-major slot, padding: the Mosaic GPU
+    pack writes tiles row by row from the logical leaves (casting), the unpack the reverse, bit for bit; rows of
+    128 elements as vectors, shorter ones element by element."""
+    rng = np.random.default_rng(3)
+    g = vj.tiles(*gran)
+    storage = tuple(g if len(s) >= 2 else None for s in TILE_SHAPES)
+    layout = vj.plan_bucket([math.prod(s) for s in TILE_SHAPES], [1] * len(TILE_SHAPES), 3, align=4)
+    leaves = [jnp.asarray(rng.normal(size=s), F32).astype(src) for s in TILE_SHAPES]
+    assert sum(layout.sizes) < layout.total_size  # padding, written as zero
+    buf = ktiles.pack_tiled(leaves, layout, storage=storage, dtype=dst, **MOSAIC)
+    _assert_same(buf, ktiles.pack_tiled_reference(leaves, layout, storage=storage, dtype=dst))
+    got = ktiles.unpack_tiled(buf, layout, TILE_SHAPES, storage=storage, dtype=src, **MOSAIC)
+    want = ktiles.unpack_tiled_reference(buf, layout, TILE_SHAPES, storage=storage, dtype=src)
+    for a, b in zip(got, want, strict=True):
+        _assert_same(a, b)

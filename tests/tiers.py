@@ -166,7 +166,7 @@ FAST: dict[str, tuple[str, ...]] = {
         "test_bad_fp8_block_is_rejected",
     ),
     "test_quant.py": ("test_quantize_matches_the_numpy_reference_bitwise", "test_error_is_bounded_by_half_a_step"),
-    "test_fused_kernels.py": ("test_units_cover_every_element_once", "test_kernels_lower_for_triton[quantize]"),
+    "test_fused_kernels.py": ("test_units_cover_every_element_once", "test_kernels_lower_for_cuda[quantize-triton]"),
     "test_kernels.py": (
         "test_pack_matches_reference_and_writes_padding[odd-*]",
         "test_unpack_matches_reference[odd-*]",

@@ -234,13 +234,13 @@ class KernelPolicy:
         """What runs the fused FP8 quantize / dequantize and tile relayout kernels of this bucket when lowered for
         ``platform``: ``"xla"``, ``"interpret"``, ``"triton"`` or ``"mosaic_gpu"``.
 
-        The tile relayout (``blocks=None``) and the FP8 kernels of a bucket whose blocks are not contiguous runs
-        gather and scatter per lane (a block's scale, a tile's rows), which Pallas lowers through Triton only:
-        where :meth:`implementation` answers a compiled backend, they take Triton while JAX ships it and XLA
-        where it does not. The FP8 kernels of a bucket whose blocks are contiguous runs
+        Mosaic GPU moves vectors of consecutive elements. It takes the tile relayout (``blocks=None``: every tile
+        row is one contiguous run each side) and the FP8 kernels of a bucket whose blocks are contiguous runs
         (:func:`vescale_jax.kernels._fp8_mosaic.takes`: tile-major leaves whose tiles are the blocks' row bands,
-        blocks of whole rows, exact leaves) run on Mosaic GPU when that is the backend the policy compiles (the
-        default on JAX 0.11 and later), or when Triton is missing.
+        blocks of whole rows, exact leaves), and runs them when it is the backend the policy compiles (the default
+        on JAX 0.11 and later) or when Triton is missing. Other FP8 buckets gather and scatter per lane (a block's
+        scale over pieces of rows), which Pallas lowers through Triton only: they take Triton while JAX ships it
+        and XLA where it does not.
 
         Args:
           layout: the bucket layout.
@@ -260,8 +260,8 @@ class KernelPolicy:
             return impl
         if impl == "interpret":
             return impl if bands else "xla"
-        mosaic = blocks is not None and not refusal(layout, src_dtype, dst_dtype, backend="mosaic_gpu")
-        mosaic = mosaic and _fp8_mosaic.takes(blocks, size)
+        mosaic = not refusal(layout, src_dtype, dst_dtype, backend="mosaic_gpu")
+        mosaic = mosaic and (blocks is None or _fp8_mosaic.takes(blocks, size))
         triton = bands and not refusal(layout, src_dtype, dst_dtype, backend="triton")
         if mosaic and (impl == "mosaic_gpu" or not triton):
             return "mosaic_gpu"

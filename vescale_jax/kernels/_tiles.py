@@ -1,4 +1,4 @@
-"""Pack and unpack with the tile relayout inside the kernel (Pallas, Triton): tile-major slots never exist
+"""Pack and unpack with the tile relayout inside the kernel (Triton or Mosaic GPU): tile-major slots never exist
 row-major-flattened in XLA.
 
 A leaf planned with ``vj.tiles(th, tw)`` is stored in its bucket tile by tile
@@ -11,7 +11,8 @@ flat chunks in the same launch. Casts are fused.
 
 References: :func:`unpack_tiled_reference` (``unpack_reference`` then ``from_storage``) and
 :func:`pack_tiled_reference` (``to_storage`` then ``pack_reference``); the kernels are bit-exact copies of them.
-Backends: the interpreter and ``"triton"``; ``"mosaic_gpu"`` raises ``NotImplementedError``.
+Backends: the interpreter and ``"triton"`` (per-lane gathers over bands); ``"mosaic_gpu"`` moves each tile row as
+register vectors (:mod:`vescale_jax.kernels._tiles_mosaic`), compiled or in Mosaic GPU's own interpreter.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vescale_jax.kernels import _bands, _fused
+from vescale_jax.kernels import _bands, _fused, _tiles_mosaic
 from vescale_jax.kernels._reference import _check_layout, _leaf_dtype, pack_reference, unpack_reference
 from vescale_jax.layout import _tiles
 from vescale_jax.layout._bucket_layout import BucketLayout
@@ -84,6 +85,11 @@ def pack_tiled_reference(
     return pack_reference(flat, layout, dtype=dtype)
 
 
+def _mosaic_interpret(interpret: bool | None) -> bool:
+    """Mosaic GPU's interpreter when asked, or by default on CPU."""
+    return jax.default_backend() == "cpu" if interpret is None else bool(interpret)
+
+
 def _copy_body(cls, row, in_refs, out_refs):
     src_ref, dst_ref = in_refs[cls.src_ref], out_refs[cls.dst_ref]
     ln = _fused.lanes(cls, row, src_ref, dst_ref)
@@ -110,8 +116,9 @@ def unpack_tiled(
       storage: the bucket's ``storage`` (per slot: the ``vj.tiles`` granularity of a tile-major slot, or None).
       dtype: the leaves' dtype (default the buffer's); the cast is fused.
       interpret: run in the Pallas interpreter; None means on CPU.
-      backend: ``"triton"`` (default) when compiled; ``"mosaic_gpu"`` raises NotImplementedError.
-      chunk: most elements of one unit's register block.
+      backend: ``"triton"`` (default) when compiled, or ``"mosaic_gpu"`` (compiled; in Mosaic GPU's own
+        interpreter with ``interpret=True``, None meaning on CPU).
+      chunk: most elements of one unit's register block (Triton and the Pallas interpreter).
 
     Returns:
       The leaves in slot order, bit-exact :func:`unpack_tiled_reference`.
@@ -124,6 +131,13 @@ def unpack_tiled(
     used = [i for i, n in enumerate(layout.sizes) if n]
     out: list[Any] = [jnp.zeros(s, dtype) for s in shapes]
     if not used:
+        return out
+    if backend == "mosaic_gpu":
+        leaves = _tiles_mosaic.unpack_tiled(
+            buffer, layout, shapes, storage=storage, dtype=dtype, interpret=_mosaic_interpret(interpret)
+        )
+        for i, x in zip(used, leaves, strict=True):
+            out[i] = x
         return out
     interpret, backend = _fused.resolve(interpret, backend, "unpack_tiled")
     chunk = chunk or _fused.DEFAULT_UNIT[backend]
@@ -170,6 +184,10 @@ def pack_tiled(
     used = [i for i, n in enumerate(layout.sizes) if n]
     if not used:
         return jnp.zeros((layout.total_size,), dtype)
+    if backend == "mosaic_gpu":
+        return _tiles_mosaic.pack_tiled(
+            leaves, layout, storage=storage, dtype=dtype, interpret=_mosaic_interpret(interpret)
+        )
     interpret, backend = _fused.resolve(interpret, backend, "pack_tiled")
     chunk = chunk or _fused.DEFAULT_UNIT[backend]
     units = _bands.copy_units(layout.sizes, layout.offsets, shapes, storage, chunk=chunk, to_buffer=True)
