@@ -181,6 +181,16 @@ def pieces(table: BucketBlocks, size: int) -> Pieces | None:
     )
 
 
+def _pieces_or_refuse(table: BucketBlocks, size: int, what: str) -> Pieces:
+    pc = pieces(table, size)
+    if pc is None:
+        raise NotImplementedError(
+            f"{what}(backend='mosaic_gpu'): a quantized leaf's blocks are not contiguous runs of the bucket "
+            "(see vescale_jax.kernels._fp8_mosaic.takes); use backend='triton' or the XLA path."
+        )
+    return pc
+
+
 def takes(table: BucketBlocks, size: int) -> bool:
     """Whether the Mosaic GPU FP8 kernels take this bucket: every quantized block a contiguous run, every offset
     within int32 (see the module docstring)."""
@@ -253,6 +263,17 @@ def _over_tiles(length: int, tile: int, count: int, fn, init: Any) -> Any:
     if count == 1:
         return fn(0, init)
     return jax.lax.fori_loop(0, count, lambda i, c: fn(jnp.minimum(i * tile, length - tile), c), init)
+
+
+def _static_run(length: int, vec: int, vector, scalar) -> None:
+    """A run of static ``length``: ``vector(offset, tile, layout)`` on its register tiles (:func:`_tiles_of`), or
+    ``scalar(offset)`` per element when it is shorter than a warpgroup."""
+    if length < WARPGROUP:
+        jax.lax.fori_loop(0, length, lambda e, c: (scalar(e), c)[1], 0)
+        return
+    tile, count = _tiles_of(length, vec)
+    lay = _strided(tile, vec)
+    _over_tiles(length, tile, count, lambda at, c: (vector(at, tile, lay), c)[1], 0)
 
 
 def _runs(n: Any, vector, scalar) -> None:
@@ -352,12 +373,7 @@ def quantize(
     if x.ndim != 1:
         raise ValueError(f"quantize: expects one (S,) shard, got shape {x.shape}; vmap over stacked layers.")
     size = int(x.shape[0])
-    pc = pieces(table, size)
-    if pc is None:
-        raise NotImplementedError(
-            "quantize(backend='mosaic_gpu'): a quantized leaf's blocks are not contiguous runs of the bucket "
-            "(see vescale_jax.kernels._fp8_mosaic.takes); use backend='triton' or the XLA path."
-        )
+    pc = _pieces_or_refuse(table, size, "quantize")
     nb = table.nb + 1
     lengths = list(pc.blocks)
     parts = [pc.blocks[b][..., :2] for b in lengths] + [pc.exact[..., [0, 1, 3]], pc.zero, pc.zscale]
@@ -397,21 +413,14 @@ def quantize(
                 def code(v):
                     return jnp.where(scale != 0, v.astype(jnp.float32) / div, jnp.float32(0))
 
-                if b < WARPGROUP:
+                def codes_tile(at, tile, lay):
+                    v = code(mosaic_gpu_load(x_ref, off + at, tile, lay)).astype(FP8)
+                    codes_ref[pl.ds(off + at, tile)] = jax.lax.bitcast_convert_type(v, jnp.uint8)
 
-                    def one(e, carry):
-                        codes_ref[off + e] = code_bits(code(x_ref[off + e])).astype(jnp.uint8)
-                        return carry
+                def one(e):
+                    codes_ref[off + e] = code_bits(code(x_ref[off + e])).astype(jnp.uint8)
 
-                    jax.lax.fori_loop(0, b, one, 0)
-                else:
-
-                    def codes_tile(at, carry):
-                        v = code(mosaic_gpu_load(x_ref, off + at, tile, lay)).astype(FP8)
-                        codes_ref[pl.ds(off + at, tile)] = jax.lax.bitcast_convert_type(v, jnp.uint8)
-                        return carry
-
-                    _over_tiles(b, tile, count, codes_tile, 0)
+                _static_run(b, vec, codes_tile, one)
 
         def exact(i):
             c = n_block
@@ -517,12 +526,7 @@ def dequantize_unpack(
     """
     m, size = (int(d) for d in codes.shape)
     nb = int(scales.shape[1])
-    pc = pieces(table, size)
-    if pc is None:
-        raise NotImplementedError(
-            "dequantize_unpack(backend='mosaic_gpu'): a quantized leaf's blocks are not contiguous runs of the "
-            "bucket (see vescale_jax.kernels._fp8_mosaic.takes); use backend='triton' or the XLA path."
-        )
+    pc = _pieces_or_refuse(table, size, "dequantize_unpack")
     dev = np.arange(m)[:, None]
     classes: list[tuple[str, int, int]] = []  # (kind, leaf, block length)
     parts: list[np.ndarray] = []
@@ -559,23 +563,15 @@ def dequantize_unpack(
             vec, out = vecs[c], out_refs[j]
             src, slot, dst = (tab_ref[tstart[c] + i * 3 + f] for f in range(3))
             scale = scales_ref[slot]
-            if b < WARPGROUP:
 
-                def one(e, carry):
-                    out[dst + e] = (code_value(codes_ref[src + e].astype(jnp.int32)) * scale).astype(dtype)
-                    return carry
-
-                jax.lax.fori_loop(0, b, one, 0)
-                return
-            tile, count = _tiles_of(b, vec)
-            lay = _strided(tile, vec)
-
-            def piece(at, carry):
+            def piece(at, tile, lay):
                 v = jax.lax.bitcast_convert_type(mosaic_gpu_load(codes_ref, src + at, tile, lay), FP8)
                 out[pl.ds(dst + at, tile)] = (v.astype(jnp.float32) * scale).astype(dtype)
-                return carry
 
-            _over_tiles(b, tile, count, piece, 0)
+            def one(e):
+                out[dst + e] = (code_value(codes_ref[src + e].astype(jnp.int32)) * scale).astype(dtype)
+
+            _static_run(b, vec, piece, one)
 
         def exact(c, i):
             out = out_refs[classes[c][1]]

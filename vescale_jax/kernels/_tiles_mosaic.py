@@ -26,11 +26,10 @@ from vescale_jax.kernels._fp8_mosaic import (
     WARPGROUP,
     _call,
     _classes,
-    _over_tiles,
     _runs,
+    _static_run,
     _strided,
     _strided_fill,
-    _tiles_of,
     _vary,
     _width,
 )
@@ -102,22 +101,14 @@ def _table(rows: list[np.ndarray]) -> tuple[np.ndarray, list[int], list[int]]:
 def _move(src_ref, dst_ref, src, dst, length: int, vec: int, dtype: Any) -> None:
     """``dst_ref[dst : dst + length] = src_ref[src : src + length]`` cast to ``dtype``, in register tiles (or
     element by element under a warpgroup)."""
-    if length < WARPGROUP:
 
-        def one(e, carry):
-            dst_ref[dst + e] = src_ref[src + e].astype(dtype)
-            return carry
-
-        jax.lax.fori_loop(0, length, one, 0)
-        return
-    tile, count = _tiles_of(length, vec)
-    lay = _strided(tile, vec)
-
-    def piece(at, carry):
+    def piece(at, tile, lay):
         dst_ref[pl.ds(dst + at, tile)] = mosaic_gpu_load(src_ref, src + at, tile, lay).astype(dtype)
-        return carry
 
-    _over_tiles(length, tile, count, piece, 0)
+    def one(e):
+        dst_ref[dst + e] = src_ref[src + e].astype(dtype)
+
+    _static_run(length, vec, piece, one)
 
 
 def _row_loop(tab_ref, base: int, i, width: int, fn) -> None:
