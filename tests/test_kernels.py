@@ -319,7 +319,8 @@ def test_kernel_policy_reads_the_environment_only_in_from_env(monkeypatch):
 
 def test_kernel_policy_xla_answer_means_xla():
     """A bucket the compiled kernel cannot take (choose_backend answers "xla") is unpacked by XLA, not by the
-    policy's preferred lowering; the fused FP8 and tile kernels take Triton where the policy compiles."""
+    policy's preferred lowering; the tile relayout (every tile row one contiguous run) takes the policy's Mosaic GPU
+    and Triton where the policy compiles Triton."""
     layout = vj.plan_bucket([64, 128], [1, 1], 2, align=32)
     empty = vj.plan_bucket([0], [1], 2)
     pallas = _K.KernelPolicy(mode="pallas", backend="mosaic_gpu")
@@ -327,8 +328,10 @@ def test_kernel_policy_xla_answer_means_xla():
     assert pallas.implementation(layout, F32, F32, platform="cpu") == "interpret"
     assert pallas.implementation(layout, F32, F32, platform="gpu") == "mosaic_gpu"
     assert pallas.implementation(layout, F32, BF16, platform="gpu") == "mosaic_gpu"
-    fused = "triton" if "triton" in _K.gpu_backends_available() else "xla"
-    assert pallas.fused_implementation(layout, F32, BF16, platform="gpu") == fused
+    assert pallas.fused_implementation(layout, F32, BF16, platform="gpu") == "mosaic_gpu"
+    fused = "triton" if "triton" in _K.gpu_backends_available() else "mosaic_gpu"
+    triton = _K.KernelPolicy(mode="pallas", backend="triton")
+    assert triton.fused_implementation(layout, F32, BF16, platform="gpu") == fused
     assert pallas.fused_implementation(layout, F32, BF16, platform="cpu") == "interpret"
     assert pallas.fused_implementation(empty, F32, BF16, platform="gpu") == "xla"
     for mode in ("auto", "xla"):
