@@ -17,6 +17,10 @@ compiled step):
   arrive from the other devices) and their gradients reduce-scattered in backward (the same bytes leave);
 - the CUDA lowering (no compile) with ``implementation="cudnn"``: the cuDNN fused-attention custom calls.
 
+cp = 4 is compiled twice: with ``context_kv="keep"`` (the default: each layer's gathered K and V kept for its
+backward, the gated row) and with ``"regather"`` (gathered again when the backward recomputes the layer), for
+the memory / traffic trade-off.
+
 Gates (exit 1 when one fails): activations at cp = 4 at most 0.3x those at cp = 1; the K/V wire bytes within
 2 % of the ideal; at least one cuDNN attention custom call in the CUDA lowering.
 """
@@ -53,7 +57,7 @@ def token_loss(model, x, y):
     return -vj.batch_mean(jnp.take_along_axis(logp, y[..., None], axis=-1)[..., 0], axis=None)
 
 
-def build(args, cp: int, implementation: str, precision=None, dtype=None):
+def build(args, cp: int, implementation: str, precision=None, dtype=None, context_kv="keep"):
     """``(step, params, opt_state, batch, mesh, cfg)`` on an ``fsdp × context`` mesh of ``args.fsdp × cp``."""
     mesh = jax.make_mesh((args.fsdp, cp), ("fsdp", "context"), devices=jax.devices()[: args.fsdp * cp])
     cfg = GPTConfig(
@@ -73,7 +77,7 @@ def build(args, cp: int, implementation: str, precision=None, dtype=None):
     tx = optax.adamw(1e-3)
     opt_state = vj.init_opt_state(tx, params)
 
-    @vj.fsdp(context_axis="context", precision=precision)
+    @vj.fsdp(context_axis="context", precision=precision, context_kv=context_kv)
     def step(p, o, b):
         loss, g = jax.value_and_grad(lambda q: vj.flax.nnx_apply(graphdef, q, b["x"], b["y"], method=token_loss))(p)
         u, o = tx.update(g, o, p)
@@ -84,8 +88,8 @@ def build(args, cp: int, implementation: str, precision=None, dtype=None):
     return step, params, opt_state, {"x": tok[:, :-1], "y": tok[:, 1:]}, mesh, cfg
 
 
-def measure(args, cp: int) -> dict:
-    step, params, opt_state, batch, mesh, _ = build(args, cp, "all_gather")
+def measure(args, cp: int, context_kv: str = "keep") -> dict:
+    step, params, opt_state, batch, mesh, _ = build(args, cp, "all_gather", context_kv=context_kv)
     t = time.perf_counter()
     compiled = step.lower(params, opt_state, batch).compile()
     seconds = time.perf_counter() - t
@@ -105,6 +109,7 @@ def measure(args, cp: int) -> dict:
     return {
         "kv_wire": kv_wire,
         "cp": cp,
+        "context_kv": context_kv,
         "compile_s": seconds,
         "peak": mem.peak,
         "argument": mem.argument,
@@ -140,10 +145,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     rows = []
-    for cp in (1, 4):
-        rows.append(measure(args, cp))
+    for cp, kv in ((1, "keep"), (4, "keep"), (4, "regather")):
+        rows.append(measure(args, cp, kv))
         print({k: v for k, v in rows[-1].items()}, flush=True)
-    one, four = rows
+    one, four, again = rows
     ratio = four["activations"] / one["activations"]
     traffic = four["kv_wire"] / four["ideal"]
     try:
@@ -166,19 +171,24 @@ def main(argv=None) -> int:
         f"Model: GPT d_model {args.d_model}, {args.layers} layers, {args.heads} heads, vocab 256; global batch "
         f"{args.batch} x {args.seq_len} tokens; AdamW; meshes fsdp x context = {args.fsdp} x 1 and {args.fsdp} x 4.",
         "",
-        "| cp | devices | peak MiB/device | arguments MiB | activations MiB | K/V wire MiB | K/V ideal MiB |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| cp | context_kv | devices | peak MiB/device | arguments MiB | activations MiB | K/V wire MiB "
+        "| K/V ideal MiB |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['cp']} | {args.fsdp * r['cp']} | {r['peak'] / MIB:.1f} | {r['argument'] / MIB:.1f} | "
+            f"| {r['cp']} | {r['context_kv'] if r['cp'] > 1 else '-'} | {args.fsdp * r['cp']} | "
+            f"{r['peak'] / MIB:.1f} | {r['argument'] / MIB:.1f} | "
             f"{r['activations'] / MIB:.1f} | {r['kv_wire'] / MIB:.2f} | {r['ideal'] / MIB:.2f} |"
         )
     kinds = ", ".join(f"{k} {v / MIB:.2f} MiB" for k, v in sorted(four["by_kind"].items()))
     lines += [
         "",
-        f"Activations at cp = 4 / cp = 1: **{ratio:.3f}** (goal <= 0.3).",
-        f"Collectives over the context axis alone at cp = 4 (wire bytes per device per step): {kinds}. The K/V "
+        f"Activations at cp = 4 / cp = 1: **{ratio:.3f}** (goal <= 0.3) with `context_kv='keep'` (the default: "
+        f"each layer's gathered K and V kept for its backward); {again['activations'] / one['activations']:.3f} "
+        f"with `'regather'`, whose K/V traffic is {again['kv_wire'] / again['ideal']:.4f}x the ideal (K and V "
+        "gathered again when the backward recomputes the layer).",
+        f"Collectives over the context axis alone at cp = 4, 'keep' (wire bytes per device per step): {kinds}. The K/V "
         f"traffic is the all-gathers (K and V) and reduce-scatters (dK and dV): {four['kv_wire'] / MIB:.2f} MiB, "
         f"/ ideal (K and V gathered once in forward, dK and dV reduce-scattered once in backward) = "
         f"**{traffic:.4f}** (goal 1 +- 0.02). The all-reduce is the parameters' gradient summed over the context "

@@ -89,7 +89,7 @@ def reference(params, batches, tx, **kw):
     return params, losses
 
 
-def sharded(params, batches, tx, shape, names, *, balance="causal", precision=None, **kw):
+def sharded(params, batches, tx, shape, names, *, balance="causal", precision=None, step_kw=None, **kw):
     mesh = jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Explicit,) * len(names))
     tp = None
     if "tensor" in names:  # the MLP column- then row-parallel
@@ -99,7 +99,7 @@ def sharded(params, batches, tx, shape, names, *, balance="causal", precision=No
     p = vj.shard(params, plan)
     opt = vj.init_opt_state(tx, p)
 
-    @vj.fsdp(context_axis="context", balance=balance, precision=precision)
+    @vj.fsdp(context_axis="context", balance=balance, precision=precision, **(step_kw or {}))
     def step(p, o, b):
         loss, g = jax.value_and_grad(lambda q: vj.apply(lambda r, *a: model(r, *a, **kw), q, *_args(b)))(p)
         with jax.numpy_dtype_promotion("standard"):  # optax's bias correction: a float ** an int32 count
@@ -114,7 +114,18 @@ def sharded(params, batches, tx, shape, names, *, balance="causal", precision=No
 
 
 def _compare(
-    shape, names, *, batch=None, seq=16, tol=1e-5, steps=5, balance="causal", precision=None, packed=False, **kw
+    shape,
+    names,
+    *,
+    batch=None,
+    seq=16,
+    tol=1e-5,
+    steps=5,
+    balance="causal",
+    precision=None,
+    packed=False,
+    step_kw=None,
+    **kw,
 ):
     if np.prod(shape) > len(jax.devices()):
         pytest.skip(f"needs {np.prod(shape)} devices")
@@ -127,7 +138,9 @@ def _compare(
             b["seg"] = np.sort(rng.integers(0, 3, size=(batch, seq)), axis=1).astype(np.int32)
     tx = optax.adamw(1e-3, weight_decay=0.1)
     ref_p, ref_l = reference(params, batches, tx, **kw)
-    got_p, got_l = sharded(params, batches, tx, shape, names, balance=balance, precision=precision, **kw)
+    got_p, got_l = sharded(
+        params, batches, tx, shape, names, balance=balance, precision=precision, step_kw=step_kw, **kw
+    )
     loss_err = max(abs(g - r) / abs(r) for g, r in zip(got_l, ref_l, strict=True))
     assert loss_err <= tol, (got_l, ref_l)
     errs = {}
@@ -170,6 +183,62 @@ def test_bf16_compute_under_context_parallelism_is_the_unsharded_bf16_model():
     of values summed in another order."""
     with jax.numpy_dtype_promotion("standard"):  # jax.nn.dot_product_attention promotes bf16 logits to fp32
         _compare((2, 4), CP, dtype=jnp.bfloat16, tol=2e-3)
+
+
+@pytest.mark.parametrize(
+    "step_kw",
+    [
+        pytest.param({"prefetch": True}, id="prefetch"),
+        pytest.param({"reshard_after_forward": False}, id="layers-kept"),
+        pytest.param({"context_kv": "regather"}, id="regather"),
+    ],
+)
+def test_kept_or_regathered_kv_in_every_scan_path(step_kw):
+    """Each layer's gathered K / V (and packed documents' key segment ids) kept from forward for backward, on the
+    prefetching and the layers-kept loops too, or gathered again: the unsharded model's losses and parameters."""
+    _compare((2, 4), CP, step_kw=step_kw, kv_heads=2, packed=True, steps=3)
+
+
+def _context_traffic(context_kv, seq=16, kv_heads=2):
+    """Wire bytes per device of the step's collectives over the context axis alone, by kind, and the bytes of
+    K and V gathered once over all layers ((cp - 1) / cp of them arrive from the other devices)."""
+    params = params_of(seq, kv_heads=kv_heads)
+    mesh = jax.make_mesh((2, 4), CP, axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    plan = vj.plan(params, mesh, axis="fsdp", stacked=("blocks",))
+    tx = optax.sgd(0.1)
+    p = vj.shard(params, plan)
+
+    @vj.fsdp(context_axis="context", context_kv=context_kv, donate=False)
+    def step(p, o, b):
+        g = jax.grad(lambda q: vj.apply(lambda r, *a: model(r, *a, kv_heads=kv_heads), q, *_args(b)))(p)
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o
+
+    ops = vj.testing.census(step.lower(p, vj.init_opt_state(tx, p), data(4, seq)).compile()).ops
+    wire: dict[str, float] = {}
+    for op in ops:
+        if vj.testing.group_axes(op, mesh) == ("context",):
+            wire[op.kind] = wire.get(op.kind, 0.0) + op.total_wire_bytes
+    kv = NL * 2 * seq * 2 * kv_heads * (D // H) * 4  # 2 sequences per device, K and V, fp32
+    return wire, kv * 3 / 4
+
+
+def test_kept_kv_are_gathered_once_per_layer():
+    """context_kv="keep" (the default): K and V all-gathered once per layer and their gradients reduce-scattered
+    once: the ideal; "regather": gathered a second time when the backward recomputes the layer."""
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices")
+    kept, ideal = _context_traffic("keep")
+    again, _ = _context_traffic("regather")
+    assert kept["all-gather"] == pytest.approx(ideal), kept
+    assert kept["reduce-scatter"] == pytest.approx(ideal), kept
+    assert again["all-gather"] == pytest.approx(2 * ideal), again
+    assert again["reduce-scatter"] == pytest.approx(ideal), again
+
+
+def test_context_kv_must_be_keep_or_regather():
+    with pytest.raises(ValueError, match=r"context_kv='save'.*'keep'.*'regather'"):
+        vj.fsdp(lambda p, o, b: (p, o), context_axis="context", context_kv="save")
 
 
 def _by_hand(q, k, v, *, causal=True, segment_ids=None, implementation=None):

@@ -746,6 +746,25 @@ PSUM_PRIMITIVES = frozenset({"psum", "psum_invariant", "psum2"})
 ``"psum"`` with it off (JAX 0.10.2; ``"psum2"`` on older versions), the mesh axes in ``params["axes"]``. Used by
 ``step/_control_flow`` (a sum over the data axes is the same on every device)."""
 
+ALL_GATHER = "all_gather"
+"""``lax.all_gather`` inside ``shard_map``: params ``axis_name`` (a tuple of mesh axes), ``all_gather_dimension``,
+``tiled``, ``axis_size`` and ``axis_index_groups``; the result varies over the same axes as the operand. Verified on
+JAX 0.10.2 and 0.12.0.1. Used by ``step/_context_kv``."""
+
+
+def tiled_gather_over(eqn: Any, axis: str) -> int | None:
+    """The gathered dimension of ``eqn`` when it is a tiled ``lax.all_gather`` over mesh axis ``axis`` alone
+    (no index groups), else ``None`` (see :data:`ALL_GATHER`)."""
+    if primitive_name(eqn) != ALL_GATHER:
+        return None
+    p = eqn.params
+    names = p.get("axis_name")
+    names = tuple(names) if isinstance(names, (tuple, list)) else (names,)
+    if names != (axis,) or not p.get("tiled") or p.get("axis_index_groups") is not None:
+        return None
+    return int(p["all_gather_dimension"])
+
+
 AXIS_INDEX = "axis_index"
 """``lax.axis_index`` inside ``shard_map``: the device's index along ``params["axis_name"]`` (one axis name; a
 tuple of axes is traced as one equation per axis, verified on JAX 0.10.2). Used by ``step/_control_flow`` (a

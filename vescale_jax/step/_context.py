@@ -35,15 +35,24 @@ class Context:
       axis: the mesh axis the sequence dim is split over.
       size: its number of devices ``cp``.
       balance: ``"causal"`` or ``None`` (see the module docstring).
+      kv: ``"keep"`` (each scanned layer's gathered keys and values kept from its forward for its backward) or
+        ``"regather"`` (gathered again when the backward recomputes the layer); see
+        :mod:`vescale_jax.step._context_kv`.
     """
 
     axis: str
     size: int
     balance: str | None = "causal"
+    kv: str = "keep"
 
     def __post_init__(self) -> None:
         if self.balance not in BALANCES:
             raise ValueError(f"balance={self.balance!r}: use 'causal' (the default) or None (contiguous chunks).")
+        if self.kv not in ("keep", "regather"):
+            raise ValueError(
+                f"context_kv={self.kv!r}: use 'keep' (the default: each layer's gathered K and V kept for its "
+                "backward) or 'regather' (gathered again in backward: less memory, 1.5x the K/V traffic)."
+            )
         if self.size < 1:
             raise ValueError(f"context axis {self.axis!r} of size {self.size}: needs at least one device.")
 

@@ -412,6 +412,7 @@ def fsdp(
     offload: Offload | None = None,
     context_axis: str | None = None,
     balance: str | None = "causal",
+    context_kv: str = "keep",
 ) -> Callable[..., Any]:
     """Compiles a train step ``step(params, opt_state, batch, *rest) -> (params, opt_state, ...)`` for FSDP.
 
@@ -457,6 +458,11 @@ def fsdp(
       balance: with ``context_axis``: ``"causal"`` (the default) gives each device chunks ``i`` and
         ``2·cp − 1 − i`` of ``2·cp`` equal chunks, so causal attention costs every device the same; ``None``
         gives device ``i`` the ``i``-th contiguous chunk.
+      context_kv: with ``context_axis``, what the backward of a :func:`vj.scan_layers` layer does for the keys
+        and values the layer's ``vj.attention`` gathered over the context axis: ``"keep"`` (the default) keeps
+        them from the forward (per layer, the gathered K and V of this device's sequences stay in memory until
+        the layer's backward; K/V traffic: one all-gather and one reduce-scatter per layer), ``"regather"``
+        gathers them again when the layer is recomputed (no such memory, 1.5x the K/V traffic).
 
     Returns:
       The compiled step. It checks its inputs (params and every ``ShardedParams`` / ``PerDevice`` of the
@@ -500,11 +506,12 @@ def fsdp(
             offload=offload,
             context_axis=context_axis,
             balance=balance,
+            context_kv=context_kv,
         )
     check_precision_type(precision, "vj.fsdp")
     if context_axis is not None and not isinstance(context_axis, str):
         raise TypeError(f"vj.fsdp: context_axis= must be a mesh axis name, got {context_axis!r}.")
-    Context("context", 1, balance)  # checks balance=
+    Context("context", 1, balance, context_kv)  # checks balance= and context_kv=
     if offload is not None and not isinstance(offload, Offload):
         raise TypeError(f"vj.fsdp: offload= must be a vj.Offload, got {type(offload).__name__}.")
     kernels = KernelPolicy.from_env() if kernels is None else check_kernel_policy(kernels, "vj.fsdp")
@@ -517,6 +524,7 @@ def fsdp(
         kernels=kernels,
         context_axis=context_axis,
         balance=balance,
+        context_kv=context_kv,
     )
 
     @plan_cache
@@ -620,7 +628,7 @@ class _Compiled:
     ordered: Callable[..., Any]  # ``jitted`` with the offloaded state's transfers ordered (for lowering to a GPU)
 
 
-def _context(plan: Plan, axis: str | None, balance: str | None) -> Context | None:
+def _context(plan: Plan, axis: str | None, balance: str | None, kv: str = "keep") -> Context | None:
     """The step's context axis on ``plan``'s mesh (``None`` without one), checked."""
     if axis is None:
         return None
@@ -635,7 +643,7 @@ def _context(plan: Plan, axis: str | None, balance: str | None) -> Context | Non
             f"vj.fsdp: context_axis={axis!r} is the plan's axis: the parameters are sharded over it. The context "
             "axis is another mesh axis, over which the parameters are replicated; plan over the fsdp axis alone."
         )
-    return Context(axis, mesh[axis], balance)
+    return Context(axis, mesh[axis], balance, kv)
 
 
 def _compile(
@@ -645,7 +653,7 @@ def _compile(
     step jitted with that policy enclosing its trace."""
     _check_precision(options["precision"], plan)
     options = dict(options)
-    context = _context(plan, options.pop("context_axis"), options.pop("balance"))
+    context = _context(plan, options.pop("context_axis"), options.pop("balance"), options.pop("context_kv"))
     policy = StepPolicy.for_plan(plan, **options, context=context)
     auto = all(t == jax.sharding.AxisType.Auto for t in plan.mesh.axis_types)
 

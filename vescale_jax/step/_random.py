@@ -57,7 +57,7 @@ from vescale_jax._compat import (
 from vescale_jax.step._jaxpr import evaluate, read
 from vescale_jax.step._wire import varying_axes, varying_like
 
-__all__ = ["split_draws", "split_layer_draws", "tolerant"]
+__all__ = ["bind_tolerant", "run_tolerant", "split_draws", "split_layer_draws", "tolerant"]
 
 _U32 = jnp.uint32
 _INDEPENDENT = -1  # a draw whose shape grows with the batch in no clean way: drawn independently per device
@@ -265,6 +265,17 @@ def _bind(eqn: Any, vals: list[Any], check_vma: bool) -> list[Any]:
         if any(a != union for a in seen) and not is_pvary(eqn):
             vals = [x if a == union else varying_like(jnp.asarray(x), union) for x, a in zip(vals, seen, strict=True)]
     return bind_equation(eqn, vals)
+
+
+def run_tolerant(closed: Any, args: Sequence[Any]) -> list[Any]:
+    """Evaluates ``closed`` on ``args`` as :func:`tolerant` does (operands matched in varying axes, nested jaxprs
+    traced again, no draw split)."""
+    return _run(closed, list(args), [False] * len(args), None)
+
+
+def bind_tolerant(eqn: Any, vals: list[Any]) -> list[Any]:
+    """Binds ``eqn`` with its operands matched in varying axes, as :func:`tolerant` does."""
+    return _bind(eqn, vals, True)
 
 
 def _is_keyish(x: Any) -> bool:

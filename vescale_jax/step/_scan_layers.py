@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from vescale_jax.layout._plan import Plan
+from vescale_jax.step._context_kv import keep_context_gathers
 from vescale_jax.step._fp32_grads import widened
 from vescale_jax.step._layer_split import split_layer
 from vescale_jax.step._policy import StepPolicy
@@ -244,8 +245,13 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
     # backward evaluates the layer on residuals that vary over every axis (tolerant).
     fn, consts = jax.closure_convert(split_layer_draws(layer), example, carry, x0)
     fn = tolerant(fn, example, carry, x0, *consts)
+    # Under a context axis, the layer's K / V gathers are kept for the backward (vescale_jax.step._context_kv).
+    ctx = shards[0].policy.context
+    kv = None
+    if ctx is not None and ctx.size > 1 and ctx.kv == "keep":
+        kv = keep_context_gathers(fn, (example, carry, x0, *consts), ctx.axis)
     phases = None
-    if not prefetch and not keep and num_layers > 1:
+    if kv is None and not prefetch and not keep and num_layers > 1:
         phases = _split(fn, example, carry, x0, consts, num_layers)
 
     def gather(rows_, i):  # layer i of every bucket: cast, vary, all-gather, unpack (vescale_jax.step._wire)
@@ -257,8 +263,15 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
     def x_at(xs_, i):
         return jax.tree.map(lambda a: a[i], xs_)
 
+    def apply(g, c, x, consts_, save):
+        """The layer's output carry and, when saving under a context axis, its kept K / V gathers (else None)."""
+        if kv is not None and save:
+            return kv.record(g, c, x, *consts_)
+        return fn(g, c, x, *consts_), None
+
     def forward(rows_, c, xs_, consts_, save):
-        """Returns the output carry and, when saving, (carries into layers, gathered layers if keep)."""
+        """Returns the output carry and, when saving, (carries into layers, gathered layers if keep, kept K / V
+        gathers under a context axis)."""
         if not prefetch or num_layers == 1:
 
             def step(c, inp):
@@ -268,8 +281,9 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
                     ph, carry_tree = phases
                     flat = jax.tree.leaves((g, c, x, list(consts_)))
                     cut = ph.first(flat)
-                    return jax.tree.unflatten(carry_tree, ph.second(flat, cut)), (c, cut)
-                return fn(g, c, x, *consts_), ((c, g if keep else None) if save else None)
+                    return jax.tree.unflatten(carry_tree, ph.second(flat, cut)), (c, cut, None)
+                out, kept = apply(g, c, x, consts_, save)
+                return out, ((c, g if keep else None, kept) if save else None)
 
             return jax.lax.scan(step, c, (jnp.arange(num_layers), xs_), unroll=unroll)
 
@@ -277,17 +291,19 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
             c, g_prev = state
             j, x_prev = inp
             g_j = gather(rows_, j)  # prefetch: issued before the previous layer's compute
-            c = fn(g_prev, c, x_prev, *consts_)
-            return (c, g_j), ((c, g_j if keep else None) if save else None)
+            c, kept = apply(g_prev, c, x_prev, consts_, save)
+            return (c, g_j), ((c, g_j if keep else None, kept) if save else None)
 
         g0 = gather(rows_, 0)
         head = jax.tree.map(lambda a: a[:-1], xs_)
         (c_last, g_last), saved = jax.lax.scan(step, (c, g0), (jnp.arange(1, num_layers), head), unroll=unroll)
-        out = fn(g_last, c_last, x_at(xs_, num_layers - 1), *consts_)
+        out, kept_last = apply(g_last, c_last, x_at(xs_, num_layers - 1), consts_, save)
         if not save:
             return out, None
-        c_stack, g_stack = saved  # carries into layers 1..L-1 (and those layers, gathered, if keep)
-        return out, ((c, c_stack), (g0, g_stack) if keep else None)
+        c_stack, g_stack, kept = saved  # carries into layers 1..L-1 (and those layers, gathered, if keep)
+        if kv is not None:  # kept gathers of layers 0..L-2, then L-1
+            kept = tuple(jnp.concatenate([a, b[None]]) for a, b in zip(kept, kept_last, strict=True))
+        return out, ((c, c_stack), (g0, g_stack) if keep else None, kept)
 
     def reduce_scatter(dg):  # the transpose of gather: pack, cast, reduce-scatter, replica sum, per bucket
         return tuple(
@@ -295,10 +311,12 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
             for d, bucket, like in zip(dg, buckets, like_axes, strict=True)
         )
 
-    def layer_vjp(g, c_in, x, consts_, ct):
+    def layer_vjp(g, c_in, x, consts_, ct, kept=None):
         xd, x_of = _inexact_part(x)
 
         def f(g_, c_, k_, xd_):
+            if kept is not None:  # the forward's K / V gathers in place of gathering again
+                return kv.replay(kept, g_, c_, x_of(xd_), *k_)
             return fn(g_, c_, x_of(xd_), *k_)
 
         _, f_vjp = jax.vjp(f, g, c_in, tuple(consts_), xd)
@@ -367,7 +385,7 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
         return out, (rows_, xs_, consts_, res)
 
     def run_bwd(saved, ct):
-        rows_, xs_, consts_, (c_saved, g_saved) = saved
+        rows_, xs_, consts_, (c_saved, g_saved, kept) = saved
         zero_k = jax.tree.map(jnp.zeros_like, tuple(consts_))
         # The gradient rows are filled in place, one layer per iteration, in a buffer tied to the cotangent: as a
         # scan output (or untied) XLA may allocate it at the start of the step, alive through the whole forward.
@@ -379,18 +397,23 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
 
             def step(state, inp):
                 ct_, dk_acc, d_rows = state
-                j, c_in, x_j, g_kept = inp
+                j, c_in, x_j, g_kept, kept_j = inp
                 if phases is not None:
                     d_row, dc_, dk_, dxd_ = phased_vjp(rows_, j, c_in, x_j, consts_, g_kept, ct_)
                 else:
-                    d_row, dc_, dk_, dxd_ = layer_vjp(g_kept if keep else gather(rows_, j), c_in, x_j, consts_, ct_)
+                    g_j = g_kept if keep else gather(rows_, j)
+                    d_row, dc_, dk_, dxd_ = layer_vjp(g_j, c_in, x_j, consts_, ct_, kept_j)
                 d_rows = tuple(
                     jax.lax.dynamic_update_index_in_dim(a, r, j, 0) for a, r in zip(d_rows, d_row, strict=True)
                 )
                 return (dc_, jax.tree.map(jnp.add, dk_acc, dk_), d_rows), dxd_
 
             (dc, dk, d_rows), dxd = jax.lax.scan(
-                step, (ct, zero_k, d_rows), (jnp.arange(num_layers), c_saved, xs_, g_saved), reverse=True, unroll=unroll
+                step,
+                (ct, zero_k, d_rows),
+                (jnp.arange(num_layers), c_saved, xs_, g_saved, kept),
+                reverse=True,
+                unroll=unroll,
             )
             return d_rows, dc, full_dx(xs_, dxd), list(dk)
 
@@ -399,25 +422,26 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
 
         def step(state, inp):
             ct_, g_next, dk_acc, d_rows = state
-            j, c_in, x_j, g_kept = inp
+            j, c_in, x_j, g_kept, kept_j = inp
             if keep:
                 g_j, g_below = g_kept, g_next
             else:
                 g_j, g_below = g_next, gather(rows_, j - 1)  # prefetch the layer below
-            d_row, dc_, dk_, dxd_ = layer_vjp(g_j, c_in, x_j, consts_, ct_)
+            d_row, dc_, dk_, dxd_ = layer_vjp(g_j, c_in, x_j, consts_, ct_, kept_j)
             d_rows = tuple(jax.lax.dynamic_update_index_in_dim(a, r, j, 0) for a, r in zip(d_rows, d_row, strict=True))
             return (dc_, g_below, jax.tree.map(jnp.add, dk_acc, dk_), d_rows), dxd_
 
         g_top = g0 if keep else gather(rows_, num_layers - 1)
         tail = jax.tree.map(lambda a: a[1:], xs_)
+        kept_hi, kept_0 = jax.tree.map(lambda a: a[1:], kept), jax.tree.map(lambda a: a[0], kept)
         (ct1, g_0, dk_acc, d_rows), dxd_hi = jax.lax.scan(
             step,
             (ct, g_top, zero_k, d_rows),
-            (jnp.arange(1, num_layers), c_stack, tail, g_stack),
+            (jnp.arange(1, num_layers), c_stack, tail, g_stack, kept_hi),
             reverse=True,
             unroll=unroll,
         )
-        d_row0, dc, dk0, dxd0 = layer_vjp(g_0, c0, x_at(xs_, 0), consts_, ct1)
+        d_row0, dc, dk0, dxd0 = layer_vjp(g_0, c0, x_at(xs_, 0), consts_, ct1, kept_0)
         d_rows = tuple(jax.lax.dynamic_update_index_in_dim(a, r, 0, 0) for a, r in zip(d_rows, d_row0, strict=True))
         dk = jax.tree.map(jnp.add, dk_acc, dk0)
         dxd = [jnp.concatenate([d0[None], dh]) for d0, dh in zip(dxd0, dxd_hi, strict=True)]
