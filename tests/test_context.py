@@ -272,3 +272,87 @@ def test_a_hand_written_token_mix_is_refused_naming_its_line(monkeypatch, mix):
 
     with pytest.raises(ValueError, match=rf"(?s){line}.*context axis 'context'.*vj\.attention"):
         step(vj.shard(params, plan), None, data(4, 8))
+
+
+def test_a_context_parallel_run_restores_into_a_run_without_one_bit_for_bit(tmp_path):
+    """Parameters are not sharded over the context axis: a checkpoint of a CP run (fsdp x context = 2 x 4) restores
+    into a plan on 8 devices of fsdp alone bit for bit, parameters and AdamW state, and the next step there gives
+    the CP run's next loss and parameters."""
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices")
+    seq = 16
+    params = params_of(seq)
+    batches = [data(8, seq, seed=s) for s in range(3)]
+    tx = optax.adamw(1e-3, weight_decay=0.1)
+
+    def run(plan, p, o, batch, **options):
+        @vj.fsdp(**options)
+        def step(p, o, b):
+            loss, g = jax.value_and_grad(lambda q: vj.apply(model, q, b["x"], b["y"]))(p)
+            with jax.numpy_dtype_promotion("standard"):
+                u, o = tx.update(g, o, p)
+            return optax.apply_updates(p, u), o, loss
+
+        return step(p, o, batch)
+
+    cp_mesh = jax.make_mesh((2, 4), CP, axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    cp_plan = vj.plan(params, cp_mesh, axis="fsdp", stacked=("blocks",))
+    p = vj.shard(params, cp_plan)
+    o = vj.init_opt_state(tx, p)
+    for b in batches[:2]:
+        p, o, _ = run(cp_plan, p, o, b, context_axis="context")
+    mngr = vj.checkpoint.Manager(tmp_path / "ckpt")
+    mngr.save(2, params=p, opt_state=o)
+    mngr.wait()
+
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Explicit,))
+    plan = vj.plan(params, mesh, axis="fsdp", stacked=("blocks",))
+    template = vj.init_opt_state(tx, vj.shard(params, plan))
+    got = mngr.restore(params=plan, opt_state=template)
+    mngr.close()
+    logical = lambda tree: jax.tree.map(
+        lambda x: vj.unshard(x) if isinstance(x, vj.ShardedParams) else x,
+        tree,
+        is_leaf=lambda x: isinstance(x, vj.ShardedParams),
+    )
+    for a, b in zip(
+        jax.tree.leaves(logical((p, o))), jax.tree.leaves(logical((got.params, got.opt_state))), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    p_cp, _, loss_cp = run(cp_plan, p, o, batches[2], context_axis="context")
+    p_flat, _, loss_flat = run(plan, got.params, got.opt_state, batches[2])
+    assert abs(float(loss_flat) - float(loss_cp)) <= 1e-5 * abs(float(loss_cp))
+    for a, b in zip(jax.tree.leaves(vj.unshard(p_cp)), jax.tree.leaves(vj.unshard(p_flat)), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+
+
+def test_micro_batches_under_context_parallelism_are_one_big_batch():
+    """vj.fsdp(microbatches=2) with vj.accumulate on fsdp x context = 2 x 4: each micro-batch's sequences split
+    over the context axis, the gradients summed over micro-batches: the unsharded step on the whole batch."""
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices")
+    seq = 16
+    params = params_of(seq)
+    batches = [data(8, seq, seed=s) for s in range(3)]
+    tx = optax.adamw(1e-3, weight_decay=0.1)
+    ref_p, ref_l = reference(params, batches, tx)
+    mesh = jax.make_mesh((2, 4), CP, axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    p = vj.shard(params, vj.plan(params, mesh, axis="fsdp", stacked=("blocks",)))
+    o = vj.init_opt_state(tx, p)
+
+    @vj.fsdp(context_axis="context", microbatches=2)
+    def step(p, o, b):
+        loss, g = vj.accumulate(lambda q, mb: vj.apply(model, q, mb["x"], mb["y"]), p, b)
+        with jax.numpy_dtype_promotion("standard"):
+            u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o, loss
+
+    losses = []
+    for b in batches:
+        p, o, loss = step(p, o, b)
+        losses.append(float(loss))
+    np.testing.assert_allclose(losses, ref_l, rtol=1e-5)
+    for g, r in zip(jax.tree.leaves(vj.unshard(p)), jax.tree.leaves(ref_p), strict=True):
+        g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
+        assert np.linalg.norm(g - r) <= 1e-5 * np.linalg.norm(r)
