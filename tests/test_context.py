@@ -36,12 +36,17 @@ def params_of(seq, seed=0, kv_heads=H):
     )
 
 
-def model(p, tok, tgt, seg=None, *, causal=True, kv_heads=H, dtype=jnp.float32, tensor=None, impl="all_gather"):
+def model(
+    p, tok, tgt, seg=None, *, causal=True, kv_heads=H, dtype=jnp.float32, tensor=None, impl="all_gather", dropout=0.0
+):
     """A causal (or not) transformer, GQA with ``kv_heads < H``, packed documents with segment ids ``seg``, its
-    MLP Megatron-split over ``tensor`` when given; the mean next-token cross-entropy over every token."""
+    MLP Megatron-split over ``tensor`` when given, dropout on the embeddings and each layer's attention output
+    (a key closed over: the same on every device); the mean next-token cross-entropy over every token."""
     b, t = tok.shape
     c = D // H
     h = p["embed"][tok] + p["pos"][vj.positions(t)]
+    drop = lambda key, x: x if not dropout else jnp.where(jax.random.bernoulli(key, 1 - dropout, x.shape), x, 0)
+    h = drop(jax.random.key(11), h)
     # the layers close over the ids as floats: vj.scan_layers leaks an integer array its body closes over
     seg_f = None if seg is None else seg.astype(jnp.float32)
 
@@ -52,7 +57,7 @@ def model(p, tok, tgt, seg=None, *, causal=True, kv_heads=H, dtype=jnp.float32, 
         k, v = jnp.split((x @ lp["kv"]).reshape(b, t, 2 * kv_heads, c), 2, axis=2)
         ids = None if seg_f is None else seg_f.astype(jnp.int32)
         att = vj.attention(q, k, v, causal=causal, segment_ids=ids, implementation=impl).reshape(b, t, D)
-        h = h + (att @ lp["o"]).astype(h.dtype)
+        h = h + drop(jax.random.key(12), (att @ lp["o"]).astype(h.dtype))
         y = jnp.tanh(h.astype(dtype) @ lp["up"]) @ lp["down"]
         return h + (y if tensor is None else jax.lax.psum(y, tensor)).astype(h.dtype)
 
@@ -165,6 +170,9 @@ slow = pytest.mark.slow
         pytest.param((2, 4), CP, {"causal": False}, id="2x4-non-causal", marks=slow),
         pytest.param((3, 2), CP, {"causal": False, "balance": None}, id="3x2-non-causal-unbalanced", marks=slow),
         pytest.param((2, 4), CP, {"kv_heads": 2, "packed": True}, id="2x4-gqa-packed", marks=slow),
+        # dropout: each device draws its tokens' part of the unsharded mask (batch rows and balanced positions)
+        pytest.param((2, 4), CP, {"dropout": 0.25}, id="2x4-dropout"),
+        pytest.param((1, 8), CP, {"dropout": 0.25, "balance": None}, id="1x8-dropout-unbalanced", marks=slow),
         pytest.param((2, 4), CP, {"balance": None}, id="2x4-causal-unbalanced", marks=slow),
         pytest.param((2, 2, 2), (*CP, "tensor"), {}, id="2x2x2-tensor", marks=slow),
         # the ring inside vj.scan_layers (the layer's backward replays its forward with positions typed anew)

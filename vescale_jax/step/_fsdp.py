@@ -313,7 +313,14 @@ def _model_specs(
         out = jax.eval_shape(call.fn, tree, *global_args)
         return jax.tree.leaves(out[0] if state is not None else out)
 
-    fn = split_draws(call.fn, axes=axes, size=size, check_vma=typed, global_args=_global_args(shapes))
+    fn = split_draws(
+        call.fn,
+        axes=axes,
+        size=size,
+        check_vma=typed,
+        global_args=_global_args(shapes),
+        context=None if seq is None else context,
+    )
     dependence: list[bool] = []
     whole = [spec == P() for spec in in_specs]
     fn = checked_model(fn, model_axes, typed=typed, dependence=dependence, whole=whole, sequence=seq)

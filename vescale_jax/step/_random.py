@@ -19,7 +19,11 @@ part of the global draw:
 Which dim is the batch dim: the model is traced again with the batch arguments at their global shape and the
 draws are matched in order: a dim ``m`` times larger (``m`` devices over the data axes) is the batch dim, an
 unchanged shape has none (a ``(D,)`` noise shared by all examples is drawn as unsharded). When that trace
-fails or its draws do not match, a leading dim equal to the local batch size is the batch dim. Draws inside
+fails or its draws do not match, a leading dim equal to the local batch size is the batch dim. Under a context
+axis (the batch's dim 1, the sequence, split over it in the balanced order) one more trace, with the sequences
+global and the batch local, names the sequence dim: a dim ``cp`` times larger there; along it each device
+computes its tokens' global positions (``vescale_jax.step._context.local_positions``). Without the traces a
+draw with the batch dim is drawn independently per device (data and context index folded in). Draws inside
 ``jit``, ``scan``, ``while``, ``cond`` and ``remat`` are reached; :func:`vj.scan_layers` bodies through
 :func:`split_layer_draws`. A model without such a draw runs untouched.
 """
@@ -54,6 +58,7 @@ from vescale_jax._compat import (
     threefry2x32,
     threefry_partitionable,
 )
+from vescale_jax.step._context import Context, local_positions
 from vescale_jax.step._jaxpr import evaluate, read
 from vescale_jax.step._wire import varying_axes, varying_like
 
@@ -67,18 +72,32 @@ _INDEPENDENT = -1  # a draw whose shape grows with the batch in no clean way: dr
 class _Draws:
     """How the draws of one ``vj.apply`` are split: the data axes, their size ``m``, the batch dim per local
     draw shape (``None``: none; ``-1``: independent per device), the local batch size for shapes the table
-    lacks, and whether varying axes are typed (``check_vma``)."""
+    lacks, whether varying axes are typed (``check_vma``); under a context axis, the context and the sequence
+    dim per local draw shape."""
 
     axes: tuple[str, ...]
     size: int
     table: dict[tuple[int, ...], int | None]
     local_batch: int | None
     check_vma: bool
+    context: Context | None = None
+    seq_table: dict[tuple[int, ...], int] = dataclasses.field(default_factory=dict)
 
     def batch_dim(self, shape: tuple[int, ...]) -> int | None:
         if shape in self.table:
             return self.table[shape]
-        return 0 if shape and self.local_batch is not None and shape[0] == self.local_batch else None
+        if shape and self.local_batch is not None and shape[0] == self.local_batch:
+            # without the global trace, a context split's sequence dim is unknown: drawn per device
+            return 0 if self.context is None else _INDEPENDENT
+        return None
+
+    def seq_dim(self, shape: tuple[int, ...]) -> int | None:
+        return self.seq_table.get(shape)
+
+    @property
+    def split_axes(self) -> tuple[str, ...]:
+        """The axes a split draw varies over: the data axes, and the context axis under one."""
+        return self.axes if self.context is None else (*self.axes, self.context.axis)
 
 
 _ACTIVE: contextvars.ContextVar[_Draws | None] = contextvars.ContextVar("vescale_jax_draws", default=None)
@@ -100,6 +119,7 @@ def split_draws(
     size: int,
     check_vma: bool,
     global_args: Callable[[Sequence[Any]], Sequence[Any] | None] | None = None,
+    context: Context | None = None,
 ) -> Callable[..., Any]:
     """``fn(tree, *args)`` whose draws from keys not varying over ``axes`` are this device's part of the draw
     the unsharded model makes (see the module docstring); call inside ``shard_map``.
@@ -112,6 +132,7 @@ def split_draws(
         every device unless it is computed from ``args``.
       global_args: ``local arg leaves -> global shape structs`` for the batch-dim trace (None: the leading-dim
         rule only).
+      context: the context axis the batch's sequence dim (dim 1) is split over, or None.
 
     Returns:
       The wrapped model (same signature and outputs' types, up to varying axes).
@@ -120,8 +141,11 @@ def split_draws(
       Inside ``shard_map`` over ``axes``; a replaced draw varies over ``axes``.
     """
     axes = tuple(axes)
-    if size == 1:
+    if size == 1 and (context is None or context.size == 1):
         return fn
+    if context is not None and context.size == 1:
+        context = None
+    split_axes = axes if context is None else (*axes, context.axis)
 
     def run(tree, *args):
         in_flat, in_tree = jax.tree.flatten((tree, args))
@@ -134,7 +158,7 @@ def split_draws(
         with _active(None):
             closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*in_flat)
         local = list(_draw_shapes(closed.jaxpr))
-        if not any(s and (not check_vma or not (v & set(axes))) for s, v in local):
+        if not any(s and (not check_vma or not (v & set(split_axes))) for s, v in local):
             # no draw to split: the model as it is, from its trace (the model's Python runs once)
             env = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
             env.update(zip(closed.jaxpr.invars, in_flat, strict=True))
@@ -143,8 +167,8 @@ def split_draws(
             return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
         arg_leaves = in_flat[n_tree:]
         batch = next((int(np.shape(x)[0]) for x in arg_leaves if np.ndim(x)), None)
-        table = _batch_dims(flat_fn, in_flat, n_tree, [s for s, _ in local], size, global_args)
-        draws = _Draws(axes, size, table, batch, check_vma)
+        table, seqs = _batch_dims(flat_fn, in_flat, n_tree, [s for s, _ in local], size, global_args, context)
+        draws = _Draws(axes, size, table, batch, check_vma, context, seqs)
         with _active(draws):  # vj.scan_layers bodies are split as they are traced (a new function: no cached trace)
             closed, out_shape = jax.make_jaxpr(lambda *xs: flat_fn(*xs), return_shape=True)(*in_flat)
         outs = _run(closed, in_flat, [False] * n_tree + [True] * len(arg_leaves), draws)
@@ -197,33 +221,62 @@ def _draw_shapes(jaxpr: Any) -> Iterator[tuple[tuple[int, ...], frozenset[str]]]
             yield from _draw_shapes(sub.jaxpr)
 
 
-def _batch_dims(flat_fn, in_flat, n_tree, local, size, global_args) -> dict[tuple[int, ...], int | None]:
+def _batch_dims(
+    flat_fn, in_flat, n_tree, local, size, global_args, context=None
+) -> tuple[dict[tuple[int, ...], int | None], dict[tuple[int, ...], int]]:
     """Per local draw shape, its batch dim, from a trace of the model at the global batch shapes (empty when
-    that trace fails or its draws do not match the local ones)."""
+    that trace fails or its draws do not match the local ones); and under a context axis its sequence dim,
+    from one more trace with the sequences global and the batch local (a dim that grows ``cp`` times there)."""
     if global_args is None:
-        return {}
+        return {}, {}
     try:
         shapes = global_args(in_flat[n_tree:])
         if shapes is None:
-            return {}
-        with _active(None):
-            closed = jax.make_jaxpr(lambda *xs: flat_fn(*xs))(*in_flat[:n_tree], *shapes)
+            return {}, {}
+        glob = _traced_draws(flat_fn, in_flat[:n_tree], shapes)
+        mid = list(local)
+        if context is not None:  # the sequences global, the batch local: dim 0 local, the others global
+            local_args = in_flat[n_tree:]
+            mixed = [
+                jax.ShapeDtypeStruct((*np.shape(x)[:1], *g.shape[1:]), g.dtype) if np.ndim(x) else g
+                for x, g in zip(local_args, shapes, strict=True)
+            ]
+            mid = _traced_draws(flat_fn, in_flat[:n_tree], mixed)
     except Exception:  # a model that traces only at its local shapes: the leading-dim rule
-        return {}
-    glob = [s for s, _ in _draw_shapes(closed.jaxpr)]
-    if len(glob) != len(local):
-        return {}
+        return {}, {}
+    if not (len(glob) == len(mid) == len(local)):
+        return {}, {}
     table: dict[tuple[int, ...], int | None] = {}
-    for lo, gl in zip(local, glob, strict=True):
-        if lo == gl:
-            dim = None
-        else:
-            grown = [j for j in range(len(lo)) if len(lo) == len(gl) and gl[j] != lo[j]]
-            dim = grown[0] if len(grown) == 1 and gl[grown[0]] == size * lo[grown[0]] else _INDEPENDENT
-        if table.get(lo, dim) != dim:
-            dim = _INDEPENDENT  # one local shape, two meanings: never the same draw on every device
+    seqs: dict[tuple[int, ...], int] = {}
+    for lo, md, gl in zip(local, mid, glob, strict=True):
+        seq = None
+        if context is not None:
+            seq = _grown(lo, md, context.size)
+            md = lo if seq is None else md
+        dim = None if md == gl else _grown(md, gl, size)
+        dim = _INDEPENDENT if dim is None and md != gl else dim
+        if seq == _INDEPENDENT:
+            dim, seq = _INDEPENDENT, None
+        if table.get(lo, dim) != dim or seqs.get(lo, seq) != seq:
+            dim, seq = _INDEPENDENT, None  # one local shape, two meanings: never the same draw on every device
         table[lo] = dim
-    return table
+        if seq is not None:
+            seqs[lo] = seq
+    return table, seqs
+
+
+def _traced_draws(flat_fn, tree_leaves, shapes) -> list[tuple[int, ...]]:
+    with _active(None):
+        closed = jax.make_jaxpr(lambda *xs: flat_fn(*xs))(*tree_leaves, *shapes)
+    return [s for s, _ in _draw_shapes(closed.jaxpr)]
+
+
+def _grown(lo: tuple[int, ...], gl: tuple[int, ...], factor: int) -> int | None:
+    """The one dim of ``lo`` that is ``factor`` times larger in ``gl`` (None: none grew; ``-1``: another change)."""
+    if lo == gl:
+        return None
+    grown = [j for j in range(len(lo)) if len(lo) == len(gl) and gl[j] != lo[j]]
+    return grown[0] if len(grown) == 1 and gl[grown[0]] == factor * lo[grown[0]] else _INDEPENDENT
 
 
 def _run(closed: Any, invals: Sequence[Any], dep: Sequence[bool], draws: _Draws | None) -> list[Any]:
@@ -260,8 +313,13 @@ def _bind(eqn: Any, vals: list[Any], check_vma: bool) -> list[Any]:
     if check_vma:
         seen = [varying_axes(x) for x in vals]
         union = frozenset().union(*seen)
-        if is_pvary(eqn) and len(vals) == 1 and set(pvary_axes(eqn)) <= seen[0]:
-            return [vals[0]]
+        if is_pvary(eqn) and len(vals) == 1 and set(pvary_axes(eqn)) & seen[0]:
+            # a pvary of a value that already varies over some of its axes: only the others
+            return [varying_like(vals[0], frozenset(pvary_axes(eqn)) | seen[0])]
+        if nested_jaxprs(eqn):
+            # a call (custom_vjp, jit, a loop) types each operand on its own: each varies at least as traced
+            want = [aval_varying_axes(v.aval) for v in eqn.invars]
+            return bind_equation(eqn, [varying_like(jnp.asarray(x), w) for x, w in zip(vals, want, strict=True)])
         if any(a != union for a in seen) and not is_pvary(eqn):
             vals = [x if a == union else varying_like(jnp.asarray(x), union) for x, a in zip(vals, seen, strict=True)]
     return bind_equation(eqn, vals)
@@ -284,34 +342,53 @@ def _is_keyish(x: Any) -> bool:
 
 
 def _split_draw(eqn: Any, key: Any, from_batch: bool, draws: _Draws) -> list[Any] | None:
-    """This device's part of a replicated draw with the batch dim, or None to draw as the model does."""
-    varies = bool(varying_axes(key) & set(draws.axes)) if draws.check_vma else from_batch
+    """This device's part of a replicated draw with the batch dim (or, under a context axis, the sequence dim),
+    or None to draw as the model does."""
+    varies = bool(varying_axes(key) & set(draws.split_axes)) if draws.check_vma else from_batch
     shape = draw_shape(eqn)
     dim = draws.batch_dim(shape) if shape else None
-    if varies or dim is None:
+    seq = draws.seq_dim(shape) if shape else None
+    if varies or (dim is None and seq is None):
         return None
-    index = jax.lax.axis_index(draws.axes)
-    exact = dim >= 0 and threefry_partitionable() and key_impl_name(key) == THREEFRY_IMPL
+    exact = (dim is None or dim >= 0) and threefry_partitionable() and key_impl_name(key) == THREEFRY_IMPL
     if exact:
-        one = lambda k: _threefry_part(k, eqn, shape, dim, index, draws.size)
+        global_shape, offsets = list(shape), {}
+        if dim is not None:
+            global_shape[dim] *= draws.size
+            index = jax.lax.axis_index(draws.axes) if draws.axes else 0
+            offsets[dim] = lambda c, index=index, b=shape[dim]: c + jnp.asarray(index * b).astype(_U32)
+        if seq is not None:
+            global_shape[seq] *= draws.context.size
+            where = local_positions(shape[seq], draws.context).astype(_U32)
+            offsets[seq] = lambda c, where=where, s=seq: _take_along(where, c, s)
+        one = lambda k: _threefry_part(k, eqn, shape, global_shape, offsets)
     else:
+        index = jax.lax.axis_index(draws.split_axes)
         one = lambda k: bind_equation(eqn, [jax.random.fold_in(k, index)])[0]
     for _ in range(np.ndim(key)):  # a key array: one draw per key
         one = jax.vmap(one)
     return [one(key)]
 
 
-def _threefry_part(key: Any, eqn: Any, shape: tuple[int, ...], dim: int, index: Any, size: int) -> Any:
-    """Rows ``[index*b, (index+1)*b)`` along ``dim`` of the partitionable threefry draw of ``eqn`` at the global
-    shape (``shape`` with ``dim`` ``size`` times larger), from their global flat indices."""
-    global_shape = list(shape)
-    global_shape[dim] *= size
+def _take_along(where: Any, coord: Any, dim: int) -> Any:
+    """``where[coord]`` for a coordinate array ``coord`` that varies along ``dim`` only (a broadcast iota)."""
+    shape = [1] * coord.ndim
+    shape[dim] = where.shape[0]
+    return jnp.broadcast_to(jnp.reshape(where, shape), coord.shape)
+
+
+def _threefry_part(
+    key: Any, eqn: Any, shape: tuple[int, ...], global_shape: Sequence[int], offsets: dict[int, Callable]
+) -> Any:
+    """This device's elements of the partitionable threefry draw of ``eqn`` at ``global_shape``, from their
+    global flat indices: along each dim of ``offsets`` the local coordinate ``c`` is the global ``offsets[dim](c)``
+    (rows ``[index*b, (index+1)*b)`` of the batch dim; a context split's token positions), elsewhere itself."""
     strides = [math.prod(global_shape[j + 1 :]) for j in range(len(shape))]
     acc = (jnp.zeros(shape, _U32), jnp.zeros(shape, _U32))
     for j, stride in enumerate(strides):
         coord = jax.lax.broadcasted_iota(_U32, shape, j)
-        if j == dim:
-            coord = coord + (index * shape[dim]).astype(_U32)
+        if j in offsets:
+            coord = offsets[j](coord)
         acc = _add64(acc, _mul64(coord, stride))
     words = jax.random.key_data(key)
     bits1, bits2 = threefry2x32(words[0], words[1], acc[0], acc[1])
