@@ -12,10 +12,12 @@ A compiling round runs first and is not counted.
 Printed: the median step time of the steps after a save against the steps with no save (their ratio; the goal
 ``--bound``, default 1.10, is asserted by the exit status: 1 when exceeded; ``--bound 0``: no bound), the time
 the loop is blocked per save (``save()``'s wall time; and a blocking save's, ``async_save=False``, for scale),
-how long the write went on after the window (``wait()``), and device memory per device: the compiled step's
-peak (``vj.testing.memory``), the bytes of live arrays on device 0 before the save, right after ``save()``
-returned and at the end of each step of the window (what the background save holds), against the bound the
-``Manager`` docstring states: one save's converted arrays (and the copies of the leaves stored as they are).
+how long the write went on after the window (``wait()``), and memory per device: the compiled step's peak
+(``vj.testing.memory``), and the bytes of live arrays of device 0 in device memory and in pinned host memory
+right after ``save()`` returned and at the end of each step of the window, less those before the save (what the
+background save holds). The device memory held is asserted (exit 1 above it) to be at most one bucket's logical
+copy (the largest bucket of the params or a parameter-shaped state, in its storage sharding): the save keeps
+what it writes in pinned host memory, each bucket moved there before the next one converts.
 """
 
 from __future__ import annotations
@@ -78,12 +80,15 @@ def build(args: argparse.Namespace):
     return plan, params, opt_state, train_step, batches()
 
 
-def live_bytes(device) -> int:
-    """Bytes of the live arrays' buffers on ``device``, each buffer once (arrays may share one)."""
+def live_bytes(device, memory: str = "device") -> int:
+    """Bytes of the live arrays' buffers on ``device`` in its ``memory`` (``"device"``, or a host memory kind
+    such as ``"pinned_host"``), each buffer once (arrays may share one)."""
     import jax
 
     sizes = {}
     for x in jax.live_arrays():
+        if (getattr(x.sharding, "memory_kind", None) or "device") != memory:
+            continue
         for s in x.addressable_shards:
             if s.device == device:
                 sizes[s.data.unsafe_buffer_pointer()] = s.data.nbytes
@@ -130,6 +135,13 @@ def main() -> int:
         for x in jax.tree.leaves(opt_state, is_leaf=is_sp)
         if isinstance(x, jax.Array)
     )
+    # the bound's addend: one bucket's logical copy on a device (the largest bucket of any stored tree)
+    bucket_copy = max(
+        sum(math.prod(s.sharding.shard_shape(s.shape)) * s.dtype.itemsize for s in (leaves[i] for i in b.leaves))
+        for q in stored
+        for leaves in [jax.tree.leaves(vj.checkpoint.abstract_logical(q))]
+        for b in q.buckets
+    )
 
     def step(params, opt_state):
         t = time.perf_counter()
@@ -140,7 +152,7 @@ def main() -> int:
     mngr = vj.checkpoint.Manager(os.path.join(root, "async"), async_save=True, max_to_keep=1)
     blocking = vj.checkpoint.Manager(os.path.join(root, "blocking"), async_save=False, max_to_keep=1)
     mngr.prepare(params=params, opt_state=opt_state)
-    plain, after, blocked, blocking_s, waited, held = [], [], [], [], [], []
+    plain, after, blocked, blocking_s, waited, held, on_host = [], [], [], [], [], [], []
     n = 0
     try:
         for r in range(args.rounds + 1):  # round 0 compiles and warms up
@@ -155,14 +167,16 @@ def main() -> int:
             if r:
                 blocking_s.append(time.perf_counter() - t)
             n += 1
-            before = live_bytes(device)
+            before, host_before = live_bytes(device), live_bytes(device, "pinned_host")
             t = time.perf_counter()
             mngr.save(n, params=params, opt_state=opt_state)
             dt = time.perf_counter() - t
             held_now = [live_bytes(device) - before]
+            host_now = [live_bytes(device, "pinned_host") - host_before]
             for _ in range(args.window):
                 params, opt_state, s = step(params, opt_state)
                 held_now.append(live_bytes(device) - before)
+                host_now.append(live_bytes(device, "pinned_host") - host_before)
                 if r:
                     after.append(s)
             t = time.perf_counter()
@@ -171,6 +185,7 @@ def main() -> int:
                 blocked.append(dt)
                 waited.append(time.perf_counter() - t)
                 held.append(max(held_now))
+                on_host.append(max(host_now))
     finally:
         mngr.close()
         blocking.close()
@@ -199,13 +214,16 @@ def main() -> int:
     print(f"| a blocking save, async_save=False, median (s) | {med(blocking_s):.3f} |")
     print(f"| `wait()` after the window, median (s) | {med(waited):.3f} |")
     print(f"| step peak per device, compiled (MiB) | {step_peak / MIB:.2f} |")
-    print(f"| one save's converted arrays (and copies) per device, the bound's addend (MiB) | {converted / MIB:.2f} |")
-    print(f"| held on device 0 while the save is in flight, max over rounds (MiB) | {max(held) / MIB:.2f} |")
-    ok = (not args.bound or ratio <= args.bound) and max(held) <= converted
+    print(f"| one bucket's logical copy per device, the bound's addend (MiB) | {bucket_copy / MIB:.2f} |")
+    print(f"| device memory of device 0 held by the save in flight, max over rounds (MiB) | {max(held) / MIB:.2f} |")
+    print(f"| one save's converted arrays (and copies) per device (MiB) | {converted / MIB:.2f} |")
+    print(f"| pinned host memory of device 0 held by the save in flight, max (MiB) | {max(on_host) / MIB:.2f} |")
+    ok = (not args.bound or ratio <= args.bound) and max(held) <= bucket_copy
     print(
         f"\n{'met' if ok else 'NOT met'}: ratio {ratio:.3f}"
-        f"{f' <= {args.bound:.2f}' if args.bound and ratio <= args.bound else ''}; held "
-        f"{max(held) / MIB:.2f} MiB {'<=' if max(held) <= converted else '>'} {converted / MIB:.2f} MiB"
+        f"{f' <= {args.bound:.2f}' if args.bound and ratio <= args.bound else ''}; device memory held "
+        f"{max(held) / MIB:.2f} MiB {'<=' if max(held) <= bucket_copy else '>'} one bucket's logical copy "
+        f"{bucket_copy / MIB:.2f} MiB"
     )
     return 0 if ok else 1
 

@@ -55,12 +55,14 @@ def host(tree):
 
 def test_the_worker_thread_writes_and_save_returns_before_the_write(tmp_path, state):
     plan, sp, opt, _, _ = state
-    release, threads = threading.Event(), []
+    release, threads, kinds = threading.Event(), [], set()
     with vj.checkpoint.Manager(tmp_path, async_save=True) as mngr:
         orbax_save = mngr._mngr.save
 
         def held_save(*args, **kwargs):  # Orbax's save, held until the test has seen save() return
             threads.append(threading.current_thread())
+            written = [x for x in jax.tree.leaves([kwargs["args"][k].item for k in ("params", "opt_state")])]
+            kinds.update(x.sharding.memory_kind for x in written if isinstance(x, jax.Array))
             assert release.wait(60)
             return orbax_save(*args, **kwargs)
 
@@ -71,6 +73,8 @@ def test_the_worker_thread_writes_and_save_returns_before_the_write(tmp_path, st
         mngr.wait()
         assert [t.name for t in threads] == ["vj-checkpoint-save-1"]
         assert threads[0] is not threading.main_thread()
+        # what the worker writes lives in pinned host memory: the device holds none of the save during the overlap
+        assert kinds == {_background.HOST_MEMORY}
         assert mngr.all_steps() == [1]
         r = mngr.restore(params=plan, opt_state=jax.eval_shape(lambda: opt))
     assert_trees_equal(host(r.params), host(sp))

@@ -2,12 +2,13 @@
 
 :class:`vescale_jax.checkpoint.Manager` (``async_save=True``) converts the state to its logical layout on the
 calling thread (the conversion is device programs with collectives, dispatched in program order from that one
-thread), then hands the converted arrays to :class:`Background`, whose thread copies them to the host and writes
-them through Orbax while the training loop runs its next steps. The thread touches only arrays no training step
-will donate: the conversion's outputs and the copies :func:`detach` makes of any leaf stored as it is.
+thread), each bucket's converted leaves moved to pinned host memory (:func:`host_memory`) before the next bucket
+converts, then hands those host arrays to :class:`Background`, whose thread writes them through Orbax while the
+training loop runs its next steps. The thread touches only arrays no training step will donate: the
+conversion's outputs (their host copies) and the copies :func:`detach` makes of any leaf stored as it is.
 
 One save is in flight at a time, in order: a new save joins the previous one first, so every process runs its
-Orbax saves one after another in the same order, and the device holds at most one save's converted arrays.
+Orbax saves one after another in the same order, and the host holds at most one save's converted arrays.
 """
 
 from __future__ import annotations
@@ -18,7 +19,23 @@ from typing import Any
 
 import jax
 
-__all__ = ["Background", "BackgroundSaveError", "detach"]
+__all__ = ["Background", "BackgroundSaveError", "detach", "host_memory"]
+
+HOST_MEMORY = "pinned_host"
+"""Where a background save keeps what it writes: page-locked host memory (device -> host copies run at full
+bandwidth; JAX's memory kind for host offload)."""
+
+
+def host_memory(mesh: jax.sharding.Mesh) -> str | None:
+    """:data:`HOST_MEMORY` where every device of ``mesh`` has it, else ``None`` (keep the arrays on the device)."""
+    for d in mesh.devices.flat:
+        try:
+            kinds = {m.kind for m in d.addressable_memories()}
+        except Exception:  # a backend without memory kinds
+            return None
+        if HOST_MEMORY not in kinds:
+            return None
+    return HOST_MEMORY
 
 
 class BackgroundSaveError(RuntimeError):

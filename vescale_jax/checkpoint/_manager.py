@@ -188,12 +188,14 @@ class Manager:
 
     Saves that do not stall (``async_save=True``, single-process job):
       :meth:`save` runs the conversion (the compiled bucket -> logical programs and the checksums, on the calling
-      thread, which dispatches every device program) and returns; the device -> host copy and the write run in a
-      worker thread, overlapping the next steps. The worker touches only the conversion's outputs and copies of
-      the leaves stored as they are (a step count), enqueued before the next step can donate the state, so the
-      checkpoint holds the values at the save. Device memory during the overlap: the step's own peak plus one
-      save's converted arrays (about the size of the sharded state it stores, ``(P + O) / m`` per device, where a
-      blocking save holds the same until it returns), freed as the worker finishes.
+      thread, which dispatches every device program), moving each bucket's converted leaves to pinned host memory
+      before the next bucket converts, and returns; the write runs in a worker thread, overlapping the next
+      steps. The worker touches only those host copies (and copies of the leaves stored as they are, a step
+      count), made before the next step can donate the state, so the checkpoint holds the values at the save.
+      Device memory: during ``save()`` the state plus one bucket's logical copy; during the overlap the step's
+      own peak and nothing more (the save's arrays are in host memory, about the size of the sharded state it
+      stores, ``(P + O) / m`` per device, freed as the worker finishes). A backend without pinned host memory
+      keeps them on the device instead.
 
     Sharding:
       Save and restore are collective: every process calls them with the same arguments. Each writes and reads
@@ -367,12 +369,14 @@ class Manager:
             return False
         self._join()  # one global save in flight: the previous one is written (or its error raised) first
         self._claim(step)
-        logical, param_sums = _stored.logical_and_sums(params)
+        # A background save holds what it writes in host memory, each bucket moved as soon as it is converted.
+        host = _background.host_memory(params.plan.mesh) if self._background is not None else None
+        logical, param_sums = _stored.logical_and_sums(params, memory_kind=host)
         items: dict[str, Any] = {_PARAMS: ocp.args.StandardSave(_stored.storable(logical))}
         sums = {_PARAMS: param_sums}
         info: list[dict[str, Any]] = []
         if opt_state is not None:
-            tree, info, sums[_OPT] = _stored.opt_state_items(opt_state)
+            tree, info, sums[_OPT] = _stored.opt_state_items(opt_state, memory_kind=host)
             items[_OPT] = ocp.args.StandardSave(tree)
         description = {
             "format": FORMAT,

@@ -118,9 +118,12 @@ def _named(plan: Plan, sums: np.ndarray, prefix: str = "") -> dict[str, list[int
     return {p: [int(v) for v in row] for p, row in zip(_leaf_paths(plan, prefix), sums, strict=True)}
 
 
-def logical_and_sums(params: ShardedParams, prefix: str = "") -> tuple[Any, dict[str, list[int]]]:
+def logical_and_sums(
+    params: ShardedParams, prefix: str = "", *, memory_kind: str | None = None
+) -> tuple[Any, dict[str, list[int]]]:
+    """``params``' logical tree (its leaves in ``memory_kind``, default device memory) and checksums by path."""
     plan = params.plan
-    leaves, sums = _logical.to_logical(params.buffers, plan)
+    leaves, sums = _logical.to_logical(params.buffers, plan, memory_kind=memory_kind)
     return jax.tree_util.tree_unflatten(plan.treedef, leaves), _named(plan, sums, prefix)
 
 
@@ -205,12 +208,18 @@ def _description(node: Any, name: str) -> dict[str, Any]:
     return {"path": name, "kind": "array"}
 
 
-def opt_state_items(opt_state: Any) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, list[int]]]:
+def opt_state_items(
+    opt_state: Any, *, memory_kind: str | None = None
+) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, list[int]]]:
     """``opt_state`` as a nested dict of storable values, the JSON description of each node, its checksums.
 
     An :class:`Offloaded` node is written as the device node it holds (the same keys, arrays and description):
     it is brought to the device alone, converted, checksummed there, and what is stored goes back to its host
     memory kind before the next node, so the device holds about one node's state at a time.
+
+    ``memory_kind`` (e.g. ``"pinned_host"``): every stored array is put there as soon as it is made (each
+    bucket's converted leaves before the next bucket converts; a leaf stored as it is, copied), so the values
+    no longer live in, or alias, the device state.
     """
     flat, _ = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=is_node)
     items, info, others, sums = [], [], [], {}
@@ -221,7 +230,7 @@ def opt_state_items(opt_state: Any) -> tuple[dict[str, Any], list[dict[str, Any]
         if host is not None:
             node = onload(node)  # this node only: its buckets whole, on the device
         if isinstance(node, ShardedParams):
-            tree, node_sums = logical_and_sums(node, prefix=name + "/")
+            tree, node_sums = logical_and_sums(node, prefix=name + "/", memory_kind=host or memory_kind)
             items.append((parts, storable(tree) if host is None else _in_memory(storable(tree), host)))
             sums.update(node_sums)
             info.append(_description(node, name))
@@ -237,12 +246,18 @@ def opt_state_items(opt_state: Any) -> tuple[dict[str, Any], list[dict[str, Any]
             if host is not None:
                 early.update(_integrity.checksums(nest([(parts, value)])))
                 value = _in_memory(value, host)
+            elif memory_kind is not None:
+                early.update(_integrity.checksums(nest([(parts, value)])))
+                value = _in_memory(value, memory_kind)
         else:
             # A process-local jax.Array (e.g. a scalar made outside jit) cannot be written as a global array in a
             # multi-process job: it is the same on every process, so store it as host data.
             is_global = isinstance(node, jax.Array) and (jax.process_count() == 1 or not node.is_fully_addressable)
             value = node if is_global else np.asarray(node)
             info.append(_description(node, name))
+            if memory_kind is not None and is_global:
+                early.update(_integrity.checksums(nest([(parts, value)])))
+                value = _in_memory(value, memory_kind)
         items.append((parts, value))
         others.append((parts, value))
     if early:

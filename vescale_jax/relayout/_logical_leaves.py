@@ -901,12 +901,17 @@ def _relabel(x: jax.Array, sharding: NamedSharding) -> jax.Array:
     return jax.device_put(x, sharding)
 
 
-def to_logical(buffers: Sequence[jax.Array], plan: Plan) -> tuple[list[jax.Array], np.ndarray]:
+def to_logical(
+    buffers: Sequence[jax.Array], plan: Plan, *, memory_kind: str | None = None
+) -> tuple[list[jax.Array], np.ndarray]:
     """The flattened logical leaves of ``plan`` from its bucket buffers, each evenly sharded for storage.
 
     Args:
       buffers: one global array per bucket (``ShardedParams.buffers`` or a parameter-shaped optimizer state).
       plan: their plan.
+      memory_kind: put each bucket's leaves in this memory (e.g. ``"pinned_host"``) as soon as they are
+        converted, before the next bucket's conversion runs: the device then holds one bucket's logical copy
+        at a time. ``None``: leave them where the conversion wrote them (device memory).
 
     Returns:
       ``(leaves, sums)``: one global array per leaf of the plan (flattening order), of the leaf's shape and the
@@ -926,6 +931,8 @@ def to_logical(buffers: Sequence[jax.Array], plan: Plan) -> tuple[list[jax.Array
         # Same devices, same layout: relabelling onto the storage mesh moves no data.
         buf = _relabel(buffers[b], NamedSharding(storage_mesh(plan), _bucket_spec(plan, bucket, _factor_axes(plan))))
         outs, sums = _run(plan, bucket, start, step, buf)
+        if memory_kind is not None:  # moved, and the device copy released, before the next bucket converts
+            outs = _one_at_a_time([jax.device_put(x, x.sharding.with_memory_kind(memory_kind)) for x in outs])
         for i, x in zip(bucket.leaves, outs, strict=True):
             leaves[i] = x
         shares.append(sums)
