@@ -120,7 +120,7 @@ def restore_params(path: str | os.PathLike, params: ShardedParams | Plan) -> Sha
         tree = ckptr.restore(path, target)
     except Exception as e:
         raise _read_errors.read_error(e, where=path, trees=trees) from e
-    return _stored.pack(tree, plan)
+    return _stored.pack(tree, plan, donate=True)  # freshly read: a one-leaf bucket takes the leaf's memory
 
 
 # ---------------------------------------------------------------------------------------------------- manager
@@ -588,7 +588,8 @@ class Manager:
         except Exception as e:  # TensorStore's errors are plain Exceptions
             raise _read_errors.read_error(e, where=f"step {step} at {where}", trees=trees) from e
         sums = desc["checksums"]
-        sp = _stored.pack(out[_PARAMS], plan, sums[_PARAMS], where=where) if plan is not None else None
+        # the read leaves are used by nothing else: a bucket that is one leaf split over its devices takes its memory
+        sp = _stored.pack(out[_PARAMS], plan, sums[_PARAMS], where=where, donate=True) if plan is not None else None
         state = _stored.rebuild_state(opt_state, out[_OPT], rebuild, sums[_OPT], where) if rebuild is not None else None
         self._resumed_from = step  # read and checked: it and earlier steps are this run's
         return Restored(step, sp, state, dict(out[_META] or {}))

@@ -552,7 +552,7 @@ def prepare(params: ShardedParams, opt_state: Any = None) -> None:
       params: the sharded parameters (real or abstract, ``jax.eval_shape``: only their plan and dtypes are read).
       opt_state: the optimizer state over them (real or abstract), or ``None``.
     """
-    stored = jax.tree.leaves(_prepare_sharded(params))
+    stored = jax.tree.leaves(_prepare_sharded(params, donate=True))  # a restore packs the params with donate=True
     if opt_state is not None:
         stored += _prepare_opt_state(opt_state, params.plan)
     _orbax_slices.precompile(stored)
