@@ -128,9 +128,7 @@ FAST: dict[str, tuple[str, ...]] = {
         "test_bf16_leaf_gradient_matches_unsharded[3-True]",
         "test_default_reduce_dtype_of_low_precision_masters",
     ),
-    "test_widening.py": (
-        "test_bf16_leaf_inside_the_models_own_nnx_scan_trains_like_unsharded[3]",
-    ),
+    "test_widening.py": ("test_bf16_leaf_inside_the_models_own_nnx_scan_trains_like_unsharded[3]",),
     "test_scale.py": (
         "test_master_dtype_is_checked",
         "test_accumulation_equals_one_big_batch",
