@@ -337,7 +337,7 @@ def bench_temp(args) -> None:
             ("bucket -> logical", logical._out_executables),
             ("logical -> bucket", logical._in_executables),
         ):
-            start, step = build(plan, b, bucket.dtype)
+            start, step = build(plan, b, bucket.dtype)[:2]
             calls = 1 if start is None else bucket.layers
             a = step.memory_analysis()
             print(

@@ -409,11 +409,27 @@ def test_warm_start_from_a_plain_unsharded_flax_checkpoint(tmp_path):
 
 
 # -------------------------------------------------------------------------------------------------- faults
-def test_mismatched_tree_raises_naming_the_leaf(tmp_path):
+@pytest.mark.parametrize("shapes", ["recorded", "orbax_metadata"])
+def test_mismatched_tree_raises_naming_the_leaf(tmp_path, monkeypatch, shapes):
+    """Checked against the shapes the save recorded in its description (Orbax's metadata is not read), and
+    against Orbax's metadata for a checkpoint whose description has none (written by an earlier release)."""
     tree = tree_of()
     plan = plan_of(tree, 2)
     mngr = vj.checkpoint.Manager(tmp_path)
-    mngr.save(1, params=host_shard(tree, plan), opt_state=optax.sgd(0.1, momentum=0.9).init(host_shard(tree, plan)))
+    opt = optax.sgd(0.1, momentum=0.9).init(host_shard(tree, plan))
+    mngr.save(1, params=host_shard(tree, plan), opt_state=opt)
+    if shapes == "recorded":
+        assert set(mngr._description(1)["shapes"]) == {"params", "opt_state"}
+        monkeypatch.setattr(mngr._mngr, "item_metadata", lambda step: pytest.fail("Orbax's metadata was read"))
+    else:
+        described = vj.checkpoint.Manager._description
+        monkeypatch.setattr(
+            vj.checkpoint.Manager,
+            "_description",
+            lambda self, step: {k: v for k, v in described(self, step).items() if k != "shapes"},
+        )
+    restored = mngr.restore(params=plan, opt_state=jax.eval_shape(lambda: opt))
+    assert_trees_equal(host_unshard(restored.params), tree)
     renamed = {("head2" if k == "head" else k): v for k, v in tree.items()}
     with pytest.raises(
         ValueError,

@@ -138,6 +138,7 @@ def test_an_error_in_the_background_surfaces_at_wait_naming_the_step(tmp_path, s
     assert mngr.all_steps() == [1]
     mngr._mngr.save = orbax_save
     mngr.save(2, params=sp)  # the failed step is not this run's: saving it again is allowed
+    mngr.wait()  # written before Orbax's save is replaced again (the worker calls it after the checksums)
     mngr._mngr.save = lambda s, **kw: (_ for _ in ()).throw(OSError("read-only file system"))
     mngr.save(3, params=sp)
     with pytest.raises(RuntimeError, match="background save of step 3"):
@@ -180,3 +181,75 @@ def test_detach_copies_only_arrays_sharing_the_states_buffers():
     for k in ("a", "c"):
         assert got[k] is not x and got[k].unsafe_buffer_pointer() != x.unsafe_buffer_pointer()
         np.testing.assert_array_equal(got[k], x)
+
+
+def _stacked_tree(seed: int = 0):
+    """A stacked group converted one layer per call (its leaves do not line up with the shards) beside a plain
+    bucket converted in one call."""
+    rng = np.random.default_rng(seed)
+    return {
+        "embed": rng.standard_normal((13, 12), np.float32),
+        "blocks": {"w": rng.standard_normal((3, 12, 20), np.float32), "b": rng.standard_normal((3, 7), np.float32)},
+    }
+
+
+def test_each_conversion_writes_its_leaves_to_host_memory_itself():
+    """A background save's conversions end in pinned host memory inside their own programs (an unstacked
+    bucket's conversion; a stacked bucket's last program after its layers), bit-equal to the device path."""
+    from vescale_jax.relayout import _logical_leaves as _logical
+
+    tree = _stacked_tree()
+    plan = vj.plan(tree, make_mesh(8 if len(jax.devices()) >= 8 else len(jax.devices())), stacked=("blocks",))
+    kind = _background.host_memory(plan.mesh)
+    if kind is None:
+        pytest.skip("no pinned host memory on these devices")
+    sp = vj.shard(tree, plan)
+    on_device, sums = _logical.to_logical(sp.buffers, plan)
+    on_host, deferred = _logical.to_logical(sp.buffers, plan, memory_kind=kind, defer_sums=True)
+    assert {x.sharding.memory_kind for x in on_host} == {kind}
+    assert_trees_equal([np.asarray(x) for x in on_host], [np.asarray(x) for x in on_device])
+    np.testing.assert_array_equal(deferred(), sums)
+    kinds = set()
+    for b, bucket in enumerate(plan.buckets):
+        start, step, finish = _logical._out_executables(plan, b, bucket.dtype, kind)
+        last = step if finish is None else finish
+        leaves = last.output_shardings[0] if finish is None else last.output_shardings
+        assert {s.memory_kind for s in jax.tree.leaves(leaves)} == {kind}, bucket.name
+        kinds.add(start is None)
+    assert kinds == {True, False}, "the tree has a bucket converted whole and one layer by layer"
+
+
+def test_a_save_only_enqueues_where_the_device_runs_programs_in_order(tmp_path, monkeypatch):
+    """Where the device runs each program in launch order (a GPU), ``save`` waits for nothing: it enqueues the
+    conversions and their moves to host memory and returns; the worker fetches the checksums and writes. Shown
+    on one CPU device (no collective to rendezvous) with the platform's answer switched: no call from the
+    saving thread waits on an array, and the step's values are written."""
+    from vescale_jax.relayout import _logical_leaves as _logical
+
+    tree = _stacked_tree(1)
+    plan = vj.plan(tree, make_mesh(1), stacked=("blocks",))
+    sp = vj.shard(tree, plan)
+    opt = vj.init_opt_state(optax.adam(1e-2), sp)
+    expected = host((sp, opt))
+    waits: list[str] = []
+    main = threading.current_thread()
+
+    def recording(name, fn):
+        def call(*args, **kwargs):
+            if threading.current_thread() is main:
+                waits.append(name)
+            return fn(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(_logical, "must_wait", lambda results: False)
+    with vj.checkpoint.Manager(tmp_path, async_save=True) as mngr:
+        mngr.prepare(params=sp, opt_state=opt)
+        for name in ("block_until_ready", "device_get"):
+            monkeypatch.setattr(jax, name, recording(name, getattr(jax, name)))
+        assert mngr.save(1, params=sp, opt_state=opt)
+        assert waits == [], f"save waited on the devices: {waits}"
+        monkeypatch.undo()
+        mngr.wait()
+        r = mngr.restore(1, params=plan, opt_state=jax.eval_shape(lambda: opt))
+    assert_trees_equal(host((r.params, r.opt_state)), expected)

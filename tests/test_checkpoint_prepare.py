@@ -67,9 +67,9 @@ def _check_coverage(plan, state) -> None:
     assert any(_orbax_slices.replica_count(x.shape, x.sharding) > 1 for x in stored)
 
 
-def _save_and_restore_after_prepare(tmp_path, tree, plan, sp, state, prepare_args):
+def _save_and_restore_after_prepare(tmp_path, tree, plan, sp, state, prepare_args, async_save=False):
     template = jax.eval_shape(lambda: state)
-    with vj.checkpoint.Manager(tmp_path) as mngr:
+    with vj.checkpoint.Manager(tmp_path, async_save=async_save) as mngr:
         with counting_compiles() as during_prepare:
             mngr.prepare(**prepare_args)
         assert mngr.all_steps() == []  # nothing written
@@ -86,10 +86,15 @@ def _save_and_restore_after_prepare(tmp_path, tree, plan, sp, state, prepare_arg
     assert_trees_equal(jax.tree.leaves(vj.onload(r.opt_state)), jax.tree.leaves(vj.onload(state)))
 
 
-def test_prepare_compiles_every_save_and_restore_executable(tmp_path):
-    tree, plan, sp, state = _state(0, rows=32)
+@pytest.mark.parametrize("async_save", [False, True], ids=["blocking", "async"])
+def test_prepare_compiles_every_save_and_restore_executable(tmp_path, async_save):
+    """Blocking saves, and background saves (each conversion writing its leaves to pinned host memory, the
+    checksums fetched by the worker)."""
+    tree, plan, sp, state = _state(0 if async_save else 2, rows=32 if async_save else 24)
     _check_coverage(plan, state)
-    _save_and_restore_after_prepare(tmp_path, tree, plan, sp, state, dict(params=sp, opt_state=state))
+    _save_and_restore_after_prepare(
+        tmp_path, tree, plan, sp, state, dict(params=sp, opt_state=state), async_save=async_save
+    )
 
 
 @pytest.mark.parametrize(("abstract", "offload"), [(True, False), (False, True)], ids=["abstract", "offloaded"])

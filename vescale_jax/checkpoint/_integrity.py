@@ -8,7 +8,7 @@ words, plain and weighted by ``2 i + 1`` (an odd weight, so any single changed w
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -25,11 +25,13 @@ __all__ = [
     "compile_checksums",
     "flat_shapes",
     "raw_path",
+    "resolve",
     "stored_shapes",
     "words",
 ]
 
 Shapes = Mapping[str, tuple[tuple[int, ...], str]]
+Sums = dict[str, list[int]]
 
 
 def raw_path(path: Any) -> str:
@@ -101,13 +103,26 @@ def _sums(leaves: list[jax.Array]) -> list[jax.Array]:
     return [_leaf_sums(x) for x in leaves]
 
 
-def checksums(tree: Any) -> dict[str, list[int]]:
-    """``{key path: [sum, weighted sum]}`` of every leaf (uint32 arithmetic), computed where each leaf lives."""
+def checksums(tree: Any, *, defer: bool = False) -> Sums | Callable[[], Sums]:
+    """``{key path: [sum, weighted sum]}`` of every leaf (uint32 arithmetic), computed where each leaf lives.
+
+    ``defer``: launch the computation and return a function of no arguments that fetches the result (it waits
+    for the devices then; call it from a thread that may wait, e.g. a background save's worker)."""
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
     if not flat:
-        return {}
-    sums = jax.device_get(_sums([x for _, x in flat]))
-    return {raw_path(p): [int(v) for v in np.asarray(s)] for (p, _), s in zip(flat, sums, strict=True)}
+        return (lambda: {}) if defer else {}
+    on_device = _sums([x for _, x in flat])
+
+    def fetch() -> Sums:
+        sums = jax.device_get(on_device)
+        return {raw_path(p): [int(v) for v in np.asarray(s)] for (p, _), s in zip(flat, sums, strict=True)}
+
+    return fetch if defer else fetch()
+
+
+def resolve(sums: Sums | Callable[[], Sums]) -> Sums:
+    """Checksums by key path, fetched first where :func:`checksums` (or a caller) deferred them."""
+    return dict(sums()) if callable(sums) else dict(sums)
 
 
 def compile_checksums(tree: Any) -> None:

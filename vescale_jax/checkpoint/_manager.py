@@ -369,40 +369,46 @@ class Manager:
             return False
         self._join()  # one global save in flight: the previous one is written (or its error raised) first
         self._claim(step)
-        # A background save holds what it writes in host memory, each bucket moved as soon as it is converted.
-        host = _background.host_memory(params.plan.mesh) if self._background is not None else None
-        logical, param_sums = _stored.logical_and_sums(params, memory_kind=host)
+        # A background save holds what it writes in host memory, each bucket's conversion writing it there; it
+        # only enqueues the conversions where the device runs them in launch order (a GPU), and its worker
+        # fetches the checksums (on XLA:CPU each conversion still finishes before the next launches).
+        background = self._background is not None
+        host = _background.host_memory(params.plan.mesh) if background else None
+        logical, param_sums = _stored.logical_and_sums(params, memory_kind=host, defer=background)
         items: dict[str, Any] = {_PARAMS: ocp.args.StandardSave(_stored.storable(logical))}
         sums = {_PARAMS: param_sums}
         info: list[dict[str, Any]] = []
         if opt_state is not None:
-            tree, info, sums[_OPT] = _stored.opt_state_items(opt_state, memory_kind=host)
+            tree, info, sums[_OPT] = _stored.opt_state_items(opt_state, memory_kind=host, defer=background)
             items[_OPT] = ocp.args.StandardSave(tree)
         description = {
             "format": FORMAT,
             "plan": params.plan.to_dict(),
             "opt_state": info,
             "has_opt_state": opt_state is not None,
-            "checksums": sums,
+            # what each item stores: a restore checks its target against these without reading Orbax's metadata
+            "shapes": {item: _integrity.flat_shapes(items[item].item) for item in (_PARAMS, _OPT) if item in items},
         }
-        items[_VJ] = ocp.args.JsonSave(description)
         items[_META] = ocp.args.JsonSave(dict(metadata or {}))
-        if self._background is not None:
+        if background:
             # Leaves sharing a buffer with the state would be donated by the next step: the worker gets copies.
             state = [*params.buffers, *jax.tree.leaves(opt_state)]
             for item in (_PARAMS, _OPT) if opt_state is not None else (_PARAMS,):
                 items[item] = ocp.args.StandardSave(_background.detach(items[item].item, state))
-            args = ocp.args.Composite(**items)
             self._saved.add(int(step))
-            self._background.start(step, lambda: self._write(step, args))
+            self._background.start(step, lambda: self._write(step, items, description, sums))
             return True
+        items[_VJ] = ocp.args.JsonSave({**description, "checksums": sums})
         started = self._mngr.save(step, args=ocp.args.Composite(**items), force=True)
         if started:
             self._saved.add(int(step))
         return started
 
-    def _write(self, step: int, args: ocp.args.Composite) -> None:
-        """The worker's part of a background save: Orbax's save (device -> host copy, write, finalise)."""
+    def _write(self, step: int, items: dict[str, Any], description: dict[str, Any], sums: dict[str, Any]) -> None:
+        """The worker's part of a background save: the checksums fetched (they wait for the conversions), then
+        Orbax's save (write, finalise)."""
+        checksums = {item: _integrity.resolve(s) for item, s in sums.items()}
+        args = ocp.args.Composite(**items, **{_VJ: ocp.args.JsonSave({**description, "checksums": checksums})})
         if not self._mngr.save(step, args=args, force=True):
             raise RuntimeError(f"Orbax's CheckpointManager declined to save step {step} (force=True).")
 
@@ -463,7 +469,8 @@ class Manager:
           params: the sharded parameters (or their ``jax.eval_shape``).
           opt_state: the optimizer state over them, or ``None``.
         """
-        _stored.prepare(params, opt_state)
+        host = _background.host_memory(params.plan.mesh) if self._background is not None else None
+        _stored.prepare(params, opt_state, memory_kind=host)
 
     # -- restore
     def _restore_local(self, step: int | None, plan: Plan | None, opt_state: Any) -> Restored | None:
@@ -552,15 +559,21 @@ class Manager:
         where = os.path.join(self.directory, str(step))
         # the params' restore target names a leaf whose metadata cannot be read (Orbax calls it 'w.k', we 'w/k')
         named = {_PARAMS: _stored.storable(abstract_logical(_target_plan(params)))} if params is not None else {}
-        try:
-            metadata = self._mngr.item_metadata(step)
-        except Exception as e:  # TensorStore's errors are plain Exceptions
-            raise _read_errors.read_error(e, where=f"step {step} at {where}", trees=named) from e
+        recorded = desc.get("shapes") or {}  # saved with the step (absent from checkpoints of earlier releases)
+        metadata: list[Any] = []
 
         def stored_shapes(item: str, target: Any) -> dict[str, Any]:
-            shapes = _integrity.stored_shapes(metadata[item]) if item in metadata.keys() else {}
+            item_dir = os.path.join(where, item)
+            if item in recorded and not _read_errors.unreadable_item(item_dir):
+                return {k: (tuple(shape), dtype) for k, (shape, dtype) in recorded[item].items()}
+            if not metadata:
+                try:
+                    metadata.append(self._mngr.item_metadata(step))
+                except Exception as e:  # TensorStore's errors are plain Exceptions
+                    raise _read_errors.read_error(e, where=f"step {step} at {where}", trees=named) from e
+            shapes = _integrity.stored_shapes(metadata[0][item]) if item in metadata[0].keys() else {}
             if not shapes and jax.tree.leaves(target):
-                raise _read_errors.missing_item(os.path.join(where, item), item)
+                raise _read_errors.missing_item(item_dir, item)
             return shapes
 
         args: dict[str, Any] = {_META: ocp.args.JsonRestore()}

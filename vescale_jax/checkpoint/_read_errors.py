@@ -18,7 +18,7 @@ import tensorstore as ts
 
 from vescale_jax.layout._paths import key_name
 
-__all__ = ["describe", "missing_item", "read_error"]
+__all__ = ["describe", "missing_item", "read_error", "unreadable_item"]
 
 _OCDBT = re.compile(r'(?:Error reading|Metadata at) "([^"]*)" in OCDBT database at local file "([^"]*)"')
 _FILE = re.compile(r'local file "([^"]*)"')
@@ -121,6 +121,13 @@ def read_error(e: BaseException, *, where: str, trees: Mapping[str, Any]) -> Val
         "another step (Manager.all_steps()), or re-copy the checkpoint directory from where it was written, or "
         "re-save it from a process that still holds the state."
     )
+
+
+def unreadable_item(item_dir: str) -> bool:
+    """Whether an item's directory or its Orbax metadata file (``_METADATA``) is missing or empty (then
+    :func:`missing_item` says which)."""
+    meta = os.path.join(item_dir, "_METADATA")
+    return not os.path.isdir(item_dir) or not os.path.isfile(meta) or os.path.getsize(meta) == 0
 
 
 def missing_item(item_dir: str, item: str) -> ValueError:

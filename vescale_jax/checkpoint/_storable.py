@@ -119,12 +119,16 @@ def _named(plan: Plan, sums: np.ndarray, prefix: str = "") -> dict[str, list[int
 
 
 def logical_and_sums(
-    params: ShardedParams, prefix: str = "", *, memory_kind: str | None = None
-) -> tuple[Any, dict[str, list[int]]]:
-    """``params``' logical tree (its leaves in ``memory_kind``, default device memory) and checksums by path."""
+    params: ShardedParams, prefix: str = "", *, memory_kind: str | None = None, defer: bool = False
+) -> tuple[Any, Any]:
+    """``params``' logical tree (its leaves in ``memory_kind``, default device memory) and checksums by path
+    (with ``defer``, a function of no arguments that fetches them: see :func:`_logical.to_logical`)."""
     plan = params.plan
-    leaves, sums = _logical.to_logical(params.buffers, plan, memory_kind=memory_kind)
-    return jax.tree_util.tree_unflatten(plan.treedef, leaves), _named(plan, sums, prefix)
+    leaves, sums = _logical.to_logical(params.buffers, plan, memory_kind=memory_kind, defer_sums=defer)
+    tree = jax.tree_util.tree_unflatten(plan.treedef, leaves)
+    if defer:
+        return tree, lambda: _named(plan, sums(), prefix)
+    return tree, _named(plan, sums, prefix)
 
 
 def logical_tree(params: ShardedParams) -> Any:
@@ -209,8 +213,8 @@ def _description(node: Any, name: str) -> dict[str, Any]:
 
 
 def opt_state_items(
-    opt_state: Any, *, memory_kind: str | None = None
-) -> tuple[dict[str, Any], list[dict[str, Any]], dict[str, list[int]]]:
+    opt_state: Any, *, memory_kind: str | None = None, defer: bool = False
+) -> tuple[dict[str, Any], list[dict[str, Any]], Any]:
     """``opt_state`` as a nested dict of storable values, the JSON description of each node, its checksums.
 
     An :class:`Offloaded` node is written as the device node it holds (the same keys, arrays and description):
@@ -218,23 +222,26 @@ def opt_state_items(
     memory kind before the next node, so the device holds about one node's state at a time.
 
     ``memory_kind`` (e.g. ``"pinned_host"``): every stored array is put there as soon as it is made (each
-    bucket's converted leaves before the next bucket converts; a leaf stored as it is, copied), so the values
-    no longer live in, or alias, the device state.
+    bucket's converted leaves by its conversion; a leaf stored as it is, copied), so the values no longer live
+    in, or alias, the device state. ``defer``: the checksums come as a function of no arguments that fetches
+    them (nothing here waits for the devices where the conversions run in launch order).
     """
     flat, _ = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=is_node)
-    items, info, others, sums = [], [], [], {}
-    early: dict[str, list[int]] = {}  # checksums of offloaded PerDevice values, computed on the device
+    items, info, others, node_sums = [], [], [], []
+    early: list[Any] = []  # checksums of values moved off the device before the end, computed there first
+    early_names: set[str] = set()
     for path, node in flat:
         parts, name = [_name(k) for k in path], _raw_path(path)
         host = node.form.memory_kind if isinstance(node, Offloaded) else None
         if host is not None:
             node = onload(node)  # this node only: its buckets whole, on the device
         if isinstance(node, ShardedParams):
-            tree, node_sums = logical_and_sums(node, prefix=name + "/", memory_kind=host or memory_kind)
+            tree, sums = logical_and_sums(node, prefix=name + "/", memory_kind=host or memory_kind, defer=True)
             items.append((parts, storable(tree) if host is None else _in_memory(storable(tree), host)))
-            sums.update(node_sums)
+            node_sums.append(sums)
             info.append(_description(node, name))
             continue
+        moved_to = None
         if isinstance(node, PerDevice):
             layout = getattr(node, "layout", None)
             if layout is not None:
@@ -243,33 +250,42 @@ def opt_state_items(
             else:
                 value = node.value
             info.append(_description(node, name))
-            if host is not None:
-                early.update(_integrity.checksums(nest([(parts, value)])))
-                value = _in_memory(value, host)
-            elif memory_kind is not None:
-                early.update(_integrity.checksums(nest([(parts, value)])))
-                value = _in_memory(value, memory_kind)
+            moved_to = host or memory_kind
         else:
             # A process-local jax.Array (e.g. a scalar made outside jit) cannot be written as a global array in a
             # multi-process job: it is the same on every process, so store it as host data.
             is_global = isinstance(node, jax.Array) and (jax.process_count() == 1 or not node.is_fully_addressable)
             value = node if is_global else np.asarray(node)
             info.append(_description(node, name))
-            if memory_kind is not None and is_global:
-                early.update(_integrity.checksums(nest([(parts, value)])))
-                value = _in_memory(value, memory_kind)
+            moved_to = memory_kind if is_global else None
+        if moved_to is not None:
+            tree = nest([(parts, value)])
+            early.append(_integrity.checksums(tree, defer=True))
+            early_names.update(_raw_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
+            value = _in_memory(value, moved_to)
         items.append((parts, value))
         others.append((parts, value))
     if early:
-        names = set(early)
-        on_device = [(parts, v) for parts, v in others if not _under(parts, names)]
-        found = {**_integrity.checksums(nest(on_device)), **early}
+        on_device = _integrity.checksums(nest([(p, v) for p, v in others if not _under(p, early_names)]), defer=True)
         # In the order a device-resident state's checksums take (the same JSON either way).
-        flat_others, _ = jax.tree_util.tree_flatten_with_path(nest(others))
-        sums.update({k: found[k] for k in (_raw_path(p) for p, _ in flat_others)})
+        order = [_raw_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(nest(others))[0]]
+
+        def rest() -> dict[str, list[int]]:
+            found = _integrity.resolve(on_device)
+            for part in early:
+                found.update(_integrity.resolve(part))
+            return {k: found[k] for k in order}
     else:
-        sums.update(_integrity.checksums(nest(others)))
-    return nest(items), info, sums
+        rest = _integrity.checksums(nest(others), defer=True)
+
+    def fetch() -> dict[str, list[int]]:
+        sums: dict[str, list[int]] = {}
+        for part in node_sums:
+            sums.update(part())
+        sums.update(rest())
+        return sums
+
+    return nest(items), info, fetch if defer else fetch()
 
 
 def _under(parts: list[str], names: set[str]) -> bool:
@@ -413,12 +429,14 @@ def _empty_leaves(plan: Plan, buffers: Sequence[Any]) -> None:
             jax.numpy.zeros(s.shape, buffers[s.bucket].dtype)
 
 
-def _prepare_sharded(node: ShardedParams, donate: bool = False) -> Any:
-    """Compiles a ``ShardedParams``' conversions both ways (restore's with ``donate``, as :func:`pack` runs it);
-    returns the storable tree a save writes of it, as ``jax.ShapeDtypeStruct`` s with their storage shardings."""
-    _logical.compile_conversions(node.plan, _dtypes(node), donate=donate)
+def _prepare_sharded(node: ShardedParams, donate: bool = False, memory_kind: str | None = None) -> Any:
+    """Compiles a ``ShardedParams``' conversions both ways (restore's with ``donate``, as :func:`pack` runs it;
+    the save's writing its leaves to ``memory_kind``); returns the storable tree a save writes of it, as
+    ``jax.ShapeDtypeStruct`` s with their storage shardings (in ``memory_kind``)."""
+    _logical.compile_conversions(node.plan, _dtypes(node), donate=donate, memory_kind=memory_kind)
     _empty_leaves(node.plan, node.buffers)
-    return storable(abstract_logical(node.plan, node.buffers))
+    tree = storable(abstract_logical(node.plan, node.buffers))
+    return tree if memory_kind is None else _in_memory(tree, memory_kind)
 
 
 def _on_mesh(x: Any, plan: Plan) -> Any:
@@ -462,9 +480,10 @@ def _prepare_pieces(off: Offloaded) -> None:
         jax.block_until_ready([split.take(whole, r) for r in range(split.count)])
 
 
-def _prepare_opt_state(opt_state: Any, default: Plan) -> list[Any]:
-    """Compiles what a save of ``opt_state`` and a restore into it run (see :func:`prepare`); returns the leaves a
-    save hands Orbax (arrays, or ``jax.ShapeDtypeStruct`` s with their shardings)."""
+def _prepare_opt_state(opt_state: Any, default: Plan, memory_kind: str | None = None) -> list[Any]:
+    """Compiles what a save of ``opt_state`` (with its ``memory_kind``) and a restore into it run (see
+    :func:`prepare`); returns the leaves a save hands Orbax (arrays, or ``jax.ShapeDtypeStruct`` s with their
+    shardings)."""
     flat, _ = jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=is_node)
     stored: list[Any] = []
     info, others, early = [], [], []
@@ -478,8 +497,9 @@ def _prepare_opt_state(opt_state: Any, default: Plan) -> list[Any]:
             node = _shell(node, name)
         info.append(_description(node, name))
         if isinstance(node, ShardedParams):
-            tree = _prepare_sharded(node, donate=True)  # rebuild_state packs with donate=True
-            stored += jax.tree.leaves(tree if host is None else _in_memory(tree, host))
+            # rebuild_state packs with donate=True
+            tree = _prepare_sharded(node, donate=True, memory_kind=host or memory_kind)
+            stored += jax.tree.leaves(tree)
             continue
         if isinstance(node, PerDevice):
             if getattr(node, "layout", None) is not None:
@@ -488,13 +508,15 @@ def _prepare_opt_state(opt_state: Any, default: Plan) -> list[Any]:
                 logical[name] = value
             else:
                 value = _on_mesh(node.value, node.plan)
-            if host is not None:
-                early.append((parts, value))
-                value = _in_memory(value, host)
+            moved_to = host or memory_kind
         else:
             is_global = isinstance(node, jax.Array) and (jax.process_count() == 1 or not node.is_fully_addressable)
             abstract = isinstance(node, jax.ShapeDtypeStruct)
             value = node if is_global else _on_mesh(node, default) if abstract else np.asarray(node)
+            moved_to = memory_kind if is_global or abstract else None
+        if moved_to is not None:  # checksummed alone on the device, then moved (as opt_state_items does)
+            early.append((parts, value))
+            value = _in_memory(value, moved_to)
         stored += jax.tree.leaves(value)
         others.append((parts, value))
     early_parts = [parts for parts, _ in early]
@@ -530,7 +552,7 @@ def _prepare_opt_state(opt_state: Any, default: Plan) -> list[Any]:
     return stored
 
 
-def prepare(params: ShardedParams, opt_state: Any = None) -> None:
+def prepare(params: ShardedParams, opt_state: Any = None, *, memory_kind: str | None = None) -> None:
     """Compiles, ahead of time, every executable a save of this state and a restore into its plans run.
 
     * every ``ShardedParams`` (``params`` and the parameter-shaped nodes of ``opt_state``, offloaded ones
@@ -551,10 +573,13 @@ def prepare(params: ShardedParams, opt_state: Any = None) -> None:
     Args:
       params: the sharded parameters (real or abstract, ``jax.eval_shape``: only their plan and dtypes are read).
       opt_state: the optimizer state over them (real or abstract), or ``None``.
+      memory_kind: the memory a save writes the converted leaves to (as :func:`logical_and_sums` and
+        :func:`opt_state_items` with it); ``None``: device memory.
     """
-    stored = jax.tree.leaves(_prepare_sharded(params, donate=True))  # a restore packs the params with donate=True
+    # a restore packs the params with donate=True
+    stored = jax.tree.leaves(_prepare_sharded(params, donate=True, memory_kind=memory_kind))
     if opt_state is not None:
-        stored += _prepare_opt_state(opt_state, params.plan)
+        stored += _prepare_opt_state(opt_state, params.plan, memory_kind)
     _orbax_slices.precompile(stored)
 
 

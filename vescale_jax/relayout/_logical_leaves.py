@@ -729,12 +729,15 @@ class _BucketIO:
 
 
 @plan_cache
-def _out_executables(plan: Plan, b: int, dtype: str) -> tuple[Any, Any]:
-    """Bucket ``b`` -> its logical leaves, compiled: ``(start, step)``.
+def _out_executables(plan: Plan, b: int, dtype: str, memory_kind: str | None = None) -> tuple[Any, Any, Any]:
+    """Bucket ``b`` -> its logical leaves, compiled: ``(start, step, finish)``.
 
     A stacked bucket converts one layer per call: ``start()`` makes the zero leaves and checksum shares,
     ``step(buffer, leaves, sums, layer)`` writes layer ``layer`` of every leaf in place (``leaves`` and ``sums``
     donated) and adds its checksums; ``start`` is ``None`` and ``step(buffer) -> (leaves, sums)`` otherwise.
+    ``memory_kind`` (e.g. ``"pinned_host"``): the leaves end in that memory, written there by ``step`` itself
+    (``finish`` is ``None``) or, for a stacked bucket, by ``finish(leaves)`` after the last layer; ``finish`` is
+    ``None`` without a ``memory_kind``.
 
     Sharding:
       Inside ``shard_map`` over the storage mesh; per call each device holds one layer's bucket row, the moved
@@ -770,15 +773,22 @@ def _out_executables(plan: Plan, b: int, dtype: str) -> tuple[Any, Any]:
 
     leaf_specs = tuple(x.sharding.spec for x in io.leaves)
     sums_spec = io.sums.sharding.spec
+    placed = tuple(x.sharding.with_memory_kind(memory_kind) for x in io.leaves) if memory_kind else None
     if whole or not stacked:
         fn = jax.shard_map(
             local, mesh=mesh, in_specs=(io.buffer.sharding.spec,), out_specs=(leaf_specs, sums_spec), check_vma=False
         )
-        return None, jax.jit(fn).lower(io.buffer).compile()
+        # with a memory kind, the program itself writes the leaves there: no device copy outlives it
+        outs = (placed, io.sums.sharding) if placed else None
+        return None, jax.jit(fn, out_shardings=outs).lower(io.buffer).compile(), None
     in_specs = (io.buffer.sharding.spec, leaf_specs, sums_spec, P())
     fn = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(leaf_specs, sums_spec), check_vma=False)
     step = jax.jit(fn, donate_argnums=(1, 2)).lower(io.buffer, io.leaves, io.sums, io.layer).compile()
-    return _zeros(io.leaves, io.sums), step
+    finish = None
+    if placed:
+        # (not donated: no output can alias a device buffer; the device copy is freed once this program ran)
+        finish = jax.jit(lambda leaves: leaves, out_shardings=placed).lower(io.leaves).compile()
+    return _zeros(io.leaves, io.sums), step, finish
 
 
 @functools.lru_cache(maxsize=256)
@@ -865,13 +875,27 @@ def _zeros(*targets: Any) -> Any:
 
 
 def _one_at_a_time(results: Any) -> Any:
-    """``results`` once computed: a conversion's next executable is launched only after this one has finished.
+    """``results``, once computed where the platform needs it: on XLA:CPU a conversion's next executable is
+    launched only after this one has finished; elsewhere it returns at once (the device's stream orders them).
 
     Launched asynchronously, consecutive executables whose collectives span every device may run at once on
     XLA:CPU's simulated devices, and their in-process rendezvous then waits on threads held by the other one
     (an abort after 40 s, seen on a GPT-like tree); one at a time, each collective's participants all arrive.
+    A GPU runs each device's programs in the order they were launched, so there the conversions are only
+    enqueued: the caller goes on (e.g. to the next train step) while they run.
     """
-    return jax.block_until_ready(results)
+    if must_wait(results):
+        return jax.block_until_ready(results)
+    return results
+
+
+def must_wait(results: Any) -> bool:
+    """Whether a conversion's executables must run one at a time from the host (:func:`_one_at_a_time`): the
+    arrays ``results`` live on XLA:CPU devices."""
+    for x in jax.tree.leaves(results):
+        if isinstance(x, jax.Array):
+            return any(d.platform == "cpu" for d in x.sharding.device_set)
+    return True
 
 
 def _layer_indices(plan: Plan, layers: int) -> list[jax.Array]:
@@ -886,11 +910,14 @@ def _bucket_dtypes(plan: Plan, dtypes: Sequence[str] | None) -> tuple[str, ...]:
     return tuple(np.dtype(d).name for d in dtypes)
 
 
-def compile_conversions(plan: Plan, dtypes: Sequence[str] | None = None, *, donate: bool = False) -> None:
-    """Compiles (ahead of time, cached by plan) every executable :func:`to_logical` and :func:`from_logical`
-    (with its ``donate``) run for ``plan`` with bucket dtypes ``dtypes`` (default the plan's); runs nothing."""
+def compile_conversions(
+    plan: Plan, dtypes: Sequence[str] | None = None, *, donate: bool = False, memory_kind: str | None = None
+) -> None:
+    """Compiles (ahead of time, cached by plan) every executable :func:`to_logical` (with its ``memory_kind``)
+    and :func:`from_logical` (with its ``donate``) run for ``plan`` with bucket dtypes ``dtypes`` (default the
+    plan's); runs nothing."""
     for b, dtype in enumerate(_bucket_dtypes(plan, dtypes)):
-        _out_executables(plan, b, dtype)
+        _out_executables(plan, b, dtype, memory_kind)
         _in_step(plan, b, dtype, donate)
 
 
@@ -902,21 +929,25 @@ def _relabel(x: jax.Array, sharding: NamedSharding) -> jax.Array:
 
 
 def to_logical(
-    buffers: Sequence[jax.Array], plan: Plan, *, memory_kind: str | None = None
-) -> tuple[list[jax.Array], np.ndarray]:
+    buffers: Sequence[jax.Array], plan: Plan, *, memory_kind: str | None = None, defer_sums: bool = False
+) -> tuple[list[jax.Array], Any]:
     """The flattened logical leaves of ``plan`` from its bucket buffers, each evenly sharded for storage.
 
     Args:
       buffers: one global array per bucket (``ShardedParams.buffers`` or a parameter-shaped optimizer state).
       plan: their plan.
-      memory_kind: put each bucket's leaves in this memory (e.g. ``"pinned_host"``) as soon as they are
-        converted, before the next bucket's conversion runs: the device then holds one bucket's logical copy
-        at a time. ``None``: leave them where the conversion wrote them (device memory).
+      memory_kind: the memory each bucket's conversion writes its leaves to (e.g. ``"pinned_host"``), inside
+        its program (a stacked bucket: one more program after its last layer): the device holds one bucket's
+        logical copy at a time, and none once the conversions have run. ``None``: device memory.
+      defer_sums: return the checksums as a function that fetches them (from another thread, say), so that
+        nothing here waits for the conversions on a platform that runs them in launch order (a GPU): this
+        call only enqueues them. On XLA:CPU each conversion still finishes before the next launches.
 
     Returns:
       ``(leaves, sums)``: one global array per leaf of the plan (flattening order), of the leaf's shape and the
-      bucket's dtype, with :func:`storage_sharding` (on :func:`storage_mesh`); and each leaf's two checksums
-      (``(num_leaves, 2)`` uint32, as :func:`vescale_jax.checkpoint._integrity.checksums` computes them).
+      bucket's dtype, with :func:`storage_sharding` (on :func:`storage_mesh`) in ``memory_kind``; and each
+      leaf's two checksums (``(num_leaves, 2)`` uint32, as :func:`vescale_jax.checkpoint._integrity.checksums`
+      computes them), or with ``defer_sums`` a function of no arguments returning them.
 
     Sharding:
       One compiled executable per bucket, cached by plan and dtype (:func:`compile_conversions`); a stacked
@@ -927,15 +958,17 @@ def to_logical(
     leaves: list[Any] = [None] * len(plan.leaves)
     shares = []
     for b, bucket in enumerate(plan.buckets):
-        start, step = _out_executables(plan, b, np.dtype(buffers[b].dtype).name)
+        start, step, finish = _out_executables(plan, b, np.dtype(buffers[b].dtype).name, memory_kind)
         # Same devices, same layout: relabelling onto the storage mesh moves no data.
         buf = _relabel(buffers[b], NamedSharding(storage_mesh(plan), _bucket_spec(plan, bucket, _factor_axes(plan))))
         outs, sums = _run(plan, bucket, start, step, buf)
-        if memory_kind is not None:  # moved, and the device copy released, before the next bucket converts
-            outs = _one_at_a_time([jax.device_put(x, x.sharding.with_memory_kind(memory_kind)) for x in outs])
+        if finish is not None:  # a stacked bucket's leaves to their memory (the device copy dropped here)
+            outs = _one_at_a_time(finish(outs))
         for i, x in zip(bucket.leaves, outs, strict=True):
             leaves[i] = x
         shares.append(sums)
+    if defer_sums:
+        return leaves, functools.partial(_gather_sums, plan, shares)
     return leaves, _gather_sums(plan, shares)
 
 
