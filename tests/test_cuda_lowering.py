@@ -449,3 +449,23 @@ def test_checkpoint_logical_conversion():
     text = back.trace(*leaves).lower(lowering_platforms=("cuda",)).as_text()
     assert any(op == "all_to_all" for op, _, _ in census(text))
     assert not any(name in text for name in CALLBACKS)
+
+
+def test_checkpoint_conversions_to_host_memory_lower_for_cuda():
+    """A background save's conversion programs, as they run (one per bucket; a layered bucket's per-layer step
+    and its last program), lowered for CUDA: the last program of every bucket places the leaves in pinned host
+    memory itself, and none calls back to the host."""
+    from vescale_jax.relayout import _logical_leaves as logical
+
+    plan = gpt_plan()
+    placed = '_xla_buffer_placement = "pinned_host"'
+    layered = 0
+    for b, bucket in enumerate(plan.buckets):
+        is_layered, programs = logical.out_programs(plan, b, bucket.dtype, "pinned_host")
+        texts = [fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text() for fn, args in programs if fn]
+        assert len(texts) == 1 + is_layered, bucket.name
+        assert placed in texts[-1], bucket.name
+        assert (placed in texts[0]) == (not is_layered), bucket.name  # a layered step keeps its leaves in place
+        assert not any(name in text for text in texts for name in CALLBACKS)
+        layered += is_layered
+    assert 0 < layered < len(plan.buckets), "the plan has a layered bucket and one converted in one call"

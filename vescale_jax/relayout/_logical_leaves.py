@@ -730,14 +730,27 @@ class _BucketIO:
 
 @plan_cache
 def _out_executables(plan: Plan, b: int, dtype: str, memory_kind: str | None = None) -> tuple[Any, Any, Any]:
-    """Bucket ``b`` -> its logical leaves, compiled: ``(start, step, finish)``.
+    """Bucket ``b`` -> its logical leaves, compiled: ``(start, step, finish)`` (:func:`out_programs`, each
+    program lowered for its arguments and compiled; ``start`` makes the zeros a stacked bucket starts from)."""
+    stacked, programs = out_programs(plan, b, dtype, memory_kind)
+    step, finish = (fn.lower(*args).compile() if fn is not None else None for fn, args in programs)
+    if not stacked:
+        return None, step, finish
+    io = _BucketIO(plan, b, dtype)
+    return _zeros(io.leaves, io.sums), step, finish
 
-    A stacked bucket converts one layer per call: ``start()`` makes the zero leaves and checksum shares,
-    ``step(buffer, leaves, sums, layer)`` writes layer ``layer`` of every leaf in place (``leaves`` and ``sums``
-    donated) and adds its checksums; ``start`` is ``None`` and ``step(buffer) -> (leaves, sums)`` otherwise.
-    ``memory_kind`` (e.g. ``"pinned_host"``): the leaves end in that memory, written there by ``step`` itself
-    (``finish`` is ``None``) or, for a stacked bucket, by ``finish(leaves)`` after the last layer; ``finish`` is
-    ``None`` without a ``memory_kind``.
+
+def out_programs(plan: Plan, b: int, dtype: str, memory_kind: str | None = None) -> tuple[bool, Any]:
+    """Bucket ``b`` -> its logical leaves, as jitted programs: ``(layered, ((step, args), (finish, args)))``.
+
+    A stacked bucket whose layers move differently is ``layered``, converted one layer per call: the caller
+    starts from zero leaves and checksum shares, and ``step(buffer, leaves, sums, layer)`` writes layer
+    ``layer`` of every leaf in place (``leaves`` and ``sums`` donated) and adds its checksums; otherwise
+    ``step(buffer) -> (leaves, sums)`` converts the bucket in one call. ``memory_kind`` (e.g.
+    ``"pinned_host"``): the leaves end in that memory, written there by ``step`` itself (``finish`` is
+    ``None``) or, for a layered bucket, by ``finish(leaves)`` after the last layer; ``finish`` is ``None``
+    without a ``memory_kind``. Each ``args`` are the program's abstract arguments (to lower it for any
+    platform).
 
     Sharding:
       Inside ``shard_map`` over the storage mesh; per call each device holds one layer's bucket row, the moved
@@ -780,15 +793,13 @@ def _out_executables(plan: Plan, b: int, dtype: str, memory_kind: str | None = N
         )
         # with a memory kind, the program itself writes the leaves there: no device copy outlives it
         outs = (placed, io.sums.sharding) if placed else None
-        return None, jax.jit(fn, out_shardings=outs).lower(io.buffer).compile(), None
+        return False, ((jax.jit(fn, out_shardings=outs), (io.buffer,)), (None, ()))
     in_specs = (io.buffer.sharding.spec, leaf_specs, sums_spec, P())
     fn = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=(leaf_specs, sums_spec), check_vma=False)
-    step = jax.jit(fn, donate_argnums=(1, 2)).lower(io.buffer, io.leaves, io.sums, io.layer).compile()
-    finish = None
-    if placed:
-        # (not donated: no output can alias a device buffer; the device copy is freed once this program ran)
-        finish = jax.jit(lambda leaves: leaves, out_shardings=placed).lower(io.leaves).compile()
-    return _zeros(io.leaves, io.sums), step, finish
+    step = (jax.jit(fn, donate_argnums=(1, 2)), (io.buffer, io.leaves, io.sums, io.layer))
+    # (not donated: no output can alias a device buffer; the device copy is freed once this program ran)
+    finish = (jax.jit(lambda leaves: leaves, out_shardings=placed), (io.leaves,)) if placed else (None, ())
+    return True, (step, finish)
 
 
 @functools.lru_cache(maxsize=256)
