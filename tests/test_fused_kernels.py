@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import make_mesh
-from helpers import GPTConfig, abstract_model, batches, init_params, loss_fn
+from helpers import GPTConfig, abstract_model, assert_trees_equal, batches, init_params, loss_fn
 
 import vescale_jax as vj
 from vescale_jax.kernels import _bands
@@ -32,16 +32,6 @@ GRAN = {
 def standard_promotion():
     with jax.numpy_dtype_promotion("standard"):
         yield
-
-
-def _bits(x):
-    x = np.asarray(x)
-    return x.view(f"u{x.dtype.itemsize}")
-
-
-def _same(a, b):
-    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
-    np.testing.assert_array_equal(_bits(a), _bits(b))
 
 
 def _tree(seed):
@@ -94,8 +84,8 @@ def test_quantize_matches_reference_bitwise(gran, m, dtype):
     zero_block = False
     for k in range(m):
         (codes, scales), (rc, rs) = kernel(shards[k], k), ref(shards[k], k)
-        _same(codes, rc)
-        _same(scales, rs)
+        assert_trees_equal(codes, rc)
+        assert_trees_equal(scales, rs)
         zero_block |= bool(np.any(np.asarray(rs)[: table.nb] == 0))
     assert zero_block  # the zero block (and -0.0 exact elements) are in the comparison
     assert bucket.layout.padding_fraction > 0
@@ -110,7 +100,7 @@ def test_dequantize_unpack_matches_reference_bitwise(gran, m, dtype):
     got = kfp8.dequantize_unpack(codes, scales, table, bucket.layout, shapes, interpret=INTERPRET, **kw)
     want = kfp8.dequantize_unpack_reference(codes, scales, table, bucket.layout, shapes, **kw)
     for g, w in zip(got, want, strict=True):
-        _same(g, w)
+        assert_trees_equal(g, w)
 
 
 def test_small_units_group_fewer_blocks():
@@ -121,7 +111,7 @@ def test_small_units_group_fewer_blocks():
     kernel = jax.jit(lambda x, k: kfp8.quantize(x, table, k, interpret=INTERPRET, chunk=256))
     for k in range(3):
         for g, w in zip(kernel(shards[k], k), kfp8.quantize_reference(shards[k], table, k), strict=True):
-            _same(g, w)
+            assert_trees_equal(g, w)
 
 
 def test_units_cover_every_element_once():
@@ -191,11 +181,11 @@ def test_tiled_pack_and_unpack_match_reference_bitwise(src, dst, chunk):
     layout, storage, leaves = _tiled_bucket(src)
     assert sum(layout.sizes) < layout.total_size  # padding, written as zero
     buf = ktiles.pack_tiled(leaves, layout, storage=storage, dtype=dst, interpret=INTERPRET, chunk=chunk)
-    _same(buf, ktiles.pack_tiled_reference(leaves, layout, storage=storage, dtype=dst))
+    assert_trees_equal(buf, ktiles.pack_tiled_reference(leaves, layout, storage=storage, dtype=dst))
     got = ktiles.unpack_tiled(buf, layout, TILE_SHAPES, storage=storage, dtype=src, interpret=INTERPRET, chunk=chunk)
     want = ktiles.unpack_tiled_reference(buf, layout, TILE_SHAPES, storage=storage, dtype=src)
     for g, w in zip(got, want, strict=True):
-        _same(g, w)
+        assert_trees_equal(g, w)
 
 
 def test_tiled_unpack_of_rectangular_tiles():
@@ -203,7 +193,7 @@ def test_tiled_unpack_of_rectangular_tiles():
     buf = ktiles.pack_tiled_reference(leaves, layout, storage=storage)
     got = ktiles.unpack_tiled(buf, layout, TILE_SHAPES, storage=storage, interpret=INTERPRET)
     for g, x in zip(got, leaves, strict=True):
-        _same(g, x)
+        assert_trees_equal(g, x)
 
 
 # --- Through the real step ------------------------------------------------------------------------------------
@@ -264,9 +254,9 @@ def test_step_with_fused_kernels_is_bitwise_the_xla_step(precision, m, monkeypat
         assert calls.get("quantize") and calls.get("dequantize_unpack") and calls.get("pack_tiled"), calls
     else:
         assert calls.get("unpack_tiled") and calls.get("pack_tiled"), calls
-    _same(got_loss, want_loss)
+    assert_trees_equal(got_loss, want_loss)
     for g, w in zip(got, want, strict=True):
-        _same(g, w)
+        assert_trees_equal(g, w)
 
 
 # --- Lowered for CUDA (on the CPU) ----------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_trees_equal
 
 import vescale_jax as vj
 from vescale_jax import kernels as _K
@@ -57,16 +58,6 @@ ODD_SHAPES = [(3, 5), (7,), (16, 16), (1,), (33, 2), (), (0, 4), (9, 1, 3)]
 def _random(rng, shape, dtype):
     x = rng.uniform(0.5, 2.0, shape) * rng.choice([-1.0, 1.0], shape)
     return jnp.asarray(x, jnp.float32).astype(dtype)
-
-
-def _bits(x):
-    x = np.asarray(x)
-    return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
-
-
-def _assert_same(a, b):
-    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
-    np.testing.assert_array_equal(_bits(a), _bits(b))
 
 
 def _bucket(shapes, m=3, align=4, seed=0, dtype=F32, block=1):
@@ -138,7 +129,7 @@ def test_pack_matches_reference_and_writes_padding(name, dtype):
     layout, leaves = _bucket(BUCKETS[name], dtype=dtype)
     assert layout.padding > 0 or name == "one"
     got = K.pack(leaves, layout, out=_nan((layout.total_size,), dtype))
-    _assert_same(got, K.pack_reference(leaves, layout))
+    assert_trees_equal(got, K.pack_reference(leaves, layout))
 
 
 @pytest.mark.parametrize("scale", [0.125, "array"])
@@ -146,19 +137,21 @@ def test_pack_fused_scale_and_cast(scale):
     layout, leaves = _bucket(ODD_SHAPES, seed=3)
     scale = jnp.asarray(1 / 3, F32) if scale == "array" else scale
     got = K.pack(leaves, layout, dtype=BF16, scale=scale, out=_nan((layout.total_size,), BF16))
-    _assert_same(got, K.pack_reference(leaves, layout, dtype=BF16, scale=scale))
+    assert_trees_equal(got, K.pack_reference(leaves, layout, dtype=BF16, scale=scale))
 
 
 def test_pack_bf16_to_f32_under_jit():
     layout, leaves = _bucket(BUCKETS["odd"], dtype=BF16, seed=4)
     fn = jax.jit(lambda xs, out: K.pack(xs, layout, dtype=F32, scale=2.0, out=out), donate_argnums=1)
-    _assert_same(fn(leaves, _nan((layout.total_size,), F32)), K.pack_reference(leaves, layout, dtype=F32, scale=2.0))
+    assert_trees_equal(
+        fn(leaves, _nan((layout.total_size,), F32)), K.pack_reference(leaves, layout, dtype=F32, scale=2.0)
+    )
 
 
 def test_pack_hundreds_of_tensors():
     layout, leaves = _bucket(_many(120, seed=5), m=8, align=1, dtype=BF16)
     got = K.pack(leaves, layout, out=_nan((layout.total_size,), BF16))
-    _assert_same(got, K.pack_reference(leaves, layout))
+    assert_trees_equal(got, K.pack_reference(leaves, layout))
 
 
 @pytest.mark.parametrize("chunk", [4])
@@ -168,7 +161,7 @@ def test_pack_grid_dispatch(chunk):
     got = K.pack(
         leaves, layout, dtype=BF16, scale=0.5, out=_nan((layout.total_size,), BF16), dispatch="grid", chunk=chunk
     )
-    _assert_same(got, K.pack_reference(leaves, layout, dtype=BF16, scale=0.5))
+    assert_trees_equal(got, K.pack_reference(leaves, layout, dtype=BF16, scale=0.5))
 
 
 def test_pack_empty_and_zero_sized():
@@ -177,7 +170,7 @@ def test_pack_empty_and_zero_sized():
     assert out.shape == (0,) and out.dtype == F32
     layout = vj.plan_bucket([0, 5], [1, 1], 2, align=4)  # all padding but one leaf
     leaves = [jnp.ones((0,), F32), jnp.full((5,), 3.0, F32)]
-    _assert_same(K.pack(leaves, layout, out=_nan((layout.total_size,), F32)), K.pack_reference(leaves, layout))
+    assert_trees_equal(K.pack(leaves, layout, out=_nan((layout.total_size,), F32)), K.pack_reference(leaves, layout))
 
 
 def test_pack_errors():
@@ -214,7 +207,7 @@ def test_unpack_matches_reference(name, src, dst):
     got = K.unpack(buf, layout, shapes, dtype=dst, out=out)
     want = K.unpack_reference(buf, layout, shapes, dtype=dst)
     for g, w in zip(got, want, strict=True):
-        _assert_same(g, w)
+        assert_trees_equal(g, w)
 
 
 def test_unpack_many_roundtrip_under_jit():
@@ -222,7 +215,7 @@ def test_unpack_many_roundtrip_under_jit():
     layout, leaves = _bucket(shapes, dtype=F32, seed=8)
     fn = jax.jit(lambda xs: K.unpack(K.pack(xs, layout), layout, shapes))
     for g, x in zip(fn(leaves), leaves, strict=True):
-        _assert_same(g, x)
+        assert_trees_equal(g, x)
 
 
 @pytest.mark.parametrize("chunk", [16])
@@ -233,7 +226,7 @@ def test_unpack_grid_dispatch(chunk):
     out = [_nan(s, BF16) for s in shapes]
     got = K.unpack(buf, layout, shapes, dtype=BF16, out=out, dispatch="grid", chunk=chunk)
     for g, w in zip(got, K.unpack_reference(buf, layout, shapes, dtype=BF16), strict=True):
-        _assert_same(g, w)
+        assert_trees_equal(g, w)
 
 
 def test_unpack_errors():
@@ -364,11 +357,11 @@ def test_hundreds_roundtrip_slow(dtype):
     shapes = _many(300, seed=10)
     layout, leaves = _bucket(shapes, m=8, align=4, dtype=dtype)
     buf = K.pack(leaves, layout, out=_nan((layout.total_size,), dtype))
-    _assert_same(buf, K.pack_reference(leaves, layout))
+    assert_trees_equal(buf, K.pack_reference(leaves, layout))
     for g, w in zip(
         K.unpack(buf, layout, shapes, dtype=BF16), K.unpack_reference(buf, layout, shapes, dtype=BF16), strict=True
     ):
-        _assert_same(g, w)
+        assert_trees_equal(g, w)
 
 
 @pytest.mark.slow
@@ -376,6 +369,6 @@ def test_grid_dispatch_many_slow():
     shapes = _many(40, seed=11)
     layout, leaves = _bucket(shapes, align=1)
     got = K.pack(leaves, layout, out=_nan((layout.total_size,), F32), dispatch="grid", chunk=8)
-    _assert_same(got, K.pack_reference(leaves, layout))
+    assert_trees_equal(got, K.pack_reference(leaves, layout))
     for g, x in zip(K.unpack(got, layout, shapes, dispatch="grid", chunk=8), leaves, strict=True):
-        _assert_same(g, x)
+        assert_trees_equal(g, x)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import make_mesh
+from helpers import assert_trees_equal
 
 import vescale_jax as vj
 from vescale_jax._compat import mosaic_gpu_interpret_params
@@ -66,16 +67,6 @@ def _bucket(gran, m):
     return params, plan, bucket, step_fp8.block_table(plan, 0, BLOCK)
 
 
-def _bits(x):
-    x = np.asarray(x)
-    return x.view(f"u{x.dtype.itemsize}")
-
-
-def _same(a, b):
-    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
-    np.testing.assert_array_equal(_bits(a), _bits(b))
-
-
 @pytest.mark.parametrize("m", [3, 8])
 def test_which_buckets_mosaic_gpu_takes(m):
     """Contiguous blocks are taken (tiles that are the blocks; blocks of whole rows; exact leaves), a row-major
@@ -113,8 +104,8 @@ def test_quantize_and_dequantize_unpack_match_the_references(gran, m, dtype):
     for k in range(m):
         c, s = kfp8.quantize(shards[k], table, k, **kw)
         rc, rs = kfp8.quantize_reference(shards[k], table, jnp.int32(k))
-        _same(c, rc)
-        _same(s, rs)
+        assert_trees_equal(c, rc)
+        assert_trees_equal(s, rs)
         codes.append(c)
         scales.append(s)
     codes, scales = jnp.stack(codes), jnp.stack(scales)
@@ -127,7 +118,7 @@ def test_quantize_and_dequantize_unpack_match_the_references(gran, m, dtype):
             codes, scales, table, bucket.layout, shapes, dtype=out, storage=bucket.storage
         )
         for g, w in zip(got, want, strict=True):
-            _same(g, w)
+            assert_trees_equal(g, w)
 
 
 @needs_kernels
@@ -152,8 +143,8 @@ def test_stacked_layers_inside_shard_map():
     for k in range(m):
         for layer in range(2):
             rc, rs = kfp8.quantize_reference(rows[k, layer], table, jnp.int32(k))
-            _same(np.asarray(codes)[k, layer], rc)
-            _same(np.asarray(scales)[k, layer], rs)
+            assert_trees_equal(np.asarray(codes)[k, layer], rc)
+            assert_trees_equal(np.asarray(scales)[k, layer], rs)
 
 
 def test_integer_fp8_codes_round_as_xla():
@@ -169,4 +160,4 @@ def test_integer_fp8_codes_round_as_xla():
     np.testing.assert_array_equal(got, want)
     codes = jnp.arange(256, dtype=jnp.int32)
     values = jax.jit(jax.vmap(_fp8_mosaic.code_value))(codes)
-    _same(values, jax.lax.bitcast_convert_type(codes.astype(jnp.uint8), jnp.float8_e4m3fn).astype(F32))
+    assert_trees_equal(values, jax.lax.bitcast_convert_type(codes.astype(jnp.uint8), jnp.float8_e4m3fn).astype(F32))

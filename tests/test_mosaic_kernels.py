@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_trees_equal
 
 import vescale_jax as vj
 from vescale_jax import kernels as K
@@ -40,16 +41,6 @@ BUCKETS = {
 }
 
 
-def _bits(x):
-    x = np.asarray(x)
-    return x.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
-
-
-def _assert_same(a, b):
-    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
-    np.testing.assert_array_equal(_bits(a), _bits(b))
-
-
 def _bucket(name, m=3, dtype=F32, seed=0):
     shapes, align = BUCKETS[name]
     layout = vj.plan_bucket([math.prod(s) for s in shapes], [1] * len(shapes), m, align=align)
@@ -68,20 +59,20 @@ def test_pack_and_unpack_match_the_references(name, src, dst, scale):
     shapes, layout, leaves = _bucket(name, dtype=src)
     scale = jnp.float32(0.25) if scale == "array" else scale
     got = jax.jit(lambda xs: K.pack(xs, layout, dtype=dst, scale=scale, **MOSAIC))(leaves)
-    _assert_same(got, K.pack_reference(leaves, layout, dtype=dst, scale=scale))
+    assert_trees_equal(got, K.pack_reference(leaves, layout, dtype=dst, scale=scale))
     back_dtype = F32 if dst == FP8 else src
     back = jax.jit(lambda b: K.unpack(b, layout, shapes, dtype=back_dtype, **MOSAIC))(got)
     for g, w in zip(back, K.unpack_reference(got, layout, shapes, dtype=back_dtype), strict=True):
-        _assert_same(g, w)
+        assert_trees_equal(g, w)
 
 
 def test_narrow_windows_use_the_grid_of_many_programs():
     """chunk=128: many windows per leaf, each found by the program's tree of ``pl.when``."""
     shapes, layout, leaves = _bucket("windows-and-tails", seed=3)
     got = K.pack(leaves, layout, dtype=BF16, chunk=128, **MOSAIC)
-    _assert_same(got, K.pack_reference(leaves, layout, dtype=BF16))
+    assert_trees_equal(got, K.pack_reference(leaves, layout, dtype=BF16))
     for g, w in zip(K.unpack(got, layout, shapes, chunk=128, **MOSAIC), leaves, strict=True):
-        _assert_same(g, w.astype(BF16))
+        assert_trees_equal(g, w.astype(BF16))
 
 
 @pytest.mark.parametrize("m", [1, 3, 8])
@@ -105,9 +96,9 @@ def test_inside_shard_map_on_each_device_count(m):
     for d in range(m):
         mine = [jnp.asarray(np.asarray(x)[d]) for x in stacked]
         want = K.pack_reference(mine, layout, dtype=BF16)
-        _assert_same(buf[d], want)
+        assert_trees_equal(buf[d], want)
         for g, w in zip(back, K.unpack_reference(want, layout, shapes, dtype=F32), strict=True):
-            _assert_same(g[d], w)
+            assert_trees_equal(g[d], w)
 
 
 # --- The tile relayout (tile rows as vectors) ---------------------------------------------------------------------
@@ -131,8 +122,8 @@ def test_tile_relayout_pack_and_unpack_match_the_references(gran, src, dst):
     leaves = [jnp.asarray(rng.normal(size=s), F32).astype(src) for s in TILE_SHAPES]
     assert sum(layout.sizes) < layout.total_size  # padding, written as zero
     buf = ktiles.pack_tiled(leaves, layout, storage=storage, dtype=dst, **MOSAIC)
-    _assert_same(buf, ktiles.pack_tiled_reference(leaves, layout, storage=storage, dtype=dst))
+    assert_trees_equal(buf, ktiles.pack_tiled_reference(leaves, layout, storage=storage, dtype=dst))
     got = ktiles.unpack_tiled(buf, layout, TILE_SHAPES, storage=storage, dtype=src, **MOSAIC)
     want = ktiles.unpack_tiled_reference(buf, layout, TILE_SHAPES, storage=storage, dtype=src)
     for a, b in zip(got, want, strict=True):
-        _assert_same(a, b)
+        assert_trees_equal(a, b)
