@@ -245,7 +245,7 @@ FAST: dict[str, tuple[str, ...]] = {
     "test_checkpoint.py": (
         "test_round_trip_into_another_plan_is_bitwise[3to8]",
         "test_storage_split_rule",
-        "test_mismatched_tree_raises_naming_the_leaf",
+        "test_mismatched_tree_raises_naming_the_leaf[recorded]",
         "test_corrupt_or_truncated_file_raises[flip]",
         "test_manager_keeps_max_to_keep_and_async_save_finishes",
     ),
