@@ -209,6 +209,11 @@ def test_each_conversion_writes_its_leaves_to_host_memory_itself():
     assert {x.sharding.memory_kind for x in on_host} == {kind}
     assert_trees_equal([np.asarray(x) for x in on_host], [np.asarray(x) for x in on_device])
     np.testing.assert_array_equal(deferred(), sums)
+    if "unpinned_host" in {m.kind for m in jax.devices()[0].addressable_memories()}:
+        # another host kind (an offloaded node's) is reached by a copy after the program, not inside it
+        unpinned, _ = _logical.to_logical(sp.buffers, plan, memory_kind="unpinned_host")
+        assert {x.sharding.memory_kind for x in unpinned} == {"unpinned_host"}
+        assert_trees_equal([np.asarray(x) for x in unpinned], [np.asarray(x) for x in on_device])
     kinds = set()
     for b, bucket in enumerate(plan.buckets):
         start, step, finish = _logical._out_executables(plan, b, bucket.dtype, kind)

@@ -900,6 +900,12 @@ def _one_at_a_time(results: Any) -> Any:
     return results
 
 
+def _in_program(memory_kind: str | None) -> str | None:
+    """The memory kind a conversion program writes its outputs to itself: ``"pinned_host"`` (what a GPU's
+    programs can place their outputs in); any other kind (``"unpinned_host"``) is reached by a copy after it."""
+    return memory_kind if memory_kind == "pinned_host" else None
+
+
 def must_wait(results: Any) -> bool:
     """Whether a conversion's executables must run one at a time from the host (:func:`_one_at_a_time`): the
     arrays ``results`` live on XLA:CPU devices."""
@@ -928,7 +934,7 @@ def compile_conversions(
     and :func:`from_logical` (with its ``donate``) run for ``plan`` with bucket dtypes ``dtypes`` (default the
     plan's); runs nothing."""
     for b, dtype in enumerate(_bucket_dtypes(plan, dtypes)):
-        _out_executables(plan, b, dtype, memory_kind)
+        _out_executables(plan, b, dtype, _in_program(memory_kind))
         _in_step(plan, b, dtype, donate)
 
 
@@ -947,9 +953,10 @@ def to_logical(
     Args:
       buffers: one global array per bucket (``ShardedParams.buffers`` or a parameter-shaped optimizer state).
       plan: their plan.
-      memory_kind: the memory each bucket's conversion writes its leaves to (e.g. ``"pinned_host"``), inside
-        its program (a stacked bucket: one more program after its last layer): the device holds one bucket's
-        logical copy at a time, and none once the conversions have run. ``None``: device memory.
+      memory_kind: the memory each bucket's conversion writes its leaves to: ``"pinned_host"`` inside its
+        program (a stacked bucket: one more program after its last layer), another host kind by a copy right
+        after it; the device holds one bucket's logical copy at a time, and none once the conversions have run.
+        ``None``: device memory.
       defer_sums: return the checksums as a function that fetches them (from another thread, say), so that
         nothing here waits for the conversions on a platform that runs them in launch order (a GPU): this
         call only enqueues them. On XLA:CPU each conversion still finishes before the next launches.
@@ -969,12 +976,14 @@ def to_logical(
     leaves: list[Any] = [None] * len(plan.leaves)
     shares = []
     for b, bucket in enumerate(plan.buckets):
-        start, step, finish = _out_executables(plan, b, np.dtype(buffers[b].dtype).name, memory_kind)
+        start, step, finish = _out_executables(plan, b, np.dtype(buffers[b].dtype).name, _in_program(memory_kind))
         # Same devices, same layout: relabelling onto the storage mesh moves no data.
         buf = _relabel(buffers[b], NamedSharding(storage_mesh(plan), _bucket_spec(plan, bucket, _factor_axes(plan))))
         outs, sums = _run(plan, bucket, start, step, buf)
         if finish is not None:  # a stacked bucket's leaves to their memory (the device copy dropped here)
             outs = _one_at_a_time(finish(outs))
+        elif memory_kind is not None and _in_program(memory_kind) is None:  # moved before the next bucket
+            outs = _one_at_a_time([jax.device_put(x, x.sharding.with_memory_kind(memory_kind)) for x in outs])
         for i, x in zip(bucket.leaves, outs, strict=True):
             leaves[i] = x
         shares.append(sums)
