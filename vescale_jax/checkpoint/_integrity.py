@@ -25,7 +25,6 @@ __all__ = [
     "compile_checksums",
     "flat_shapes",
     "raw_path",
-    "resolve",
     "stored_shapes",
     "words",
 ]
@@ -118,11 +117,6 @@ def checksums(tree: Any, *, defer: bool = False) -> Sums | Callable[[], Sums]:
         return {raw_path(p): [int(v) for v in np.asarray(s)] for (p, _), s in zip(flat, sums, strict=True)}
 
     return fetch if defer else fetch()
-
-
-def resolve(sums: Sums | Callable[[], Sums]) -> Sums:
-    """Checksums by key path, fetched first where :func:`checksums` (or a caller) deferred them."""
-    return dict(sums()) if callable(sums) else dict(sums)
 
 
 def compile_checksums(tree: Any) -> None:

@@ -373,7 +373,7 @@ class Manager:
         # only enqueues the conversions where the device runs them in launch order (a GPU), and its worker
         # fetches the checksums (on XLA:CPU each conversion still finishes before the next launches).
         background = self._background is not None
-        host = _background.host_memory(params.plan.mesh) if background else None
+        host = self._save_memory(params.plan)
         logical, param_sums = _stored.logical_and_sums(params, memory_kind=host, defer=background)
         items: dict[str, Any] = {_PARAMS: ocp.args.StandardSave(_stored.storable(logical))}
         sums = {_PARAMS: param_sums}
@@ -404,10 +404,15 @@ class Manager:
             self._saved.add(int(step))
         return started
 
+    def _save_memory(self, plan: Plan) -> str | None:
+        """The memory a save's conversions write to (what :meth:`prepare` compiles them for): host memory for a
+        background save where the devices have it, else ``None`` (device memory)."""
+        return _background.host_memory(plan.mesh) if self._background is not None else None
+
     def _write(self, step: int, items: dict[str, Any], description: dict[str, Any], sums: dict[str, Any]) -> None:
         """The worker's part of a background save: the checksums fetched (they wait for the conversions), then
         Orbax's save (write, finalise)."""
-        checksums = {item: _integrity.resolve(s) for item, s in sums.items()}
+        checksums = {item: fetch() for item, fetch in sums.items()}
         args = ocp.args.Composite(**items, **{_VJ: ocp.args.JsonSave({**description, "checksums": checksums})})
         if not self._mngr.save(step, args=args, force=True):
             raise RuntimeError(f"Orbax's CheckpointManager declined to save step {step} (force=True).")
@@ -469,8 +474,7 @@ class Manager:
           params: the sharded parameters (or their ``jax.eval_shape``).
           opt_state: the optimizer state over them, or ``None``.
         """
-        host = _background.host_memory(params.plan.mesh) if self._background is not None else None
-        _stored.prepare(params, opt_state, memory_kind=host)
+        _stored.prepare(params, opt_state, memory_kind=self._save_memory(params.plan))
 
     # -- restore
     def _restore_local(self, step: int | None, plan: Plan | None, opt_state: Any) -> Restored | None:

@@ -271,9 +271,9 @@ def opt_state_items(
         order = [_raw_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(nest(others))[0]]
 
         def rest() -> dict[str, list[int]]:
-            found = _integrity.resolve(on_device)
+            found = on_device()
             for part in early:
-                found.update(_integrity.resolve(part))
+                found.update(part())
             return {k: found[k] for k in order}
     else:
         rest = _integrity.checksums(nest(others), defer=True)

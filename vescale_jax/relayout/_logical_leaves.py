@@ -732,9 +732,9 @@ class _BucketIO:
 def _out_executables(plan: Plan, b: int, dtype: str, memory_kind: str | None = None) -> tuple[Any, Any, Any]:
     """Bucket ``b`` -> its logical leaves, compiled: ``(start, step, finish)`` (:func:`out_programs`, each
     program lowered for its arguments and compiled; ``start`` makes the zeros a stacked bucket starts from)."""
-    stacked, programs = out_programs(plan, b, dtype, memory_kind)
+    layered, programs = out_programs(plan, b, dtype, memory_kind)
     step, finish = (fn.lower(*args).compile() if fn is not None else None for fn, args in programs)
-    if not stacked:
+    if not layered:
         return None, step, finish
     io = _BucketIO(plan, b, dtype)
     return _zeros(io.leaves, io.sums), step, finish
@@ -975,14 +975,15 @@ def to_logical(
     """
     leaves: list[Any] = [None] * len(plan.leaves)
     shares = []
+    in_program = _in_program(memory_kind)
     for b, bucket in enumerate(plan.buckets):
-        start, step, finish = _out_executables(plan, b, np.dtype(buffers[b].dtype).name, _in_program(memory_kind))
+        start, step, finish = _out_executables(plan, b, np.dtype(buffers[b].dtype).name, in_program)
         # Same devices, same layout: relabelling onto the storage mesh moves no data.
         buf = _relabel(buffers[b], NamedSharding(storage_mesh(plan), _bucket_spec(plan, bucket, _factor_axes(plan))))
         outs, sums = _run(plan, bucket, start, step, buf)
         if finish is not None:  # a stacked bucket's leaves to their memory (the device copy dropped here)
             outs = _one_at_a_time(finish(outs))
-        elif memory_kind is not None and _in_program(memory_kind) is None:  # moved before the next bucket
+        elif memory_kind is not None and in_program is None:  # moved before the next bucket
             outs = _one_at_a_time([jax.device_put(x, x.sharding.with_memory_kind(memory_kind)) for x in outs])
         for i, x in zip(bucket.leaves, outs, strict=True):
             leaves[i] = x
