@@ -887,10 +887,27 @@ machine, ``jax.export``) by default: compute capability 9.0, the H100's and the 
 9.0 by itself; JAX >= 0.11 needs :func:`triton_lowering_target`."""
 
 
+# Where this JAX keeps the GPU table its Triton lowering reads: moved out of Pallas in JAX 0.12.1.
+_GPU_INFO_MODULES = ("jax._src.gpu_info", "jax._src.pallas.triton.gpu_info")
+
+
+def _triton_gpu_info() -> Any:
+    """The module whose ``get_gpu_info()`` this JAX's Triton lowering asks for the target GPU (JAX >= 0.11:
+    ``jax._src.pallas.triton.gpu_info`` up to 0.12.0.1, ``jax._src.gpu_info`` from 0.12.1), or None (JAX <= 0.10,
+    which asks ``jax.local_devices`` itself). Looked up when asked, so that importing the package does not import
+    Pallas."""
+    for name in _GPU_INFO_MODULES:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return importlib.import_module(name)
+        except ImportError:  # a parent package this JAX does not have
+            continue
+    return None
+
+
 def _triton_reads_gpu_info() -> bool:
-    """Whether this JAX's Triton lowering asks ``jax._src.pallas.triton.gpu_info`` for the target (JAX >= 0.11);
-    looked up when asked, so that importing the package does not import Pallas."""
-    return importlib.util.find_spec("jax._src.pallas.triton.gpu_info") is not None
+    """Whether this JAX's Triton lowering reads the target GPU from the abstract mesh's device (JAX >= 0.11)."""
+    return _triton_gpu_info() is not None
 
 
 def _has_gpu() -> bool:
@@ -905,16 +922,19 @@ def triton_lowering_target(device_kind: str = TRITON_CROSS_TARGET) -> Iterator[N
     """A context in which compiled Triton kernels lower for CUDA as for a GPU of ``device_kind`` (e.g. ``"NVIDIA
     H100"``, ``"NVIDIA H200"``, ``"NVIDIA B200"``) where the process has no GPU; a no-op where it has one.
 
-    Two forms, chosen by what the running JAX has (a feature test: the module ``jax._src.pallas.triton.gpu_info``):
+    Two forms, chosen by what the running JAX has (a feature test: :func:`_triton_gpu_info`):
 
     * JAX <= 0.10 (verified on 0.10.2): the Triton lowering asks ``jax.local_devices(backend="gpu")`` and, with
       none, lowers for compute capability 9.0: only 9.0 can be had (another ``device_kind`` raises ``ValueError``).
-    * JAX >= 0.11 (verified on 0.12.0.1): it calls ``gpu_info.get_gpu_info()``, which reads the device kind of the
-      abstract mesh the kernel's equation was traced under and, on CPU devices, raises ``RuntimeError: No supported
-      GPU devices found``. An abstract GPU device cannot be given there from outside: inside ``shard_map`` the
-      abstract mesh is the one of the mesh's own (CPU) devices, and a kernel traced under another would hand its
-      outputs to the model on a mismatched mesh. For the context's duration ``gpu_info.get_gpu_info`` answers
-      ``gpu_info.get_gpu_info_from_version`` of ``device_kind`` (``gpu_version_from_device_kind``).
+    * JAX >= 0.11 (verified on 0.11.2's source, 0.12.0.1 and 0.12.1): it calls ``gpu_info.get_gpu_info()``, which
+      reads the device kind of the *abstract mesh's abstract device*, the route JAX's error names ("please specify
+      an abstract GPU device using AbstractDevice"), and on CPU devices without one raises ``RuntimeError: No
+      supported GPU devices found``. A step whose mesh is a GPU topology's (``jax.experimental.topologies``) has
+      that device already. A step traced on CPU devices cannot be traced under a GPU abstract mesh instead: inside
+      ``shard_map`` every value's type carries the mesh, and a kernel traced under another mesh is refused ("context
+      mesh ... should match the aval mesh"). So for the context's duration the Triton lowering's ``get_gpu_info()``
+      runs under ``jax.sharding.use_abstract_mesh`` of the mesh it lowers in with ``AbstractDevice(device_kind,
+      platform="gpu")``: the types are left alone, and only the lowering sees the GPU.
 
     Only lowering reads it: wrap ``.lower(..., lowering_platforms=("cuda",))`` or ``jax.export`` in it. Used by
     ``kernels`` (``vj.kernels.gpu_lowering_target``).
@@ -922,7 +942,8 @@ def triton_lowering_target(device_kind: str = TRITON_CROSS_TARGET) -> Iterator[N
     if _has_gpu():
         yield
         return
-    if not _triton_reads_gpu_info():
+    gpu_info = _triton_gpu_info()
+    if gpu_info is None:
         if device_kind != TRITON_CROSS_TARGET:
             raise ValueError(
                 f"this JAX ({jax.__version__}) lowers Triton kernels without a GPU for compute capability 9.0 only "
@@ -930,15 +951,18 @@ def triton_lowering_target(device_kind: str = TRITON_CROSS_TARGET) -> Iterator[N
             )
         yield
         return
-    from jax._src.pallas.triton import gpu_info
-
-    version = gpu_info.gpu_version_from_device_kind(device_kind)
-    if version is None:
+    if gpu_info.gpu_version_from_device_kind(device_kind) is None:
         known = ", ".join(repr(v.value) for v in gpu_info.GpuVersion)
         raise ValueError(f"unknown GPU device_kind {device_kind!r}; this JAX's Triton lowering knows {known}")
-    info = gpu_info.get_gpu_info_from_version(version)
+    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform="gpu")
     original = gpu_info.get_gpu_info
-    gpu_info.get_gpu_info = lambda: info
+
+    def gpu_info_of_device() -> Any:
+        mesh = jax.sharding.get_abstract_mesh().update(abstract_device=device)
+        with jax.sharding.use_abstract_mesh(mesh):
+            return original()
+
+    gpu_info.get_gpu_info = gpu_info_of_device
     try:
         yield
     finally:
