@@ -187,6 +187,52 @@ def test_triton_step_composes_under_jit_and_exports_for_cuda():
     assert census(lowered) == census(text)
 
 
+_OP = re.compile(
+    r'(?:"stablehlo\.(all_gather|reduce_scatter)"\(|stablehlo\.custom_call @(__gpu\$xla\.gpu\.triton|mosaic_gpu\w*))'
+)
+
+
+def op_counts(text: str) -> dict[str, int]:
+    """How many kernel custom calls, all-gathers and reduce-scatters a module holds, counted as *operations*.
+
+    A count of the names in the text is not one: ``jax.export``'s module keeps debug locations
+    (``loc("all_gather"(...))``) that ``Lowered.as_text()`` leaves out, and a Triton call names its target again
+    in its backend config."""
+    counts: dict[str, int] = {}
+    for collective, kernel in _OP.findall(text):
+        key = collective or ("triton" if "triton" in kernel else "mosaic_gpu")
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize(
+    "option", ["fp32", pytest.param("bf16", marks=pytest.mark.slow), pytest.param("keep", marks=pytest.mark.slow)]
+)
+def test_kernel_and_collective_counts_agree_between_lowerings_and_backends(option):
+    """The example's step (``clip_by_global_norm`` + AdamW, the grad norm returned): ``step.lower`` for CUDA and
+    ``jax.export`` give the same kernel calls and collectives, and Triton, Mosaic GPU and XLA's pack the same
+    collectives (the kernels move bytes only; the XLA policy's module has no kernel call)."""
+    plan = gpt_plan()
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, b2=0.99, weight_decay=0.1))
+    options = {
+        "fp32": {},
+        "bf16": {"precision": vj.MixedPrecision(compute_dtype="bfloat16", reduce_dtype="float32")},
+        "keep": {"reshard_after_forward": False},
+    }[option]
+    counts = {}
+    for name, kernels in (("xla", XLA), ("triton", TRITON), ("mosaic_gpu", MOSAIC)):
+        step, args = gpt_step(plan, tx, kernels=kernels, **options)
+        lowered = op_counts(step.lower(*args, lowering_platforms=("cuda",)).as_text())
+        exported = op_counts(export_cuda(step, args))
+        assert lowered == exported, f"{name}: step.lower {lowered} != jax.export {exported}"
+        counts[name] = lowered
+    collectives = counts["xla"]
+    assert collectives["all_gather"] > 0 and collectives["reduce_scatter"] > 0
+    for name in ("triton", "mosaic_gpu"):
+        assert counts[name].pop(name) > 0, f"no {name} kernel call"
+        assert counts[name] == collectives, f"{name}'s collectives {counts[name]} differ from XLA's {collectives}"
+
+
 def test_kernels_follow_the_lowering_platform():
     """``KernelPolicy(mode="pallas")`` on CPU devices: compiled Triton for CUDA, the interpreter for CPU."""
     step, args = tiny_step(KernelPolicy(mode="pallas"))
