@@ -89,3 +89,22 @@ def test_every_dependency_is_imported_by_the_package():
     provided = {_normalise(d) for m in imported for d in (DISTRIBUTIONS.get(m) or tuple(installed.get(m, ())) or (m,))}
     unused = sorted(_declared(PYPROJECT["project"]["dependencies"]) - provided)
     assert not unused, f"[project].dependencies declares {unused}, which vescale_jax never imports; drop them"
+
+
+def test_readme_tested_versions_are_the_pinned_ones():
+    """The README's "Tested versions" names, for each JAX line, the JAX / Flax / Optax / Orbax that its constraints
+    file pins (the file CI installs through PIP_CONSTRAINT)."""
+    readme = (ROOT / "README.md").read_text()
+    said = re.findall(
+        r"JAX\s+([\d.]+)\s+\(Flax\s+([\d.]+),\s+Optax\s+([\d.]+),\s+Orbax\s+([\d.]+)(?::|,)[^`]*`constraints/(\w+)\.txt`",
+        readme,
+    )
+    assert {line for *_, line in said} == {"py311", "newest"}, f"README names the pins of {said}"
+    for jax_v, flax_v, optax_v, orbax_v, line in said:
+        pins = {}
+        for raw in (ROOT / "constraints" / f"{line}.txt").read_text().splitlines():
+            name, sep, version = raw.partition("==")
+            if sep and not raw.startswith("#"):
+                pins[_normalise(name.strip())] = version.strip()
+        assert (pins["jax"], pins["jaxlib"]) == (jax_v, jax_v), line
+        assert (pins["flax"], pins["optax"], pins["orbax-checkpoint"]) == (flax_v, optax_v, orbax_v), line
