@@ -51,17 +51,27 @@ def check_sharded_params(x: Any, fn: str, *, what: str = "params") -> None:
 
 
 def check_buffers_fit_plan(sp: ShardedParams, fn: str) -> None:
-    """ValueError naming the bucket when a buffer of ``sp`` is not of its bucket's shape and dtype (buffers from
-    another plan, or made by hand)."""
+    """ValueError naming the bucket when a buffer of ``sp`` is not an array of its bucket's shape (buffers from
+    another plan, or made by hand).
+
+    Only the geometry is checked: a buffer may hold any dtype (optimizer moments in fp32 over bf16 params, 8-bit
+    codes), as every parameter-shaped optimizer state does.
+
+    Args:
+      sp: the sharded tree (parameters or a parameter-shaped optimizer state).
+      fn: the public function's name, for the message.
+    """
     for i, (bucket, x) in enumerate(zip(sp.plan.buckets, sp.buffers, strict=True)):
         shape, dtype = tuple(getattr(x, "shape", ())), getattr(x, "dtype", None)
-        if shape != tuple(bucket.shape) or dtype is None or np.dtype(dtype) != np.dtype(bucket.dtype):
+        if shape != tuple(bucket.shape) or dtype is None:
+            got = f"shape {shape} and dtype {dtype}" if dtype is None else f"shape {shape}"
             raise ValueError(
-                f"{fn}: buffer {i} (bucket {bucket.name!r}, unit {bucket.unit!r}) has shape {shape} and dtype "
-                f"{dtype}; its plan stores that bucket as {tuple(bucket.shape)} {np.dtype(bucket.dtype).name}. "
-                "The buffers do not belong to this plan: pair them with the plan they were made under (the "
-                "ShardedParams vj.shard / vj.init_sharded / a checkpoint restore returned); parameters move to "
-                "another plan by vj.shard(vj.unshard(sp), plan), or by restoring a checkpoint into that plan."
+                f"{fn}: buffer {i} (bucket {bucket.name!r}, unit {bucket.unit!r}) has {got}; its plan stores that "
+                f"bucket as an array of shape {tuple(bucket.shape)} (of any dtype: the params' are "
+                f"{np.dtype(bucket.dtype).name}). The buffers do not belong to this plan: pair them with the plan "
+                "they were made under (the ShardedParams vj.shard / vj.init_sharded / a checkpoint restore / the "
+                "optimizer's init returned); parameters move to another plan by vj.shard(vj.unshard(sp), plan), "
+                "or by restoring a checkpoint into that plan."
             )
 
 

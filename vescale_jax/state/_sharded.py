@@ -169,9 +169,11 @@ def pack_moved(leaves: Sequence[jax.Array], plan: Plan) -> tuple[jax.Array, ...]
 
 
 def unpack(buffers: Sequence[jax.Array], plan: Plan) -> list[jax.Array]:
-    """Inverse of :func:`pack`: the flattened logical leaves from full buffers (bit-exact, as :func:`pack`)."""
-    leaves = unpack_bits([as_bits(buf, b.dtype) for b, buf in zip(plan.buckets, buffers, strict=True)], plan)
-    return [from_bits(x, plan.buckets[spec.bucket].dtype) for x, spec in zip(leaves, plan.leaves, strict=True)]
+    """Inverse of :func:`pack`: the flattened logical leaves from full buffers (bit-exact, as :func:`pack`).
+
+    Each leaf keeps its buffer's dtype, which may differ from the plan's (a parameter-shaped optimizer state)."""
+    leaves = unpack_bits([as_bits(buf, buf.dtype) for buf in buffers], plan)
+    return [from_bits(x, buffers[spec.bucket].dtype) for x, spec in zip(leaves, plan.leaves, strict=True)]
 
 
 def unpack_bits(buffers: Sequence[jax.Array], plan: Plan) -> list[jax.Array]:
@@ -235,23 +237,33 @@ def _shard_fn(plan: Plan) -> Callable[[Sequence[Any]], tuple[jax.Array, ...]]:
 
 
 def unshard(sp: ShardedParams) -> Any:
-    """The logical tree back from :class:`ShardedParams`, bit-exact, replicated on the plan's mesh."""
+    """The logical tree back from :class:`ShardedParams`, bit-exact, replicated on the plan's mesh.
+
+    Args:
+      sp: sharded parameters, or any parameter-shaped optimizer state (its buffers of the plan's shapes, of any
+        dtype: fp32 moments of bf16 params, 8-bit codes).
+
+    Returns:
+      The logical tree (the plan's structure); each leaf in its bucket's buffer dtype (fp32 moments come back
+      fp32, whatever the params' dtype).
+    """
     check_sharded_params(sp, "vj.unshard", what="its argument")
     check_not_donated(sp, "vj.unshard")
     check_buffers_fit_plan(sp, "vj.unshard")
     plan = sp.plan
+    dtypes = [jnp.dtype(x.dtype) for x in sp.buffers]
     replicated = jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec())
     # all-gather (works on Auto and Explicit axes), as bits: bit-exact for NaN payloads, as vj.shard
-    buffers = [jax.device_put(as_bits(x, b.dtype), replicated) for x, b in zip(sp.buffers, plan.buckets, strict=True)]
+    buffers = [jax.device_put(as_bits(x, d), replicated) for x, d in zip(sp.buffers, dtypes, strict=True)]
     leaves = _unshard_fn(plan)(buffers)
     return jax.tree_util.tree_unflatten(
-        plan.treedef, [from_bits(x, plan.buckets[s.bucket].dtype) for x, s in zip(leaves, plan.leaves, strict=True)]
+        plan.treedef, [from_bits(x, dtypes[s.bucket]) for x, s in zip(leaves, plan.leaves, strict=True)]
     )
 
 
 @plan_cache
 def _unshard_fn(plan: Plan) -> Callable[[Sequence[jax.Array]], list[jax.Array]]:
-    """The jitted unpack of :func:`unshard`, one per plan."""
+    """The jitted unpack of :func:`unshard`, one per plan (traced once per tuple of buffer dtypes)."""
     replicated = jax.sharding.NamedSharding(plan.mesh, jax.sharding.PartitionSpec())
 
     def unshard_buffers(buffers):
