@@ -145,7 +145,8 @@ def test_report_lists_the_moved_versions_the_counts_and_each_failure():
         "  jax      0.12.0 -> 0.12.1",
         "  new-dep       - -> 0.3  (added)",
     ]
-    assert lines[5] == "tests: 2 passed, 2 failed, 2 errors, 1 skipped in 12.5 s (pytest exit status 1)"
+    assert lines[5].startswith('  moved: jax, which README.md\'s "Tested versions" names')
+    assert lines[6] == "tests: 2 passed, 2 failed, 2 errors, 1 skipped in 12.5 s (pytest exit status 1)"
     assert "  FAILED tests/test_plan.py::test_assert[m8]: AssertionError: offsets differ" in lines
     assert "  ERROR  tests.test_broken: ModuleNotFoundError: No module named 'flax.linen.gone'" in lines
 

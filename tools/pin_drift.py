@@ -2,11 +2,13 @@
 """What would change if the pins moved to the newest releases: a scratch environment, the fast tier, a report.
 
 Moving the pins is one command. This script builds a scratch virtual environment with a Python 3.13 (the newest
-line of ``constraints/newest.txt``), installs the project there with its test extra *without* the constraints file
-(so pip resolves the newest releases), runs the fast tier (``python -m pytest -m fast``, with DeprecationWarnings
-raised from vescale_jax's own modules made errors, as CI runs the newest line) and prints what changed:
+line of ``constraints/newest.txt``), installs the project there with its test and examples extras (what the
+constraints files cover) *without* the constraints file (so pip resolves the newest releases), runs the fast tier
+(``python -m pytest -m fast``, with DeprecationWarnings raised from vescale_jax's own modules made errors, as CI
+runs the newest line) and prints what changed:
 
-- every package whose version differs from the constraints file (old -> new, added, removed);
+- every package whose version differs from the constraints file (old -> new, added, removed), and a reminder when
+  JAX / Flax / Optax / Orbax moved: README.md's "Tested versions" names them (tests/test_packaging.py checks it);
 - the pass / fail counts;
 - each test that failed, with its first error line (read from pytest's JUnit XML).
 
@@ -53,6 +55,8 @@ DEFAULT_VENV = Path.home() / ".cache" / "vescale_jax" / "pin-drift"
 UNPINNED = frozenset({"pip", "setuptools", "wheel", "distribute"})
 # How .ci/run runs the fast tier of the newest line.
 DEPRECATION_FILTER = "filterwarnings=error::DeprecationWarning:vescale_jax.*"
+# The versions README.md's "Tested versions" names (tests/test_packaging.py checks them against the files).
+HEADLINE = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint")
 _NAME = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[[^\]]*\])?\s*(.*)$")
 
 
@@ -241,6 +245,12 @@ def format_report(
         for c in changes:
             note = "" if c.kind == "changed" else f"  ({c.kind})"
             out.append(f"  {c.name:<{width}}  {c.old or '-':>{vwidth}} -> {c.new or '-'}{note}")
+        headline = [c.name for c in changes if normalise(c.name) in HEADLINE]
+        if headline:
+            out.append(
+                f'  moved: {", ".join(headline)}, which README.md\'s "Tested versions" names (tests/test_packaging.py '
+                "checks them against the constraints files): update it with the pins"
+            )
     else:
         out.append(f"versions: all {len(installed)} as pinned")
     if results is None:
@@ -423,7 +433,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--fresh", action="store_true", help="recreate the venv instead of reusing it")
     p.add_argument(
-        "--extras", default="test", help="the project's extras to install, comma-separated (default: %(default)s)"
+        "--extras",
+        default="test,examples",
+        help="the project's extras to install, comma-separated (default: %(default)s)",
     )
     p.add_argument("--write", action="store_true", help="rewrite the constraints file when every test passed")
     p.add_argument(
