@@ -89,7 +89,8 @@ def test_diff_versions_names_changed_added_and_removed_packages_by_normalised_na
 def test_node_id_rebuilds_pytest_ids_from_junit_classnames():
     assert pin_drift.node_id("tests.test_plan", "test_x[m3-*]") == "tests/test_plan.py::test_x[m3-*]"
     assert pin_drift.node_id("tests.test_flax.TestNNX", "test_y") == "tests/test_flax.py::TestNNX::test_y"
-    assert pin_drift.node_id("", "tests.test_broken") == "tests.test_broken"
+    assert pin_drift.node_id("", "tests.test_broken") == "tests/test_broken.py"
+    assert pin_drift.node_id("", "weird name[x]") == "weird name[x]"
 
 
 def test_read_junit_counts_and_gives_each_failure_its_first_error_line():
@@ -100,7 +101,7 @@ def test_read_junit_counts_and_gives_each_failure_its_first_error_line():
         ("tests/test_plan.py::test_assert[m8]", "failure", "AssertionError: offsets differ"),
         ("tests/test_flax.py::TestNNX::test_raises", "failure", "TypeError: unhashable type: 'dict'"),
         ("tests/test_ckpt.py::test_setup", "error", 'failed on setup with "ValueError: no mesh"'),
-        ("tests.test_broken", "error", "ModuleNotFoundError: No module named 'flax.linen.gone'"),
+        ("tests/test_broken.py", "error", "ModuleNotFoundError: No module named 'flax.linen.gone'"),
     ]
 
 
@@ -148,7 +149,7 @@ def test_report_lists_the_moved_versions_the_counts_and_each_failure():
     assert lines[5].startswith('  moved: jax, which README.md\'s "Tested versions" names')
     assert lines[6] == "tests: 2 passed, 2 failed, 2 errors, 1 skipped in 12.5 s (pytest exit status 1)"
     assert "  FAILED tests/test_plan.py::test_assert[m8]: AssertionError: offsets differ" in lines
-    assert "  ERROR  tests.test_broken: ModuleNotFoundError: No module named 'flax.linen.gone'" in lines
+    assert "  ERROR  tests/test_broken.py: ModuleNotFoundError: No module named 'flax.linen.gone'" in lines
 
 
 def test_passed_needs_status_zero_and_no_failure():

@@ -167,10 +167,11 @@ class RunResults:
 
 def node_id(classname: str, name: str) -> str:
     """A pytest node id from a JUnit ``classname`` / ``name`` pair: ``tests.test_x.TestA`` + ``test_b[m3]`` ->
-    ``tests/test_x.py::TestA::test_b[m3]`` (the module ends before the first capitalised part)."""
+    ``tests/test_x.py::TestA::test_b[m3]`` (the module ends before the first capitalised part); a collection
+    error's ``""`` / ``tests.test_x`` -> ``tests/test_x.py``."""
     parts = [p for p in classname.split(".") if p]
-    if not parts:
-        return name
+    if not parts:  # a collection error names the module: tests.test_x -> tests/test_x.py
+        return name.replace(".", "/") + ".py" if re.fullmatch(r"\w+(\.\w+)*", name) else name
     split = next((i for i, p in enumerate(parts) if p[:1].isupper()), len(parts))
     module, classes = parts[:split], parts[split:]
     if not module:
