@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from vescale_jax.layout._plan import Plan
+from vescale_jax.step._closure import hoist_closure
 from vescale_jax.step._context_kv import keep_context_gathers
 from vescale_jax.step._fp32_grads import widened
 from vescale_jax.step._layer_split import split_layer
@@ -126,7 +127,9 @@ def scan_layers(
 
     Args:
       body: ``(params_of_one_layer, carry) -> carry``, or ``(params, carry, x) -> carry`` when ``xs`` is given.
-        It may close over other arrays (gradients flow to them).
+        It may close over other arrays of any dtype and sharding (gradients flow to the floating-point ones;
+        integer, boolean and PRNG-key ones, e.g. token or segment ids, ``vj.positions``, masks, keys, are
+        constants of the derivative), as an unsharded ``lax.scan`` body may.
       layer_params: the stacked layer group: a pytree whose leaves have a leading layer dim ``L`` (plain
         arrays: an ordinary ``lax.scan``), or the :class:`LayerShard` stand-ins ``vj.apply`` puts there.
       carry: the loop carry (e.g. the activations); floating-point arrays.
@@ -242,8 +245,10 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
     example = tuple(tuple(example_leaves(r[0], bucket, plan, how)) for r, bucket in zip(rows, buckets, strict=True))
     x0 = jax.tree.map(lambda a: a[0], xs)
     # Draws from keys that are the same on every device are split as vj.apply splits them (step/_random); the
-    # backward evaluates the layer on residuals that vary over every axis (tolerant).
-    fn, consts = jax.closure_convert(split_layer_draws(layer), example, carry, x0)
+    # backward evaluates the layer on residuals that vary over every axis (tolerant). Every traced value the body
+    # closes over, of any dtype, becomes an argument (consts) of the custom VJP below; the floating-point ones
+    # receive gradients, the others (ids, positions, masks, keys) are constants of the derivative.
+    fn, consts = hoist_closure(split_layer_draws(layer), example, carry, x0)
     fn = tolerant(fn, example, carry, x0, *consts)
     # Under a context axis, the layer's K / V gathers are kept for the backward (vescale_jax.step._context_kv).
     ctx = shards[0].policy.context
@@ -313,13 +318,15 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
 
     def layer_vjp(g, c_in, x, consts_, ct, kept=None):
         xd, x_of = _inexact_part(x)
+        kd, k_of = _inexact_part(list(consts_))
 
-        def f(g_, c_, k_, xd_):
+        def f(g_, c_, kd_, xd_):
+            k_ = k_of(list(kd_))
             if kept is not None:  # the forward's K / V gathers in place of gathering again
                 return kv.replay(kept, g_, c_, x_of(xd_), *k_)
             return fn(g_, c_, x_of(xd_), *k_)
 
-        _, f_vjp = jax.vjp(f, g, c_in, tuple(consts_), xd)
+        _, f_vjp = jax.vjp(f, g, c_in, tuple(kd), xd)
         dg, dc, dk, dxd = f_vjp(ct)
         return reduce_scatter(dg), dc, dk, dxd
 
@@ -328,6 +335,7 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
         gradients reduce-scattered first; then the first half's buckets, tied to those reduce-scatters."""
         ph, carry_tree = phases
         xd, x_of = _inexact_part(x)
+        kd, k_of = _inexact_part(list(consts_))
         n = len(buckets)
 
         def gather_one(b, anchor):
@@ -340,11 +348,11 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
         second = sorted(ph.second_buckets)
         g2 = {b: gather_one(b, ct) for b in second}
 
-        def f2(g_, cut_, c_, k_, xd_):
-            flat = jax.tree.leaves((full(dict(zip(second, g_, strict=True))), c_, x_of(xd_), list(k_)))
+        def f2(g_, cut_, c_, kd_, xd_):
+            flat = jax.tree.leaves((full(dict(zip(second, g_, strict=True))), c_, x_of(xd_), k_of(list(kd_))))
             return jax.tree.unflatten(carry_tree, ph.second(flat, cut_))
 
-        _, vjp2 = jax.vjp(f2, tuple(g2[b] for b in second), list(cut), c_in, tuple(consts_), xd)
+        _, vjp2 = jax.vjp(f2, tuple(g2[b] for b in second), list(cut), c_in, tuple(kd), xd)
         dg2, dcut, dc2, dk2, dxd2 = vjp2(ct)
         dg = dict(zip(second, dg2, strict=True))
         out = {}
@@ -355,11 +363,11 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
         g1 = {b: g2[b] if b in g2 else gather_one(b, anchor) for b in sorted(ph.first_buckets)}
         order = sorted(ph.first_buckets)
 
-        def f1(g_, c_, k_, xd_):
-            flat = jax.tree.leaves((full(dict(zip(order, g_, strict=True))), c_, x_of(xd_), list(k_)))
+        def f1(g_, c_, kd_, xd_):
+            flat = jax.tree.leaves((full(dict(zip(order, g_, strict=True))), c_, x_of(xd_), k_of(list(kd_))))
             return ph.first(flat)
 
-        _, vjp1 = jax.vjp(f1, tuple(g1[b] for b in order), c_in, tuple(consts_), xd)
+        _, vjp1 = jax.vjp(f1, tuple(g1[b] for b in order), c_in, tuple(kd), xd)
         dg1, dc1, dk1, dxd1 = vjp1(dcut)
         for b, d in zip(order, dg1, strict=True):
             if b in dg:
@@ -376,6 +384,10 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
         it = iter(dxd_stacked)
         return jax.tree.map(lambda a: next(it) if jnp.issubdtype(a.dtype, jnp.inexact) else _zero_cotangent(a), xs_)
 
+    def full_dk(consts_, dk):  # the differentiable consts' gradients; float0 zeros for the others
+        it = iter(dk)
+        return [next(it) if jnp.issubdtype(a.dtype, jnp.inexact) else _zero_cotangent(a) for a in consts_]
+
     @jax.custom_vjp
     def run(rows_, c, xs_, consts_):
         return forward(rows_, c, xs_, consts_, save=False)[0]
@@ -386,7 +398,7 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
 
     def run_bwd(saved, ct):
         rows_, xs_, consts_, (c_saved, g_saved, kept) = saved
-        zero_k = jax.tree.map(jnp.zeros_like, tuple(consts_))
+        zero_k = tuple(jnp.zeros_like(a) for a in _inexact_part(list(consts_))[0])
         # The gradient rows are filled in place, one layer per iteration, in a buffer tied to the cotangent: as a
         # scan output (or untied) XLA may allocate it at the start of the step, alive through the whole forward.
         # (Under HSDP the cotangent varies over the replica axes too, which the rows must not: left untied there.)
@@ -415,7 +427,7 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
                 reverse=True,
                 unroll=unroll,
             )
-            return d_rows, dc, full_dx(xs_, dxd), list(dk)
+            return d_rows, dc, full_dx(xs_, dxd), full_dk(consts_, dk)
 
         c0, c_stack = c_saved
         g0, g_stack = g_saved if keep else (None, None)
@@ -445,7 +457,7 @@ def _sharded_scan(body, shards, treedef, carry, xs, has_xs, unroll, prefetch):
         d_rows = tuple(jax.lax.dynamic_update_index_in_dim(a, r, 0, 0) for a, r in zip(d_rows, d_row0, strict=True))
         dk = jax.tree.map(jnp.add, dk_acc, dk0)
         dxd = [jnp.concatenate([d0[None], dh]) for d0, dh in zip(dxd0, dxd_hi, strict=True)]
-        return d_rows, dc, full_dx(xs_, dxd), list(dk)
+        return d_rows, dc, full_dx(xs_, dxd), full_dk(consts_, dk)
 
     run.defvjp(run_fwd, run_bwd)
     return run(rows, carry, xs, list(consts))
