@@ -60,6 +60,7 @@ from vescale_jax._compat import (
 )
 from vescale_jax.step._context import Context, local_positions
 from vescale_jax.step._jaxpr import evaluate, read
+from vescale_jax.step._sequence_positions import PositionRules, position_rules, rewrite
 from vescale_jax.step._wire import varying_axes, varying_like
 
 __all__ = ["bind_tolerant", "run_tolerant", "split_draws", "split_layer_draws", "tolerant"]
@@ -72,8 +73,8 @@ _INDEPENDENT = -1  # a draw whose shape grows with the batch in no clean way: dr
 class _Draws:
     """How the draws of one ``vj.apply`` are split: the data axes, their size ``m``, the batch dim per local
     draw shape (``None``: none; ``-1``: independent per device), the local batch size for shapes the table
-    lacks, whether varying axes are typed (``check_vma``); under a context axis, the context and the sequence
-    dim per local draw shape."""
+    lacks, whether varying axes are typed (``check_vma``); under a context axis, the context, the sequence
+    dim per local draw shape and the rules for the model's own positions (:mod:`._sequence_positions`)."""
 
     axes: tuple[str, ...]
     size: int
@@ -82,6 +83,7 @@ class _Draws:
     check_vma: bool
     context: Context | None = None
     seq_table: dict[tuple[int, ...], int] = dataclasses.field(default_factory=dict)
+    positions: PositionRules | None = None
 
     def batch_dim(self, shape: tuple[int, ...]) -> int | None:
         if shape in self.table:
@@ -158,17 +160,23 @@ def split_draws(
         with _active(None):
             closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*in_flat)
         local = list(_draw_shapes(closed.jaxpr))
-        if not any(s and (not check_vma or not (v & set(split_axes))) for s, v in local):
-            # no draw to split: the model as it is, from its trace (the model's Python runs once)
+        arg_leaves = in_flat[n_tree:]
+        to_split = any(s and (not check_vma or not (v & set(split_axes))) for s, v in local)
+        glob, mid = _global_traces(flat_fn, in_flat, n_tree, global_args, context, needed=to_split)
+        positions = None
+        if context is not None:
+            length = next((int(np.shape(x)[1]) for x in arg_leaves if np.ndim(x) >= 2), None)
+            positions = None if length is None else position_rules(closed.jaxpr, mid, context, length)
+        if not to_split and positions is None:
+            # nothing to split or place: the model as it is, from its trace (the model's Python runs once)
             env = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
             env.update(zip(closed.jaxpr.invars, in_flat, strict=True))
             evaluate(closed.jaxpr.eqns, env)
             outs = [read(env, v) for v in closed.jaxpr.outvars]
             return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
-        arg_leaves = in_flat[n_tree:]
         batch = next((int(np.shape(x)[0]) for x in arg_leaves if np.ndim(x)), None)
-        table, seqs = _batch_dims(flat_fn, in_flat, n_tree, [s for s, _ in local], size, global_args, context)
-        draws = _Draws(axes, size, table, batch, check_vma, context, seqs)
+        table, seqs = _batch_dims([s for s, _ in local], glob, mid, size, context)
+        draws = _Draws(axes, size, table, batch, check_vma, context, seqs, positions)
         with _active(draws):  # vj.scan_layers bodies are split as they are traced (a new function: no cached trace)
             closed, out_shape = jax.make_jaxpr(lambda *xs: flat_fn(*xs), return_shape=True)(*in_flat)
         outs = _run(closed, in_flat, [False] * n_tree + [True] * len(arg_leaves), draws)
@@ -221,29 +229,49 @@ def _draw_shapes(jaxpr: Any) -> Iterator[tuple[tuple[int, ...], frozenset[str]]]
             yield from _draw_shapes(sub.jaxpr)
 
 
-def _batch_dims(
-    flat_fn, in_flat, n_tree, local, size, global_args, context=None
-) -> tuple[dict[tuple[int, ...], int | None], dict[tuple[int, ...], int]]:
-    """Per local draw shape, its batch dim, from a trace of the model at the global batch shapes (empty when
-    that trace fails or its draws do not match the local ones); and under a context axis its sequence dim,
-    from one more trace with the sequences global and the batch local (a dim that grows ``cp`` times there)."""
-    if global_args is None:
-        return {}, {}
+def _global_traces(
+    flat_fn, in_flat, n_tree, global_args, context, *, needed: bool
+) -> tuple[list[tuple[int, ...]] | None, Any | None]:
+    """The model traced again: its draws' shapes at the global batch shapes (when ``needed``: there are draws to
+    split), and under a context axis its jaxpr with the sequences global and the batch local (dim 0 local, the
+    others global). None for a trace not made or that fails (a model that traces only at its local shapes)."""
+    if global_args is None or not (needed or context is not None):
+        return None, None
     try:
         shapes = global_args(in_flat[n_tree:])
-        if shapes is None:
-            return {}, {}
-        glob = _traced_draws(flat_fn, in_flat[:n_tree], shapes)
-        mid = list(local)
-        if context is not None:  # the sequences global, the batch local: dim 0 local, the others global
-            local_args = in_flat[n_tree:]
+    except Exception:
+        return None, None
+    if shapes is None:
+        return None, None
+    glob = mid = None
+    try:
+        if needed:
+            glob = [s for s, _ in _draw_shapes(_traced(flat_fn, in_flat[:n_tree], shapes))]
+        if context is not None:
             mixed = [
                 jax.ShapeDtypeStruct((*np.shape(x)[:1], *g.shape[1:]), g.dtype) if np.ndim(x) else g
-                for x, g in zip(local_args, shapes, strict=True)
+                for x, g in zip(in_flat[n_tree:], shapes, strict=True)
             ]
-            mid = _traced_draws(flat_fn, in_flat[:n_tree], mixed)
-    except Exception:  # a model that traces only at its local shapes: the leading-dim rule
+            mid = _traced(flat_fn, in_flat[:n_tree], mixed)
+    except Exception:
+        return None, None
+    return glob, mid
+
+
+def _batch_dims(
+    local, glob, mid_jaxpr, size, context=None
+) -> tuple[dict[tuple[int, ...], int | None], dict[tuple[int, ...], int]]:
+    """Per local draw shape, its batch dim, from the draws of the trace at the global batch shapes ``glob``
+    (empty when that trace failed or its draws do not match the local ones); and under a context axis its
+    sequence dim, from the trace with the sequences global and the batch local ``mid_jaxpr`` (a dim that grows
+    ``cp`` times there)."""
+    if glob is None:
         return {}, {}
+    mid = list(local) if context is None else None
+    if context is not None:
+        if mid_jaxpr is None:
+            return {}, {}
+        mid = [s for s, _ in _draw_shapes(mid_jaxpr)]
     if not (len(glob) == len(mid) == len(local)):
         return {}, {}
     table: dict[tuple[int, ...], int | None] = {}
@@ -265,10 +293,9 @@ def _batch_dims(
     return table, seqs
 
 
-def _traced_draws(flat_fn, tree_leaves, shapes) -> list[tuple[int, ...]]:
+def _traced(flat_fn, tree_leaves, shapes) -> Any:
     with _active(None):
-        closed = jax.make_jaxpr(lambda *xs: flat_fn(*xs))(*tree_leaves, *shapes)
-    return [s for s, _ in _draw_shapes(closed.jaxpr)]
+        return jax.make_jaxpr(lambda *xs: flat_fn(*xs))(*tree_leaves, *shapes).jaxpr
 
 
 def _grown(lo: tuple[int, ...], gl: tuple[int, ...], factor: int) -> int | None:
@@ -291,9 +318,11 @@ def _run(closed: Any, invals: Sequence[Any], dep: Sequence[bool], draws: _Draws 
         vals = [read(env, v) for v in eqn.invars]
         d = any(v in from_batch for v in eqn.invars if not is_literal(v))
         outs = None
-        if is_random_draw(eqn):
+        if draws is not None and draws.positions is not None:
+            outs = rewrite(eqn, vals, draws.positions)  # positions made from the local length: the global ones
+        if outs is None and is_random_draw(eqn):
             outs = None if draws is None else _split_draw(eqn, vals[0], d, draws)
-        else:
+        elif outs is None:
             keyish = any(
                 v in from_batch and _is_keyish(x) for v, x in zip(eqn.invars, vals, strict=True) if not is_literal(v)
             )
@@ -309,19 +338,26 @@ def _run(closed: Any, invals: Sequence[Any], dep: Sequence[bool], draws: _Draws 
 def _bind(eqn: Any, vals: list[Any], check_vma: bool) -> list[Any]:
     """Binds ``eqn``, its operands first marked varying over the union of their varying axes where a split draw
     made some of them vary (as JAX's own operations do when traced), and a ``pvary`` of a value that already
-    varies passing it through."""
+    varies passing it through.
+
+    Only operands the trace typed alike are made alike: an operation that takes operands of different varying
+    axes (``sort`` of a varying key with an invariant ``iota``, as ``jnp.argsort`` traces; an invariant index)
+    keeps them different, so its results keep the varying axes they were traced with."""
     if check_vma:
         seen = [varying_axes(x) for x in vals]
-        union = frozenset().union(*seen)
         if is_pvary(eqn) and len(vals) == 1 and set(pvary_axes(eqn)) & seen[0]:
             # a pvary of a value that already varies over some of its axes: only the others
             return [varying_like(vals[0], frozenset(pvary_axes(eqn)) | seen[0])]
+        traced = [aval_varying_axes(v.aval) for v in eqn.invars]
         if nested_jaxprs(eqn):
             # a call (custom_vjp, jit, a loop) types each operand on its own: each varies at least as traced
-            want = [aval_varying_axes(v.aval) for v in eqn.invars]
-            return bind_equation(eqn, [varying_like(jnp.asarray(x), w) for x, w in zip(vals, want, strict=True)])
-        if any(a != union for a in seen) and not is_pvary(eqn):
-            vals = [x if a == union else varying_like(jnp.asarray(x), union) for x, a in zip(vals, seen, strict=True)]
+            return bind_equation(eqn, [varying_like(jnp.asarray(x), w) for x, w in zip(vals, traced, strict=True)])
+        if not is_pvary(eqn):
+            alike: dict[frozenset[str], frozenset[str]] = {}
+            for t, a in zip(traced, seen, strict=True):
+                alike[t] = alike.get(t, frozenset()) | a
+            want = [alike[t] for t in traced]
+            vals = [x if a == w else varying_like(jnp.asarray(x), w) for x, a, w in zip(vals, seen, want, strict=True)]
     return bind_equation(eqn, vals)
 
 
