@@ -125,7 +125,7 @@ def test_fp32_moments_of_bf16_params_unshard_as_optax(m):
     tx = OPTIMIZERS["adamw_fp32"][3]()
     ref, params = tx.init(PARAMS), PARAMS
     for g in GRADS:
-        u, ref = tx.update(g, ref, params)
+        u, ref = jax.jit(tx.update)(g, ref, params)
         params = optax.apply_updates(params, u)
     mu, nu = vj.unshard(state[0].mu), vj.unshard(state[0].nu)
     assert dtypes(mu) == {np.dtype(np.float32)}, "fp32 moments come back fp32, not in the params' dtype"
@@ -142,26 +142,29 @@ def quantized(path, shape):
     return len(per_layer) >= 2 and math.prod(per_layer) >= MIN_SIZE
 
 
+@jax.jit
+def adam_moments(grads, mu, nu):
+    """optax's Adam moments of the logical tree, in fp32 (as vj.optim.scale_by_adam_8bit computes them)."""
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+    return optax.tree.update_moment(grads, mu, B1, 1), optax.tree.update_moment_per_elem_norm(grads, nu, B2, 2)
+
+
 def reference_8bit():
     """The last step's (mu codes, nu codes, dequantized mu, dequantized nu, mu scales, nu scales) per logical leaf:
-    optax's moment functions (in fp32, as vj.optim.scale_by_adam_8bit computes them) and vj.quant's dynamic
-    quantizer on the unsharded tree."""
+    optax's moments and vj.quant's dynamic quantizer (NumPy) on the unsharded tree."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(PARAMS)
     blocks = [BLOCK if quantized(p, x.shape) else None for p, x in flat]
-    mu = [np.zeros(x.shape, np.float32) for _, x in flat]
-    nu = [np.zeros(x.shape, np.float32) for _, x in flat]
+    mu = nu = jax.tree.map(lambda x: np.zeros(x.shape, np.float32), PARAMS)
     for grads in GRADS:
         out = ([], [], [], [], [], [])
-        for i, g in enumerate(jax.tree.leaves(grads)):
-            g = g.astype(jnp.float32)
-            m = optax.tree.update_moment(g, jnp.asarray(mu[i]), B1, 1)
-            v = optax.tree.update_moment_per_elem_norm(g, jnp.asarray(nu[i]), B2, 2)
-            cm, sm = quant.dynamic_quantize(m, block=blocks[i], signed=True)
-            cv, sv = quant.dynamic_quantize(v, block=blocks[i], signed=False)
-            mu[i] = quant.dynamic_dequantize(cm, sm, block=blocks[i], signed=True)
-            nu[i] = quant.dynamic_dequantize(cv, sv, block=blocks[i], signed=False)
-            for lst, x in zip(out, (cm, cv, mu[i], nu[i], sm, sv), strict=True):
+        for m, v, block in zip(*map(jax.tree.leaves, adam_moments(grads, mu, nu)), blocks, strict=True):
+            cm, sm = quant.dynamic_quantize(m, block=block, signed=True)
+            cv, sv = quant.dynamic_quantize(v, block=block, signed=False)
+            dm = quant.dynamic_dequantize(cm, sm, block=block, signed=True)
+            dv = quant.dynamic_dequantize(cv, sv, block=block, signed=False)
+            for lst, x in zip(out, (cm, cv, dm, dv, sm, sv), strict=True):
                 lst.append(np.asarray(x))
+        mu, nu = (jax.tree_util.tree_unflatten(treedef, x) for x in out[2:4])
     return [jax.tree_util.tree_unflatten(treedef, x) for x in out]
 
 
