@@ -24,7 +24,8 @@
 #
 # Each step prints its status and time; the build and install end the run when they fail, the checks all run and
 # the script exits 1 if any failed. --python picks the interpreter (default python3; it needs `build`, from the
-# test extra), --keep keeps the scratch directory ($TMPDIR/wheel-check.*) and says where it is.
+# test extra), --keep keeps the scratch directory (wheel-check.* in $TMPDIR, else /dev/shm when it has room, else
+# /tmp) and says where it is.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 PY=python3
@@ -48,7 +49,19 @@ if [ -n "${PIP_CONSTRAINT:-}" ]; then
   export PIP_CONSTRAINT
 fi
 
-WORK=$(mktemp -d "${TMPDIR:-/tmp}/wheel-check.XXXXXX")
+# The scratch directory (~0.8 GB: the venv) goes to $TMPDIR if set, else to /dev/shm when it has 2 GiB free (on a
+# disk the venv's install and removal took ~45 s more), else /tmp; pip's and build's own temporary files go in it.
+base=${TMPDIR:-}
+if [ -z "$base" ]; then
+  base=/tmp
+  if [ -d /dev/shm ] && [ -w /dev/shm ] && (($(df -Pk /dev/shm | awk 'NR == 2 {print $4}') > 2 * 1024 * 1024)); then
+    base=/dev/shm
+  fi
+fi
+WORK=$(mktemp -d "$base/wheel-check.XXXXXX")
+mkdir -p "$WORK/tmp"
+export TMPDIR=$WORK/tmp
+echo "wheel-check: scratch directory $WORK"
 cleanup() {
   if ((KEEP)); then
     echo "wheel-check: kept $WORK"
@@ -123,7 +136,9 @@ install() {
   # --no-compile: byte-compiling every installed module takes ~40 s; the checks compile only what they import,
   # once, into $WORK/pycache (the interpreters below run with -X pycache_prefix)
   "$VPY" -m pip install --no-compile "${wheels[0]}[examples]"
-  echo "wheel-check: installed $(basename "${wheels[0]}")[examples] and $("$VPY" -m pip list --format=freeze | wc -l) distributions in all"
+  "$VPY" -m pip list --format=freeze >"$WORK/installed.txt"
+  echo "wheel-check: installed $(basename "${wheels[0]}")[examples] and $(wc -l <"$WORK/installed.txt") distributions in all" \
+    "(PIP_CONSTRAINT ${PIP_CONSTRAINT:-unset}): $(grep -E '^(jax|jaxlib|flax|optax|orbax-checkpoint)==' "$WORK/installed.txt" | paste -sd' ')"
 }
 
 # The package's files: the expected list (git's) against the installed package / the sdist.
