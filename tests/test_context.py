@@ -36,15 +36,41 @@ def params_of(seq, seed=0, kv_heads=H):
     )
 
 
+def rope(x, pos):
+    """Rotary position embedding of ``x`` ``(b, t, n, c)`` at positions ``pos`` ``(t,)``."""
+    half = x.shape[-1] // 2
+    freq = 1.0 / (10000.0 ** (jnp.arange(half, dtype=jnp.float32) / half))
+    angle = pos.astype(jnp.float32)[:, None] * freq[None, :]
+    cos, sin = jnp.cos(angle)[None, :, None, :], jnp.sin(angle)[None, :, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
 def model(
-    p, tok, tgt, seg=None, *, causal=True, kv_heads=H, dtype=jnp.float32, tensor=None, impl="all_gather", dropout=0.0
+    p,
+    tok,
+    tgt,
+    seg=None,
+    *,
+    causal=True,
+    kv_heads=H,
+    dtype=jnp.float32,
+    tensor=None,
+    impl="all_gather",
+    dropout=0.0,
+    positions="vj",
 ):
     """A causal (or not) transformer, GQA with ``kv_heads < H``, packed documents with segment ids ``seg``, its
     MLP Megatron-split over ``tensor`` when given, dropout on the embeddings and each layer's attention output
-    (a key closed over: the same on every device); the mean next-token cross-entropy over every token."""
+    (a key closed over: the same on every device); the mean next-token cross-entropy over every token.
+
+    ``positions``: how the model makes its positions: ``"vj"`` (``vj.positions``), or as written for one device:
+    ``"arange"`` (the table indexed by ``jnp.arange(t)``), ``"slice"`` (``pos[:t]``), ``"rope"`` (``pos[:t]``
+    and rotary embeddings of q and k from ``jnp.arange(t)`` made inside each scanned layer)."""
     b, t = tok.shape
     c = D // H
-    h = p["embed"][tok] + p["pos"][vj.positions(t)]
+    table = {"vj": lambda: p["pos"][vj.positions(t)], "arange": lambda: p["pos"][jnp.arange(t)]}
+    h = p["embed"][tok] + table.get(positions, lambda: p["pos"][:t])()
     drop = lambda key, x: x if not dropout else jnp.where(jax.random.bernoulli(key, 1 - dropout, x.shape), x, 0)
     h = drop(jax.random.key(11), h)
     # the layers close over the ids as floats: vj.scan_layers leaks an integer array its body closes over
@@ -55,6 +81,8 @@ def model(
         x = h.astype(dtype)
         q = (x @ lp["q"]).reshape(b, t, H, c)
         k, v = jnp.split((x @ lp["kv"]).reshape(b, t, 2 * kv_heads, c), 2, axis=2)
+        if positions == "rope":
+            q, k = rope(q, jnp.arange(t)), rope(k, jnp.arange(t))
         ids = None if seg_f is None else seg_f.astype(jnp.int32)
         att = vj.attention(q, k, v, causal=causal, segment_ids=ids, implementation=impl).reshape(b, t, D)
         h = h + drop(jax.random.key(12), (att @ lp["o"]).astype(h.dtype))
@@ -186,6 +214,11 @@ slow = pytest.mark.slow
         # the ring inside vj.scan_layers (the layer's backward replays its forward with positions typed anew)
         pytest.param((2, 4), CP, {"impl": "ring"}, id="2x4-causal-ring"),
         pytest.param((3, 2), CP, {"impl": "ring", "kv_heads": 2, "packed": True}, id="3x2-ring-gqa-packed", marks=slow),
+        # positions as written for one device: jnp.arange(t) and pos[:t] mean the tokens' global positions
+        pytest.param((2, 4), CP, {"positions": "rope"}, id="2x4-rope-arange"),
+        pytest.param((3, 2), CP, {"positions": "rope", "kv_heads": 2, "packed": True}, id="3x2-rope-arange-packed"),
+        pytest.param((2, 4), CP, {"positions": "arange", "balance": None}, id="2x4-arange-table-unbalanced"),
+        pytest.param((1, 8), CP, {"positions": "rope", "impl": "ring"}, id="1x8-rope-arange-ring", marks=slow),
     ],
 )
 def test_context_parallel_steps_are_the_unsharded_models(shape, names, kw):
@@ -287,6 +320,37 @@ def test_a_hand_written_token_mix_is_refused_naming_its_line(monkeypatch, mix):
         return vj.apply(fn, p, b["x"], b["y"])
 
     with pytest.raises(ValueError, match=rf"(?s){line}.*context axis 'context'.*vj\.attention"):
+        step(vj.shard(params, plan), None, data(4, 8))
+
+
+def _positions_by_hand(p, x, y, how):
+    t = x.shape[1]
+    if how == "double":  # an iota twice the sequence's length
+        pos = p["pos"][(jnp.arange(2 * t) // 2)[:t]]
+    elif how == "offset":  # a cut of the table from an offset
+        pos = p["pos"][1 : t + 1]
+    elif how == "count":  # positions counted by a cumulative sum of ones along the sequence
+        pos = p["pos"][jnp.cumsum(jnp.ones_like(x), axis=1)[0] - 1]
+    else:  # positions within documents by a cumulative sum of the tokens' document starts
+        pos = p["pos"][jnp.cumsum(x == 0, axis=1)[0]]
+    return vj.batch_mean(p["embed"][x] + pos, axis=None)
+
+
+@pytest.mark.parametrize("how", ["double", "offset", "count", "starts"])
+def test_positions_that_cannot_be_told_are_refused_naming_vj_positions(how):
+    """An iota, cut or cumulative sum along the sequence whose meaning under a context axis cannot be told (not
+    jnp.arange(T) nor pos[:T]) is refused when the step is traced, naming its line and vj.positions; never silent."""
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices")
+    params = params_of(18)
+    mesh = jax.make_mesh((2, 2), ("fsdp", "context"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    plan = vj.plan(params, mesh, axis="fsdp", stacked=("blocks",))
+
+    @vj.fsdp(context_axis="context", donate=False)
+    def step(p, o, b):
+        return vj.apply(lambda q, x, y: _positions_by_hand(q, x, y, how), p, b["x"], b["y"])
+
+    with pytest.raises(ValueError, match=r"(?s)test_context\.py.*context axis 'context'.*vj\.positions\(tokens"):
         step(vj.shard(params, plan), None, data(4, 8))
 
 
