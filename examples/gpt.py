@@ -34,6 +34,10 @@ class GPTConfig:
     attention: str = "einsum"
     attention_implementation: str | None = None  # dot_product's implementation= (None: JAX picks)
     attention_dtype: str | None = None  # "context": q, k, v cast to it (cuDNN attends in bf16 / fp16)
+    # how the position table is indexed: "vj" (vj.positions under the "context" attention, else pos[:T]) or
+    # "arange" (pos[jnp.arange(T)], as written for one device: under a context axis vj.fsdp gives that iota the
+    # tokens' global positions)
+    positions: str = "vj"
 
 
 class Block(nnx.Module):
@@ -94,7 +98,12 @@ class GPT(nnx.Module):
     def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
         t = tokens_BxT.shape[1]
         # under a context axis the model holds only its tokens: their global positions index the table
-        pos_TxD = self.pos[vj.positions(tokens_BxT)] if self.cfg.attention == "context" else self.pos[:t]
+        if self.cfg.positions == "arange":
+            pos_TxD = self.pos[jnp.arange(t)]
+        elif self.cfg.attention == "context":
+            pos_TxD = self.pos[vj.positions(tokens_BxT)]
+        else:
+            pos_TxD = self.pos[:t]
         x_BxTxD = self.embed(tokens_BxT) + pos_TxD
         call = (lambda block, h: nnx.remat(lambda m, h: m(h))(block, h)) if self.cfg.remat else None
         x_BxTxD = vj.flax.nnx_scan_layers(self.blocks, x_BxTxD, call, unroll=self.cfg.scan_unroll)

@@ -146,6 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(causal load balancing), the model attending with vj.attention; --context 1 is the same model without "
         "the split (default: off, an 'fsdp' mesh and the einsum attention)",
     )
+    p.add_argument(
+        "--positions",
+        choices=("vj", "arange"),
+        default="vj",
+        help="how the model indexes its position table: 'vj' (vj.positions under --context) or 'arange' "
+        "(jnp.arange(T), written for one device: under --context vj.fsdp gives it the tokens' global positions)",
+    )
     p.add_argument("--layers", type=int, default=4, help="transformer blocks (stacked, scanned one at a time)")
     p.add_argument("--d-model", type=int, default=128, help="model width (the MLP is 4x wider)")
     p.add_argument("--heads", type=int, default=4, help="attention heads (dividing --d-model)")
@@ -326,6 +333,7 @@ def train(
         num_layers=args.layers,
         d_ff=4 * args.d_model,
         remat=args.remat,
+        positions=args.positions,
     )
     graphdef, shapes = abstract_model(cfg)
     if args.optimizer == "shampoo":  # every b x b block on one device: rows(b) for the matrices
