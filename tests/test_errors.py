@@ -78,7 +78,7 @@ def fsdp_call(w, ret, *, opt_state=None, batch=None, tx=SGD, **kw):
     return step(sp, state(sp) if callable(state) else state, w.batch if batch is None else batch)
 
 
-def stacked_world(w):
+def stacked_world(w, **scan):
     class Block(nnx.Module):
         def __init__(self, rngs):
             self.ln = nnx.LayerNorm(4, rngs=rngs)
@@ -93,21 +93,26 @@ def stacked_world(w):
             self.blocks = make(jax.random.split(jax.random.key(0), 3))
 
         def __call__(self, x):
-            return nnx.scan(lambda b, x: b(x), in_axes=(0, nnx.Carry), out_axes=nnx.Carry)(self.blocks, x)
+            return nnx.scan(lambda b, x: b(x), in_axes=(0, nnx.Carry), out_axes=nnx.Carry, **scan)(self.blocks, x)
 
     graphdef, state = nnx.split(Model())
     plan = vj.plan(state, w.mesh, stacked=("blocks",))
     return graphdef, vj.shard(state, plan), vj.place_batch(np.ones((4, 4), np.float32), plan)
 
 
-def nnx_scan_case(w):
-    graphdef, sp, x = stacked_world(w)
+def nnx_scan_case(w):  # an nnx.scan over the stacked group runs as vj.scan_layers, but not in reverse
+    graphdef, sp, x = stacked_world(w, reverse=True)
     return vj.flax.nnx_apply(graphdef, sp, x)
 
 
-def lax_scan_case(w):
+def lax_scan_case(w):  # a per-layer floating-point output of a scan over the stacked group
     _, sp, x = stacked_world(w)
-    return vj.apply(lambda t, x: jax.lax.scan(lambda c, p: (c @ p["lin"]["kernel"], None), x, t["blocks"])[0], sp, x)
+    return vj.apply(lambda t, x: jax.lax.scan(lambda c, p: (c @ p["lin"]["kernel"], c), x, t["blocks"])[0], sp, x)
+
+
+def stacked_index_case(w):
+    _, sp, x = stacked_world(w)
+    return vj.apply(lambda t, x: x @ t["blocks"]["lin"]["kernel"][0], sp, x)
 
 
 def int_leaf_grad(w):
@@ -433,16 +438,26 @@ CASES = [
         ("vj.apply", "got dict", r"vj\.shard\(params, plan\)"),
     ),
     Case(
-        "nnx_scan_over_stacked",
+        "nnx_scan_over_stacked_in_reverse",
         nnx_scan_case,
-        TypeError,
-        (r"'blocks/ln/scale' \(shape \(3, 4\)\)", "LayerShard", r"vj\.flax\.nnx_scan_layers\(model\.blocks"),
+        ValueError,
+        (r"blocks/\w+/\w+ \(shape \(3, 4(, 4)?\)\)", "reverse", r"vj\.flax\.nnx_scan_layers\(model\.blocks"),
     ),
     Case(
-        "lax_scan_over_stacked",
+        "lax_scan_over_stacked_with_per_layer_outputs",
         lax_scan_case,
+        ValueError,
+        (
+            r"blocks/\w+/\w+ \(shape \(3, 4(, 4)?\)\)",
+            "per-layer floating-point",
+            r"vj\.scan_layers\(body, params\['blocks'\]",
+        ),
+    ),
+    Case(
+        "stacked_leaf_indexed",
+        stacked_index_case,
         TypeError,
-        (r"'blocks/lin/kernel' \(shape \(3, 4, 4\)\)", "lax.scan", r"vj\.scan_layers\(body, params\['blocks'\]"),
+        (r"'blocks/lin/kernel' \(shape \(3, 4, 4\)\)", "LayerShard", r"vj\.scan_layers\(body, params\['blocks'\]"),
     ),
     Case(
         "scan_layers_body_returns_pair",

@@ -1,7 +1,7 @@
 """Model state and keyword inputs through ``vj.flax`` and ``vj.apply``, against the same model run unsharded on
 one device over the global batch: BatchNorm (NNX and Linen) trained with AdamW (parameters and running statistics),
-keyword arguments as transformers' Flax models take them, and the refusals (a stacked group under a Linen
-``nn.scan``, RNG state in the planned params, state updates that differ per device, missing or planned state)."""
+keyword arguments as transformers' Flax models take them, and the refusals (a stacked group under a reverse
+Linen ``nn.scan``, RNG state in the planned params, state updates that differ per device, missing or planned state)."""
 
 from __future__ import annotations
 
@@ -289,24 +289,30 @@ class ScanBlock(nn.Module):
 
 class ScannedNet(nn.Module):
     remat: bool = False
+    reverse: bool = False
 
     @nn.compact
     def __call__(self, x):
         block = nn.remat(ScanBlock) if self.remat else ScanBlock
-        layers = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)
+        layers = nn.scan(
+            block, variable_axes={"params": 0}, split_rngs={"params": True}, length=3, reverse=self.reverse
+        )
         h, _ = layers(name="layers")(nn.Dense(20)(x), None)
         return nn.Dense(2)(h)
 
 
 @pytest.mark.parametrize("remat", [False, True], ids=["scan", "remat_scan"])
 def test_linen_scan_over_stacked_group_is_refused(remat):
-    """Planned with stacked=: refused when traced, naming the leaf, its shapes and the fix."""
+    """Planned with stacked=, a reverse nn.scan is refused when traced, naming the leaf, its shapes and the fix (a
+    forward one runs as vj.scan_layers: tests/test_flax_layer_loops.py)."""
     mesh = make_mesh(3)
-    model = ScannedNet(remat=remat)
+    model = ScannedNet(remat=remat, reverse=True)
     variables = model.init(jax.random.key(0), jnp.ones((2, 5)))
     stacked = vj.plan(variables, mesh, stacked=("layers",))
     xs = vj.place_batch(np.ones((6, 5), np.float32), stacked)
-    with pytest.raises(ValueError, match=r"params/layers/Dense_0/\w+ \(shape \(3, 20(, 20)?\)\).*stacked=.*nn.scan"):
+    with pytest.raises(
+        ValueError, match=r"params/layers/Dense_0/\w+ \(shape \(3, 20(, 20)?\)\).*vj\.scan_layers.*stacked="
+    ):
         vj.flax.linen_apply(model, vj.shard(variables, stacked), xs)
 
 

@@ -16,7 +16,7 @@ __all__ = ["linen_apply"]
 
 
 def _check_plan(plan: Plan) -> list[str]:
-    """The plan's top-level collections; raises on a plan of ``variables['params']`` or with a stacked group."""
+    """The plan's top-level collections; raises on a plan of ``variables['params']``."""
     tops = list(dict.fromkeys(s.path.split("/")[0] for s in plan.leaves))
     if "params" not in tops:
         raise ValueError(
@@ -24,17 +24,6 @@ def _check_plan(plan: Plan) -> list[str]:
             "whole variables dict (vj.plan({'params': variables['params']}, mesh) or model.init(...)), not "
             "variables['params']."
         )
-    for bucket in plan.buckets:
-        if bucket.layers is not None:
-            spec = plan.leaves[bucket.leaves[0]]
-            raise ValueError(
-                f"vj.flax.linen_apply: {spec.path} (shape {spec.shape}) is in the stacked layer group "
-                f"{bucket.unit!r} (planned with stacked=): inside vj.apply the group is this device's shard of its "
-                f"bucket (shape {bucket.local_shape}), which only vj.scan_layers / vj.flax.nnx_scan_layers gather "
-                f"layer by layer, while a Linen model (nn.scan, nn.remat) reads the whole {spec.shape} array. Plan "
-                f"the group without stacked= ({bucket.unit!r} is then gathered whole at its point of use), or write "
-                "the layer loop in NNX with vj.flax.nnx_scan_layers."
-            )
     return tops
 
 
@@ -57,7 +46,10 @@ def linen_apply(
     Plan the trained collection(s) (``{"params": variables["params"]}``) and pass the others (``batch_stats``,
     any mutable collection) as ``state``. While the model runs, every ``flax.linen.BatchNorm`` averages its
     training statistics over the data axes (its ``axis_name`` set to them for the call, the user's own axes
-    kept after them), so its means, variances and running statistics are those of the global batch.
+    kept after them), so its means, variances and running statistics are those of the global batch. A group of
+    layers planned with ``stacked=`` and looped with ``nn.scan(variable_axes={"params": 0})`` (``nn.remat``
+    blocks, ``split_rngs``) runs as :func:`vj.scan_layers`, one layer gathered per iteration
+    (:mod:`vescale_jax.step._layer_loops`).
 
     Args:
       model: a Linen module.
@@ -80,8 +72,9 @@ def linen_apply(
       returns them, the collections replicated.
 
     Raises:
-      ValueError: the plan is not a dict of collections, holds a stacked layer group, or a collection is both
-        planned and in ``state`` / ``mutable``; an update differs per device.
+      ValueError: the plan is not a dict of collections, or a collection is both planned and in ``state`` /
+        ``mutable``; an update differs per device; a loop over a stacked group that cannot run as
+        :func:`vj.scan_layers` (in reverse, with per-layer floating-point outputs).
 
     Sharding:
       As :func:`vj.apply`; ``state``, ``rngs`` and the updated collections are replicated over the mesh.

@@ -44,6 +44,7 @@ from vescale_jax.step._context import Context
 from vescale_jax.step._context_batch import ContextBatch, context_batch
 from vescale_jax.step._control_flow import checked_model
 from vescale_jax.step._fp32_grads import widened
+from vescale_jax.step._layer_loops import with_layer_loops
 from vescale_jax.step._model_call import model_call
 from vescale_jax.step._offload import stream_offloaded
 from vescale_jax.step._outputs import split_or_whole
@@ -238,7 +239,7 @@ def apply(
         plan, data_axes, kernels, reshard_after_forward=reshard_after_forward, prefetch=prefetch, precision=precision
     )
     fn, args, in_specs, out_specs, finish = _model_specs(
-        fn,
+        with_layer_loops(fn),  # the model's own scan over a stacked group runs as vj.scan_layers
         args,
         kwargs,
         state,

@@ -94,9 +94,11 @@ class LayerShard:
         raise TypeError(
             f"vj.apply: {self.spec.path!r} (shape {self.shape}) belongs to a stacked layer group: inside vj.apply it "
             "is a vj.LayerShard stand-in for this device's rows, not an array, so it cannot be indexed, used in "
-            "math, or looped over with lax.scan / nnx.scan. Loop the group with vj.scan_layers(body, "
-            f"params[{unit!r}], carry) (NNX: vj.flax.nnx_scan_layers(model.{unit}, x)), which gathers one layer "
-            f"per iteration; or leave {unit!r} out of vj.plan(stacked=...) to gather it whole."
+            "math, moved (an nnx.scan in_axes other than 0), or read outside a loop over its layers. A "
+            "jax.lax.scan / nnx.scan / nn.scan over its leading layer dim runs as vj.scan_layers; or loop the "
+            f"group with vj.scan_layers(body, params[{unit!r}], carry) (NNX: "
+            f"vj.flax.nnx_scan_layers(model.{unit}, x)), which gathers one layer per iteration; or leave {unit!r} "
+            "out of vj.plan(stacked=...) to gather it whole."
         )
 
     # Any use as an array ends here with the message above (instead of a TypeError deep inside Flax or jnp).
