@@ -95,8 +95,7 @@ def position_rules(local: Any, mid: Any | None, context: Context, length: int) -
     pairs: dict[int, Any] = {}
     if mid is not None:  # aligned in order (a cut to the whole length, a no-op there, is not in the global trace)
         there = [e for e, _ in _candidates(mid)]
-        key = lambda e: (primitive_name(e), len(e.outvars[0].aval.shape))
-        matcher = difflib.SequenceMatcher(None, [key(e) for e, _ in here], [key(e) for e in there], autojunk=False)
+        matcher = difflib.SequenceMatcher(None, [_kind(e) for e, _ in here], [_kind(e) for e in there], autojunk=False)
         for block in matcher.get_matching_blocks():
             pairs.update((block.a + k, there[block.b + k]) for k in range(block.size))
     rules: dict[tuple[Any, ...], _Rule] = {}
@@ -109,7 +108,7 @@ def position_rules(local: Any, mid: Any | None, context: Context, length: int) -
             continue
         rule = _Rule(*found, where)
         sig = _signature(eqn)
-        if rules.get(sig, rule) != rule:  # one local form, two meanings: nothing to tell them apart by
+        if rules.get(sig, rule)[:3] != rule[:3]:  # one local form, two meanings: nothing to tell them apart by
             rule = _Rule("refuse", rule.dim, "it appears twice with the same local shape and two meanings", where)
         rules[sig] = rule
     return PositionRules(context, length, rules) if rules else None
@@ -178,6 +177,18 @@ def _signature(eqn: Any) -> tuple[Any, ...]:
     operand = tuple(eqn.invars[0].aval.shape)
     strides = tuple(p["strides"]) if p["strides"] else None
     return ("slice", operand, tuple(p["start_indices"]), tuple(p["limit_indices"]), strides)
+
+
+def _kind(eqn: Any) -> tuple[Any, ...]:
+    """What pairs an equation with its counterpart in the other trace: everything but the sizes (which grow)."""
+    p = eqn.params
+    name = primitive_name(eqn)
+    rank = len(eqn.outvars[0].aval.shape)
+    if name == "iota":
+        return (name, str(p["dtype"]), rank, p["dimension"])
+    if name in _CUMULATIVE:
+        return (name, str(eqn.outvars[0].aval.dtype), rank, p["axis"], p.get("reverse"))
+    return (name, str(eqn.outvars[0].aval.dtype), rank, tuple(p["strides"] or ()))
 
 
 def _shapes(eqn: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
