@@ -56,6 +56,7 @@ class Net(nnx.Module):
 
         self.blocks = make(rngs)
         self.out = nnx.Linear(d, 3, rngs=rngs)
+        self.shared = nnx.Linear(d, d, rngs=rngs)  # not stacked: broadcast into every layer by "broadcast"
         self.rngs = nnx.Rngs(dropout=1)  # the model's state: dropout keys split per layer in the loop
         self.loop, self.layers = loop, layers
 
@@ -72,6 +73,15 @@ class Net(nnx.Module):
             @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry)
             def loop(h, block, rngs):
                 return body(block, h, rngs)
+
+        elif self.loop == "broadcast":  # a module of the unstacked plan passed whole to every layer
+
+            @nnx.split_rngs(splits=self.layers)
+            @nnx.scan(in_axes=(nnx.Carry, 0, 0, None), out_axes=nnx.Carry)
+            def loop(h, block, rngs, shared):
+                return shared(body(block, h, rngs))
+
+            return self.out(loop(h, self.blocks, self.rngs, self.shared))
 
         elif self.loop == "reverse":
 
@@ -121,11 +131,14 @@ def _nnx_grads(model: Net, mesh: jax.sharding.Mesh):
     return want, ((loss, new), vj.unshard(grads))
 
 
-@pytest.mark.parametrize("m", (1, 3, 8), ids=lambda m: f"m{m}")
-def test_nnx_scan_over_a_stacked_plan_matches_unsharded(m):
-    ((want_loss, want_state), want_grads), ((got_loss, got_state), got_grads) = _nnx_grads(
-        Net(nnx.Rngs(0)), make_mesh(m)
-    )
+@pytest.mark.parametrize(
+    ("m", "loop"), [(1, "scan"), (3, "scan"), (8, "scan"), (3, "broadcast")], ids=["m1", "m3", "m8", "m3-broadcast"]
+)
+def test_nnx_scan_over_a_stacked_plan_matches_unsharded(m, loop):
+    """Also with a module of the unstacked plan broadcast into the loop (in_axes=None): its gathered leaves are
+    closed over by the layer, not carried."""
+    model = Net(nnx.Rngs(0), loop=loop)
+    ((want_loss, want_state), want_grads), ((got_loss, got_state), got_grads) = _nnx_grads(model, make_mesh(m))
     np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
     assert_trees_close(got_grads, want_grads, rtol=1e-5, what="grads")
     assert_trees_close(_key_data(got_state), _key_data(want_state), rtol=0, what="state (the dropout keys' counts)")

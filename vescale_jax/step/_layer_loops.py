@@ -10,7 +10,9 @@ scanned inputs. While the model is traced inside ``vj.apply`` (:func:`layer_loop
 backward, each layer's input carry saved and the layer recomputed: the same memory as ``vj.scan_layers``), with
 the scan's other ``xs`` as per-layer inputs. Its per-layer outputs (``ys``) may be the scanned inputs handed back
 unchanged (``nnx.scan`` / ``nn.scan`` hand the layers' variables back), which come back as the same stand-ins, and
-integer, boolean or key values (an RNG stream's count), stacked in a buffer carried through the loop. Linen's
+integer, boolean or key values (an RNG stream's count), stacked in a buffer carried through the loop. Carry
+leaves the body hands back unchanged (``nnx.scan``'s broadcast variables, ``in_axes=None``) are closed over by the
+layer instead of carried, so they are not saved once per layer. Linen's
 ``nn.scan`` first traces its body once on its own (its constancy check, which also advances Linen's RNG counters
 as in the unsharded run): it is handed a placeholder of each stand-in's stacked shape there. Any other scan runs
 as ``jax.lax.scan``.
@@ -60,13 +62,14 @@ def _refusal(shard: LayerShard, why: str) -> ValueError:
     )
 
 
-class _Stacked(Exception):
-    """Raised from the first trace of a loop body whose per-layer outputs include computed values: their
-    shapes and dtypes, to trace the loop again with a buffer for each in the carry."""
+class _Retrace(Exception):
+    """Raised from a trace of a loop body that the loop was not set up for: the shapes and dtypes of the per-layer
+    outputs it computes (each gets a buffer in the carry) and the carry leaves it hands back unchanged (closed
+    over instead of carried), to trace the loop again so."""
 
-    def __init__(self, avals: tuple[jax.ShapeDtypeStruct, ...]):
-        super().__init__("per-layer outputs to stack")
-        self.avals = avals
+    def __init__(self, stacked: tuple[jax.ShapeDtypeStruct, ...], fixed: tuple[int, ...]):
+        super().__init__("per-layer outputs to stack, carry leaves to close over")
+        self.stacked, self.fixed = stacked, fixed
 
 
 def _is_key(aval: Any) -> bool:
@@ -95,10 +98,14 @@ def _scan(f: Callable, init: Any, xs: Any = None, length: int | None = None, rev
         raise _refusal(first, f"has length={length}, not the group's {num_layers} layers")
     if any(kw.values()):
         raise _refusal(first, f"passes {sorted(k for k, v in kw.items() if v)}")
-    try:
-        return _LayerLoop(f, xs, num_layers, first, ())(init, unroll)
-    except _Stacked as e:  # computed per-layer outputs (an RNG stream's count): stacked through the carry
-        return _LayerLoop(f, xs, num_layers, first, e.avals)(init, unroll)
+    stacked: tuple[Any, ...] = ()
+    fixed: tuple[int, ...] = ()
+    for _ in range(3):  # a trace that shows computed per-layer outputs or loop-invariant carry leaves: again
+        try:
+            return _LayerLoop(f, xs, num_layers, first, stacked, fixed)(init, unroll)
+        except _Retrace as e:
+            stacked, fixed = e.stacked, e.fixed
+    return _LayerLoop(f, xs, num_layers, first, stacked, fixed)(init, unroll)
 
 
 class _LayerLoop:
@@ -112,10 +119,20 @@ class _LayerLoop:
       stacked: shapes and dtypes of the per-layer outputs the body computes (not inputs handed back): each is
         written into an ``(L, ...)`` buffer carried through the loop (only integer, boolean and key values:
         a floating-point one would need a gradient through the buffer).
+      fixed: the carry leaves (flat positions) the body hands back unchanged (``nnx.scan``'s broadcast
+        variables): closed over by the layer instead of carried, so they are not saved once per layer.
     """
 
-    def __init__(self, f: Callable, xs: Any, num_layers: int, first: LayerShard, stacked: tuple[Any, ...]):
-        self.f, self.num_layers, self.first, self.stacked = f, num_layers, first, stacked
+    def __init__(
+        self,
+        f: Callable,
+        xs: Any,
+        num_layers: int,
+        first: LayerShard,
+        stacked: tuple[Any, ...],
+        fixed: tuple[int, ...],
+    ):
+        self.f, self.num_layers, self.first, self.stacked, self.fixed = f, num_layers, first, stacked, fixed
         self.leaves, self.tree = jax.tree.flatten(xs, is_leaf=_is_shard)
         self.at = [i for i, x in enumerate(self.leaves) if _is_shard(x)]
         self.others = [i for i, x in enumerate(self.leaves) if not _is_shard(x)]
@@ -127,7 +144,13 @@ class _LayerLoop:
         shards = [self.leaves[i] for i in self.at]
         bufs = tuple(_buffer(a, self.num_layers) for a in self.stacked)
         xs = (tuple(self.leaves[i] for i in self.others), jnp.arange(self.num_layers))
-        carry, bufs = scan_layers(self._body, shards, (init, bufs), xs, unroll=unroll)
+        c_flat, c_tree = jax.tree.flatten(init)
+        fixed = {i: c_flat[i] for i in self.fixed}
+        moving = tuple(c for i, c in enumerate(c_flat) if i not in fixed)
+        body = lambda params, state, x: self._body(params, state, x, fixed, c_tree)
+        moved, bufs = scan_layers(body, shards, (moving, bufs), xs, unroll=unroll)
+        it_c = iter(moved)
+        carry = jax.tree.unflatten(c_tree, [fixed[i] if i in fixed else next(it_c) for i in range(len(c_flat))])
         it = iter(zip(bufs, self.impls, strict=True))
         ys = []
         for j in self.source:
@@ -138,16 +161,17 @@ class _LayerLoop:
             ys.append(buf if impl is None else jax.random.wrap_key_data(buf, impl=impl))
         return carry, jax.tree.unflatten(self.y_tree, ys)
 
-    def _body(self, params: list[Any], state: Any, x: Any) -> Any:
-        carry, bufs = state
+    def _body(self, params: list[Any], state: Any, x: Any, fixed: dict[int, Any], c_tree: Any) -> Any:
+        moving, bufs = state
         others, index = x
         flat = list(self.leaves)
         for i, p in zip(self.at, params, strict=True):
             flat[i] = p
         for i, v in zip(self.others, others, strict=True):
             flat[i] = v
-        c_flat, c_tree = jax.tree.flatten(carry)
-        n_c = len(c_flat)
+        it_c = iter(moving)
+        n_c = c_tree.num_leaves
+        c_flat = [fixed[i] if i in fixed else next(it_c) for i in range(n_c)]
 
         def step(*vals: Any) -> Any:
             return self.f(jax.tree.unflatten(c_tree, vals[:n_c]), jax.tree.unflatten(self.tree, vals[n_c:]))
@@ -155,7 +179,9 @@ class _LayerLoop:
         # traced once: which per-layer outputs hand an input back unchanged (through nnx.remat, jit ...)
         closed, out_shape = jax.make_jaxpr(step, return_shape=True)(*c_flat, *flat)
         n_out = len(jax.tree.leaves(out_shape[0]))
-        origin = forwarded_inputs(closed.jaxpr)[n_out:]
+        forwarded = forwarded_inputs(closed.jaxpr)
+        same = tuple(i for i in range(min(n_c, n_out)) if forwarded[i] == i)  # carry leaves handed back as they are
+        origin = forwarded[n_out:]
         y_avals = jax.tree.leaves(out_shape[1])
         source = [o - n_c if o is not None and o >= n_c else None for o in origin]
         computed = tuple(a for a, j in zip(y_avals, source, strict=True) if j is None)
@@ -166,8 +192,10 @@ class _LayerLoop:
                     f"returns a per-layer floating-point output computed in the loop (shape {a.shape}), which "
                     "vj.scan_layers does not stack: return it through the carry",
                 )
-        if [(a.shape, a.dtype) for a in computed] != [(a.shape, a.dtype) for a in self.stacked]:
-            raise _Stacked(tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in computed))
+        if [(a.shape, a.dtype) for a in computed] != [(a.shape, a.dtype) for a in self.stacked] or (
+            same != self.fixed and jax.tree.structure(out_shape[0]) == c_tree
+        ):
+            raise _Retrace(tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in computed), same)
         self.y_tree, self.source = jax.tree.structure(out_shape[1]), source
         env = dict(zip(closed.jaxpr.constvars, closed.consts, strict=True))
         env.update(zip(closed.jaxpr.invars, [*c_flat, *flat], strict=True))
@@ -181,7 +209,9 @@ class _LayerLoop:
             jax.lax.dynamic_update_index_in_dim(buf, jax.random.key_data(y) if _is_key(a) else y, index, 0)
             for buf, y, a in zip(bufs, ys, self.stacked, strict=True)
         )
-        return jax.tree.unflatten(jax.tree.structure(out_shape[0]), outs[:n_out]), bufs
+        if jax.tree.structure(out_shape[0]) != c_tree:  # lax.scan's own error
+            return jax.tree.unflatten(jax.tree.structure(out_shape[0]), outs[:n_out]), bufs
+        return tuple(c for i, c in enumerate(outs[:n_out]) if i not in fixed), bufs
 
 
 class _Placeholder(jax.ShapeDtypeStruct):
