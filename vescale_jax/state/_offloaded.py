@@ -10,6 +10,7 @@ device and one back without slicing or concatenating in host memory.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -297,10 +298,22 @@ def to_device(off: Offloaded) -> ShardedParams | PerDevice:
     """The device node an :class:`Offloaded` holds (pieces joined on the device)."""
 
     def child(i, parts, split, sharding):
-        moved = [jax.device_put(p, sharding) for p in parts]
+        moved = [_to_device_memory(p, sharding) for p in parts]
         return moved[0] if split is None else split.join(moved)
 
     return device_node(off, child)
+
+
+def _to_device_memory(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """``x`` (a piece in host memory) copied to ``sharding``'s device memory by a compiled copy: JAX 0.12.1's
+    ``jax.device_put`` refuses, on CPU devices, a buffer a compiled step wrote to pinned host memory ("Unsupported
+    layout used for PjRt CPU buffers: {1,0:S(5)}"); the copy program reads it as any program's input."""
+    return _copy_to(sharding)(x)
+
+
+@functools.cache
+def _copy_to(sharding: NamedSharding) -> Callable[[jax.Array], jax.Array]:
+    return jax.jit(lambda x: x, out_shardings=sharding)
 
 
 def offload(tree: Any, offload: Offload | None = None) -> Any:
